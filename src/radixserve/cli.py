@@ -1,0 +1,144 @@
+"""``radixserve serve | generate | bench``: one entry point, engine flags generated from
+``EngineConfig`` so they carry the same names as the offline ``LLM`` arguments."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import sys
+import time
+import types
+import typing
+from collections.abc import Callable
+
+from radixserve.config import DTYPES, SCHEDULE_POLICIES, EngineConfig
+
+_SIZE = re.compile(r"^\s*([\d.]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
+          "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4,
+          "tb": 1000**4, "tib": 1024**4}
+
+
+def parse_bytes(text: str) -> int:
+    """"4GiB", "512MB", "1000000" -> bytes. Raises argparse.ArgumentTypeError."""
+    m = _SIZE.match(text)
+    if not m or (m.group(2) or "").lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 4GiB, 512MB)")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
+_CHOICES = {"dtype": DTYPES, "schedule_policy": SCHEDULE_POLICIES}
+_ALIASES = {"enable_prefix_caching": ["--no-prefix-caching", "--no-prefix-cache"]}
+
+
+def add_engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """One flag per ``EngineConfig`` field (``page_size`` -> ``--page-size``)."""
+    hints = typing.get_type_hints(EngineConfig)
+    g = p.add_argument_group("engine")
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in ("extra", *skip):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        t = hints[f.name]
+        args = typing.get_args(t)
+        base = next((a for a in args if a is not type(None)), t) if (
+            typing.get_origin(t) in (typing.Union, types.UnionType)) else t
+        if base is bool:
+            g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                           default=f.default)
+            for alias in _ALIASES.get(f.name, []):
+                g.add_argument(alias, dest=f.name, action="store_false", help=argparse.SUPPRESS)
+            continue
+        conv: Callable[[str], object] = parse_bytes if f.name == "kv_cache_memory" else base
+        g.add_argument(flag, dest=f.name, type=conv, default=f.default,
+                       choices=_CHOICES.get(f.name))
+
+
+def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
+    kw = {n: getattr(ns, n) for n in EngineConfig.field_names() if hasattr(ns, n)}
+    return EngineConfig(**kw)
+
+
+def _fail(msg: str) -> typing.NoReturn:
+    print(f"radixserve: error: {msg}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+# ---------------------------------------------------------------------- generate
+def cmd_generate(ns: argparse.Namespace) -> int:
+    from radixserve.entrypoints.llm import LLM
+    from radixserve.sampling_params import SamplingParams
+
+    try:
+        sp = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, seed=ns.seed,
+                            top_p=ns.top_p, top_k=ns.top_k)
+        cfg = engine_config_from_args(ns)
+        t0 = time.perf_counter()
+        llm = LLM(**{k: v for k, v in dataclasses.asdict(cfg).items() if k != "extra"})
+        t1 = time.perf_counter()
+        if ns.chat:
+            out = llm.chat([{"role": "user", "content": ns.prompt}], sp, use_tqdm=False)[0]
+        else:
+            out = llm.generate(ns.prompt, sp, use_tqdm=False)[0]
+        t2 = time.perf_counter()
+    except (ValueError, FileNotFoundError) as e:
+        _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    c = out.outputs[0]
+    if ns.json:
+        ttft = out.metrics.ttft if out.metrics else None
+        print(json.dumps({
+            "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+            "prompt_token_ids": out.prompt_token_ids, "model": llm.model_info.name,
+            "timings": {"load_s": t1 - t0, "generate_s": t2 - t1, "ttft_s": ttft,
+                        "output_tokens_per_s": len(c.token_ids) / max(t2 - t1, 1e-9)}}))
+    else:
+        print(c.text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="radixserve", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="generate a completion for one prompt")
+    g.add_argument("prompt")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    add_engine_args(g)
+    g.set_defaults(func=cmd_generate)
+    for register in _subcommand_registrars():
+        register(sub)
+    return p
+
+
+def _subcommand_registrars() -> list[Callable[[argparse._SubParsersAction], None]]:
+    """Subcommands living in their own modules (server, bench) register themselves."""
+    out = []
+    for mod in ("radixserve.entrypoints.serve_cli", "radixserve.bench.cli"):
+        try:
+            m = __import__(mod, fromlist=["register"])
+        except ImportError as e:
+            if e.name != mod:
+                raise
+            continue
+        out.append(m.register)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    p = build_parser()
+    ns = p.parse_args(argv)
+    return int(ns.func(ns) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

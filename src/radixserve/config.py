@@ -1,0 +1,85 @@
+"""Engine configuration: one dataclass whose fields are the offline ``LLM`` arguments and the
+``radixserve serve`` engine flags (the CLI generates its flags from these fields)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+SCHEDULE_POLICIES = ("fcfs", "lpm")
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine core needs to start.
+
+    Attributes:
+        model: HF folder, GGUF file, or None for the default model (SmolLM2-135M-Instruct).
+        dtype: "auto" (bfloat16 on CUDA and on CPUs with native bf16 matmul, else float32),
+            "float32", "bfloat16" or "float16".
+        device: "cpu", "cuda" or "auto" (cuda when available).
+        page_size: tokens per KV page (1 gives token-granular prefix reuse).
+        num_pages: KV pages in the pool; None sizes it from ``kv_cache_memory``.
+        kv_cache_memory: KV pool budget in bytes when ``num_pages`` is None.
+        max_num_seqs: most requests in one batch.
+        max_num_batched_tokens: token budget of one step (decodes + prefill chunks).
+        max_model_len: longest sequence (prompt + output) in tokens; None takes the model's.
+        enable_prefix_caching: radix prefix cache; False uses the naive cache.
+        schedule_policy: "fcfs" or "lpm" (longest prefix match first, SGLang's cache-aware policy).
+        disable_overlap: run schedule and forward one after the other.
+        step_timers: record per-step schedule/prepare/forward/output timings.
+        seed: seed of the engine-wide generator (requests without their own seed).
+        num_threads: torch intra-op threads; None leaves torch's default.
+        attention_backend: "torch" (SDPA over gathered pages).
+    """
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    page_size: int = 16
+    num_pages: int | None = None
+    kv_cache_memory: int = 2 * 1024**3
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    schedule_policy: str = "fcfs"
+    disable_overlap: bool = False
+    step_timers: bool = False
+    seed: int = 0
+    num_threads: int | None = None
+    attention_backend: str = "torch"
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raises ValueError naming the field and the allowed values."""
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device={self.device!r} must be auto, cpu or cuda[:N]")
+        if self.page_size < 1:
+            raise ValueError(f"page_size={self.page_size} must be >= 1")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ValueError(f"num_pages={self.num_pages} must be >= 2")
+        if self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory={self.kv_cache_memory} must be > 0 bytes")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len={self.max_model_len} must be >= 2")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule_policy={self.schedule_policy!r} is not one of "
+                             f"{', '.join(SCHEDULE_POLICIES)}")
+        if self.attention_backend not in ("torch",):
+            raise ValueError(f"attention_backend={self.attention_backend!r} must be 'torch'")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls) if f.name != "extra"]

@@ -1,0 +1,68 @@
+"""Engine-side state of one request."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from radixserve.kvcache.radix_cache import RadixNode
+from radixserve.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = 0
+    RUNNING = 1
+    FINISHED = 2
+
+
+@dataclass(eq=False)
+class Request:
+    """A request inside the engine core.
+
+    ``tokens`` holds prompt + generated ids (int32, grown in place); ``num_computed`` counts the
+    leading tokens whose KV is written. A running request owns a ``row`` of the scheduler's
+    page and token tables while it holds pages.
+    """
+
+    request_id: str
+    prompt_token_ids: np.ndarray
+    params: SamplingParams
+    eos_token_ids: frozenset[int]
+    max_tokens: int
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_computed: int = 0
+    num_cached_tokens: int = 0
+    row: int = -1
+    num_pages: int = 0
+    num_matched_pages: int = 0
+    node: RadixNode | None = None
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+    generator: torch.Generator | None = None
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    stop_ids: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        self.stop_ids = frozenset(self.params.stop_token_ids or ())
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def all_token_ids(self) -> np.ndarray:
+        """int32 [num_tokens]: prompt then output."""
+        if not self.output_token_ids:
+            return self.prompt_token_ids
+        out = np.asarray(self.output_token_ids, dtype=np.int32)
+        return np.concatenate([self.prompt_token_ids, out])

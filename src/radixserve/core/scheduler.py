@@ -1,0 +1,284 @@
+"""Token-budget scheduler with mixed prefill/decode batches, chunked prefill, a radix prefix
+cache and preemption by recompute (DESIGN §3).
+
+Each step: running requests in decode take one token each first; the rest of
+``max_num_batched_tokens`` goes to prefill chunks, first of partly prefilled running requests,
+then of waiting ones (FCFS, or longest prefix match first with ``lpm``). Pages are taken per
+chunk and per decoded token, never reserved for ``max_tokens`` up front; when a decode cannot get
+a page, the most recently admitted running request is preempted (pages released to the radix
+cache, request back at the front of the waiting queue). This is vLLM V1's scheduling shape
+(Sarathi-Serve's stall-free batching) over SGLang's radix cache.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import numpy as np
+
+from radixserve.core.batch import ScheduledBatch, build_batch
+from radixserve.core.request import Request, Status
+from radixserve.kvcache.manager import KVCacheManager
+from radixserve.transport.messages import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
+
+
+class Scheduler:
+    """Decides each step's work and owns every request's KV pages.
+
+    Args:
+        kv: the KV page manager.
+        max_num_seqs: most requests per step (and rows of the tables).
+        max_num_batched_tokens: token budget per step.
+        max_model_len: longest sequence in tokens.
+        policy: "fcfs" or "lpm".
+    """
+
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, policy: str = "fcfs") -> None:
+        self.kv = kv
+        self.page_size = kv.page_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.policy = policy
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        max_pages = -(-max_model_len // self.page_size)
+        self.page_table = np.zeros((max_num_seqs, max_pages), dtype=np.int32)
+        self.token_table = np.zeros((max_num_seqs, max_model_len + 1), dtype=np.int32)
+        self._free_rows = list(range(max_num_seqs - 1, -1, -1))
+        # cumulative counters for metrics
+        self.num_preemptions = 0
+        self.prefix_queried_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    # ------------------------------------------------------------------ queue
+    def add(self, req: Request) -> None:
+        """Queue a request; raises ValueError if it can never fit the KV pool."""
+        need = -(-(req.num_prompt_tokens + req.max_tokens) // self.page_size)
+        if need > self.kv.num_usable_pages:
+            raise ValueError(
+                f"request needs {need} KV pages ({req.num_prompt_tokens} prompt + "
+                f"{req.max_tokens} max_tokens tokens) but the pool has "
+                f"{self.kv.num_usable_pages}; lower max_tokens or enlarge the KV cache")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Remove a waiting or running request and release its pages; None if unknown."""
+        req = self.requests.get(request_id)
+        if req is None or req.status == Status.FINISHED:
+            return None
+        if req.status == Status.WAITING:
+            self.waiting.remove(req)
+        else:
+            self.running.remove(req)
+        self.finish(req, FINISH_ABORT)
+        return req
+
+    # ------------------------------------------------------------------ pages
+    def _grow(self, req: Request, upto_tokens: int) -> bool:
+        """Ensure ``req`` holds pages for ``upto_tokens`` tokens; False if the pool is short."""
+        need = -(-upto_tokens // self.page_size) - req.num_pages
+        if need <= 0:
+            return True
+        pages = self.kv.allocate(need)
+        if pages is None:
+            return False
+        self.page_table[req.row, req.num_pages:req.num_pages + need] = pages
+        req.num_pages += need
+        return True
+
+    def _release(self, req: Request) -> None:
+        pages = self.page_table[req.row, :req.num_pages].copy()
+        self.kv.release(req.all_token_ids(), pages, req.num_computed, req.node)
+        self.page_table[req.row, :req.num_pages] = 0
+        self._free_rows.append(req.row)
+        req.row, req.num_pages, req.num_matched_pages, req.node = -1, 0, 0, None
+        req.num_computed = 0
+
+    def _admit(self, req: Request) -> bool:
+        """Take a row, match the cached prefix, mark the request running."""
+        tokens = req.all_token_ids()
+        pages, node = self.kv.match(tokens)
+        row = self._free_rows.pop()
+        req.row, req.node = row, node
+        req.num_pages = req.num_matched_pages = len(pages)
+        self.page_table[row, :len(pages)] = pages
+        self.token_table[row, :len(tokens)] = tokens
+        req.num_computed = len(pages) * self.page_size
+        req.status = Status.RUNNING
+        return True
+
+    def _account_admission(self, req: Request) -> None:
+        if req.first_scheduled_time is None:
+            req.num_cached_tokens = req.num_computed
+            self.prefix_queried_tokens += req.num_prompt_tokens
+            self.prefix_hit_tokens += req.num_computed
+            req.first_scheduled_time = time.monotonic()
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.status = Status.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # ------------------------------------------------------------------ step
+    def schedule(self) -> ScheduledBatch | None:
+        """Pick this step's work; None when there is nothing to run."""
+        budget = self.max_num_batched_tokens
+        decodes: list[Request] = []
+        prefills: list[Request] = []
+        chunks: list[int] = []
+        # 1. decodes, oldest first; preempt the newest when the pool is short
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            if req.num_tokens - req.num_computed != 1:
+                i += 1
+                continue
+            while not self._grow(req, req.num_computed + 1):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is req:
+                    break
+            if req.status != Status.RUNNING:
+                break  # req preempted itself: everything after it is gone too
+            decodes.append(req)
+            budget -= 1
+            i += 1
+        # 2. chunks of running requests still in prefill
+        for req in list(self.running):
+            if budget <= 0:
+                break
+            remaining = req.num_tokens - req.num_computed
+            if remaining == 1 or req.status != Status.RUNNING:
+                continue  # decodes were handled above
+            n = min(remaining, budget)
+            grown = self._grow(req, req.num_computed + n)
+            # Only when the step would otherwise be empty: preempt the newest to make progress
+            # (all running requests mid-prefill with a full pool would deadlock).
+            while not grown and not decodes and not prefills:
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is req:
+                    break
+                grown = self._grow(req, req.num_computed + n)
+            if not grown:
+                break
+            prefills.append(req)
+            chunks.append(n)
+            budget -= n
+        # 3. admit waiting requests while budget, rows and pages allow
+        if self.waiting and budget > 0 and self.policy == "lpm":
+            self._sort_waiting_lpm()
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            self._admit(req)
+            n = min(req.num_tokens - req.num_computed, budget)
+            need = -(-(req.num_computed + n) // self.page_size) - req.num_pages
+            # Keep one page per running decode in reserve so admitting does not force an
+            # immediate preemption next step (vLLM keeps a similar watermark).
+            reserve = len(self.running) if self.running else 0
+            if (self.kv.num_available_pages - need < reserve
+                    or not self._grow(req, req.num_computed + n)):
+                self._release(req)
+                req.status = Status.WAITING
+                break
+            self._account_admission(req)
+            self.waiting.popleft()
+            self.running.append(req)
+            prefills.append(req)
+            chunks.append(n)
+            budget -= n
+        if not decodes and not prefills:
+            return None
+        return build_batch(decodes + prefills, len(decodes), [1] * len(decodes) + chunks,
+                           self.token_table, self.page_table, self.page_size)
+
+    def _sort_waiting_lpm(self) -> None:
+        """Longest cached prefix first (SGLang's ``lpm``); preempted requests keep the front."""
+        tree = self.kv.tree
+        if tree is None or len(self.waiting) < 2:
+            return
+        front = [r for r in self.waiting if r.num_preemptions]
+        rest = [r for r in self.waiting if not r.num_preemptions]
+
+        def hit(r: Request) -> int:
+            pages, _ = tree.match_prefix(r.prompt_token_ids)
+            return len(pages)
+
+        rest.sort(key=hit, reverse=True)
+        self.waiting = deque(front + rest)
+
+    # ------------------------------------------------------------------ outputs
+    def update(self, batch: ScheduledBatch, sampled: np.ndarray) -> list[Request]:
+        """Apply one step's results.
+
+        Args:
+            sampled: int64 [S] one token per request with ``batch.sample`` set, in order.
+
+        Returns:
+            requests that got a new token this step (finished ones have ``finish_reason``).
+        """
+        out: list[Request] = []
+        k = 0
+        for req, n, smp in zip(batch.requests, batch.num_new.tolist(), batch.sample.tolist(),
+                               strict=True):
+            if req.status != Status.RUNNING:
+                k += smp
+                continue  # aborted while the step ran
+            req.num_computed += n
+            if not smp:
+                continue
+            tok = int(sampled[k])
+            k += 1
+            req.output_token_ids.append(tok)
+            self.token_table[req.row, req.num_tokens - 1] = tok
+            self._check_stop(req, tok)
+            out.append(req)
+            if req.finish_reason is not None:
+                self.running.remove(req)
+                self.finish(req, req.finish_reason)
+        return out
+
+    def _check_stop(self, req: Request, tok: int) -> None:
+        n_out = len(req.output_token_ids)
+        if n_out >= req.params.min_tokens:
+            if tok in req.stop_ids:
+                req.finish_reason, req.stop_reason = FINISH_STOP, tok
+                return
+            if tok in req.eos_token_ids and not req.params.ignore_eos:
+                req.finish_reason = FINISH_STOP
+                return
+        if n_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            req.finish_reason = FINISH_LENGTH
+
+    def finish(self, req: Request, reason: str) -> None:
+        """Mark finished and release pages (the computed prefix goes to the radix cache)."""
+        if req.row >= 0:
+            self._release(req)
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        self.requests.pop(req.request_id, None)
+
+    # ------------------------------------------------------------------ checks
+    def check_integrity(self) -> None:
+        """Assert KV invariants over all live requests (cheap enough to run every step)."""
+        live = []
+        for req in self.running:
+            assert req.row >= 0
+            live.append((self.page_table[req.row, :req.num_pages].copy(), req.node,
+                         req.num_matched_pages))
+            assert req.num_computed <= req.num_pages * self.page_size
+        for req in self.waiting:
+            assert req.row < 0 and req.num_pages == 0, "waiting request holds pages"
+        self.kv.check_integrity(live)
+        assert len(self._free_rows) + len(self.running) == self.max_num_seqs, "row leak"

@@ -1,0 +1,147 @@
+"""KV page ownership for the scheduler: the page pool plus the radix (or naive) prefix cache.
+
+A live request's page table is ``[prefix pages matched in the tree] + [pages it owns]``. Its
+matched prefix is locked in the tree; pages it owns are in neither the tree nor the free list.
+When the request finishes or is preempted its computed full pages are inserted into the tree
+(the tree takes the ones it did not have; duplicates and the partial last page are freed) and
+its lock is dropped. Pages a live request reads are therefore always locked or owned, never
+free, even when an identical prefix was prefilled twice in one step and one copy finishes early
+(the mini-sglang #142 bug).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from radixserve.kvcache.page_pool import PagePool
+from radixserve.kvcache.radix_cache import RadixCache, RadixNode
+
+
+class KVCacheManager:
+    """Allocation, prefix matching and release of KV pages.
+
+    Args:
+        num_pages: pages in the pool including the null page 0.
+        page_size: tokens per page.
+        enable_prefix_caching: radix cache if True; otherwise every page is freed on release.
+    """
+
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool) -> None:
+        self.page_size = page_size
+        self.pool = PagePool(num_pages, page_size)
+        self.tree: RadixCache | None = (
+            RadixCache(page_size, self.pool.free) if enable_prefix_caching else None)
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def num_usable_pages(self) -> int:
+        return self.pool.num_usable
+
+    @property
+    def num_free_pages(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def num_cached_pages(self) -> int:
+        """Pages held by the radix tree (locked or not)."""
+        return self.tree.total_pages if self.tree else 0
+
+    @property
+    def num_available_pages(self) -> int:
+        """Free pages plus pages that eviction could free now."""
+        return self.pool.num_free + (self.tree.evictable_pages if self.tree else 0)
+
+    # ------------------------------------------------------------------ ops
+    def match(self, tokens: np.ndarray) -> tuple[np.ndarray, RadixNode | None]:
+        """Cached prefix pages for ``tokens`` [n] int32, locked for the caller.
+
+        The match is capped below ``n`` so at least one token is left to compute (its logits
+        pick the next token). Returns (pages int32 [k], node to pass to ``release``).
+        """
+        if self.tree is None or len(tokens) <= self.page_size:
+            return np.empty(0, np.int32), None
+        limit = (len(tokens) - 1) // self.page_size * self.page_size
+        pages, node = self.tree.match_prefix(tokens[:limit])
+        self.tree.lock(node)
+        return pages, node
+
+    def allocate(self, n: int) -> np.ndarray | None:
+        """``n`` pages as int32 [n], evicting unlocked cached pages if needed; None if short."""
+        if n > self.pool.num_free and self.tree is not None:
+            self.tree.evict(n - self.pool.num_free)
+        return self.pool.alloc(n)
+
+    def release(self, tokens: np.ndarray, pages: np.ndarray, num_computed: int,
+                node: RadixNode | None) -> None:
+        """Give back a finished or preempted request's pages.
+
+        Args:
+            tokens: the request's tokens, int32 [>= num_computed].
+            pages: its page table, int32 [num pages it holds], matched prefix first.
+            num_computed: tokens whose KV is written (only these may enter the tree).
+            node: the node ``match`` locked, or None.
+        """
+        if self.tree is None:
+            if len(pages):
+                self.pool.free(pages)
+            return
+        n_full = min(num_computed // self.page_size, len(pages))
+        n_tok = n_full * self.page_size
+        if n_full:
+            already = self.tree.insert(tokens[:n_tok], pages[:n_full])
+            n_matched = 0 if node is None else _depth_pages(node, self.tree.root)
+            dup = pages[n_matched:already // self.page_size]
+            if len(dup):
+                self.pool.free(dup)
+        if len(pages) > n_full:
+            self.pool.free(pages[n_full:])
+        if node is not None:
+            self.tree.unlock(node)
+
+    def check_integrity(self, live: list[tuple[np.ndarray, RadixNode | None, int]]) -> None:
+        """Assert DESIGN §4's invariants.
+
+        Args:
+            live: per live request (page table int32 [k], locked node or None, matched pages).
+
+        Raises:
+            AssertionError: naming the broken invariant.
+        """
+        free = self.pool.free_set()
+        assert len(free) == self.pool.num_free, "duplicate ids on the free list"
+        tree_pages = self.tree.check_integrity(
+            [n for _, n, _ in live if n is not None]) if self.tree else set()
+        assert not (free & tree_pages), f"pages both free and cached: {free & tree_pages}"
+        owned: set[int] = set()
+        for pages, node, n_matched in live:
+            prefix = pages[:n_matched].tolist()
+            if node is not None and self.tree is not None:
+                assert prefix == _path_pages(node, self.tree.root).tolist(), (
+                    "matched prefix pages differ from the locked tree path")
+            for p in prefix:
+                assert p in tree_pages, f"locked prefix page {p} is not in the tree"
+            for p in pages[n_matched:].tolist():
+                assert p not in free, f"page {p} of a live request is on the free list"
+                assert p not in tree_pages, f"owned page {p} is also in the tree"
+                assert p not in owned, f"page {p} owned by two live requests"
+                owned.add(p)
+        total = len(free) + len(tree_pages) + len(owned)
+        assert total == self.pool.num_usable, (
+            f"leaked pages: free {len(free)} + cached {len(tree_pages)} + owned {len(owned)}"
+            f" != {self.pool.num_usable}")
+
+
+def _path_pages(node: RadixNode, root: RadixNode) -> np.ndarray:
+    parts = []
+    while node is not root:
+        parts.append(node.value)
+        node = node.parent  # type: ignore[assignment]
+    return np.concatenate(parts[::-1]) if parts else np.empty(0, np.int32)
+
+
+def _depth_pages(node: RadixNode, root: RadixNode) -> int:
+    n = 0
+    while node is not root:
+        n += len(node.value)
+        node = node.parent  # type: ignore[assignment]
+    return n

@@ -1,0 +1,249 @@
+"""Batched, paged decoder for the Llama family (Llama 2/3, Mistral, SmolLM2), Qwen2/Qwen2.5
+(bias on Q/K/V) and Qwen3 (RMSNorm on each head of Q and K).
+
+Tokens of all requests in a step are flattened to one ``[T, hidden]`` stream; attention is the
+only op that sees request boundaries (through ``AttentionMetadata``). Q/K/V and gate/up
+projections are fused into one matmul each. Numerics follow Hugging Face ``transformers``
+(RMSNorm in float32, rotate-half RoPE with cos/sin cast to the activation dtype) so greedy tokens
+match it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixserve.model_executor.attention.torch_backend import AttentionMetadata, TorchAttention
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+@dataclass
+class ModelArgs:
+    """The subset of a Hugging Face config the forward needs."""
+
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    qkv_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+
+    @classmethod
+    def from_hf(cls, config) -> ModelArgs:  # noqa: ANN001 - transformers PretrainedConfig
+        """Raises ValueError for an architecture radixserve does not implement."""
+        archs = list(getattr(config, "architectures", None) or [])
+        kind = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES),
+                    None)
+        if kind is None:
+            raise ValueError(f"unsupported architecture {archs or config.model_type!r}; "
+                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(
+            arch=kind, vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size, num_layers=config.num_hidden_layers,
+            num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim, rms_norm_eps=config.rms_norm_eps,
+            qkv_bias=kind == "qwen2" or bool(getattr(config, "attention_bias", False)),
+            qk_norm=kind == "qwen3",
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            max_position_embeddings=getattr(config, "max_position_embeddings", 4096))
+
+
+def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:  # noqa: ANN001
+    """Inverse frequencies float32 [head_dim // 2] and cos/sin scaling for the checkpoint's RoPE.
+
+    Scaled variants (llama3, yarn, linear, ...) come from transformers' ``ROPE_INIT_FUNCTIONS``
+    so they match the reference exactly.
+    """
+    params = getattr(config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float()
+                               / head_dim))
+        return inv, 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS or rope_type == "dynamic":
+        raise ValueError(f"unsupported rope_type {rope_type!r}")
+    return ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32 and cast back, as transformers' ``LlamaRMSNorm``."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. x [T, heads, D]; cos/sin [T, 1, D] in x's dtype."""
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rot * sin
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, a: ModelArgs) -> None:
+        super().__init__()
+        self.a = a
+        q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        self.q_size, self.kv_size = q, kv
+        self.input_norm = nn.Parameter(torch.ones(a.hidden_size))
+        self.post_norm = nn.Parameter(torch.ones(a.hidden_size))
+        self.qkv = nn.Parameter(torch.empty(q + 2 * kv, a.hidden_size))
+        self.qkv_bias = nn.Parameter(torch.zeros(q + 2 * kv)) if a.qkv_bias else None
+        self.o = nn.Parameter(torch.empty(a.hidden_size, q))
+        self.q_norm = nn.Parameter(torch.ones(a.head_dim)) if a.qk_norm else None
+        self.k_norm = nn.Parameter(torch.ones(a.head_dim)) if a.qk_norm else None
+        self.gate_up = nn.Parameter(torch.empty(2 * a.intermediate_size, a.hidden_size))
+        self.down = nn.Parameter(torch.empty(a.hidden_size, a.intermediate_size))
+        self.attn = TorchAttention(a.num_heads, a.num_kv_heads, a.head_dim, a.head_dim ** -0.5)
+
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        a = self.a
+        residual = h if residual is None else residual + h
+        x = rms_norm(residual, self.input_norm, a.rms_norm_eps)
+        qkv = F.linear(x, self.qkv, self.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        t = x.shape[0]
+        q = q.reshape(t, a.num_heads, a.head_dim)
+        k = k.reshape(t, a.num_kv_heads, a.head_dim)
+        v = v.reshape(t, a.num_kv_heads, a.head_dim)
+        if self.q_norm is not None:
+            q = rms_norm(q, self.q_norm, a.rms_norm_eps)
+            k = rms_norm(k, self.k_norm, a.rms_norm_eps)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        o = self.attn.forward(q, k, v, kv, meta)
+        h = F.linear(o, self.o)
+        residual = residual + h
+        x = rms_norm(residual, self.post_norm, a.rms_norm_eps)
+        gu = F.linear(x, self.gate_up)
+        gate, up = gu.chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down), residual
+
+
+class CausalLM(nn.Module):
+    """The whole decoder plus LM head.
+
+    Args:
+        a: architecture sizes.
+        inv_freq: float32 [head_dim // 2] RoPE inverse frequencies; ``rope_scale`` multiplies
+            cos/sin (transformers' ``attention_scaling``).
+        max_positions: rows of the precomputed cos/sin table.
+    """
+
+    def __init__(self, a: ModelArgs, inv_freq: torch.Tensor, rope_scale: float,
+                 max_positions: int) -> None:
+        super().__init__()
+        self.a = a
+        self.embed = nn.Parameter(torch.empty(a.vocab_size, a.hidden_size))
+        self.layers = nn.ModuleList(DecoderLayer(a) for _ in range(a.num_layers))
+        self.norm = nn.Parameter(torch.ones(a.hidden_size))
+        self.lm_head = None if a.tie_word_embeddings else nn.Parameter(
+            torch.empty(a.vocab_size, a.hidden_size))
+        pos = torch.arange(max_positions, dtype=torch.float32)
+        freqs = pos[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        # float32 tables kept outside the module's buffers so ``.to(dtype)`` never rounds them
+        self.cos_table = emb.cos() * rope_scale
+        self.sin_table = emb.sin() * rope_scale
+
+    def move_rope_tables(self, device: torch.device) -> None:
+        self.cos_table = self.cos_table.to(device)
+        self.sin_table = self.sin_table.to(device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_layers: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: int64 [T]. Returns final hidden states [T, hidden]."""
+        h = F.embedding(input_ids, self.embed)
+        cos = self.cos_table[positions].to(h.dtype).unsqueeze(1)
+        sin = self.sin_table[positions].to(h.dtype).unsqueeze(1)
+        residual = None
+        for layer, kv in zip(self.layers, kv_layers, strict=True):
+            h, residual = layer(h, residual, cos, sin, kv, meta)
+        return rms_norm(residual + h, self.norm, self.a.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [S, hidden] -> float32 logits [S, vocab]."""
+        w = self.embed if self.lm_head is None else self.lm_head
+        return F.linear(hidden, w).float()
+
+    # ------------------------------------------------------------------ weights
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors in, fusing Q/K/V and gate/up.
+
+        Raises:
+            ValueError: on a missing or unexpected tensor or a shape mismatch.
+        """
+        a = self.a
+        q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        it = a.intermediate_size
+        fused = {"q_proj": ("qkv", 0, q), "k_proj": ("qkv", q, q + kv),
+                 "v_proj": ("qkv", q + kv, q + 2 * kv), "gate_proj": ("gate_up", 0, it),
+                 "up_proj": ("gate_up", it, 2 * it)}
+        plain = {"self_attn.o_proj.weight": "o", "mlp.down_proj.weight": "down",
+                 "input_layernorm.weight": "input_norm",
+                 "post_attention_layernorm.weight": "post_norm",
+                 "self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm"}
+        expected = {n for n, _ in self.named_parameters()}
+        seen: dict[str, int] = {}
+        with torch.no_grad():
+            for name, w in weights:
+                if name == "model.embed_tokens.weight":
+                    target, rng = "embed", None
+                elif name == "model.norm.weight":
+                    target, rng = "norm", None
+                elif name == "lm_head.weight":
+                    if self.lm_head is None:
+                        continue  # tied: the embedding serves as LM head
+                    target, rng = "lm_head", None
+                elif name.startswith("model.layers."):
+                    idx, rest = name[len("model.layers."):].split(".", 1)
+                    proj = rest.split(".")[1] if rest.count(".") == 2 else ""
+                    suffix = rest.rsplit(".", 1)[-1]
+                    if proj in fused:
+                        base, lo, hi = fused[proj]
+                        target = f"layers.{idx}.{base}" + ("_bias" if suffix == "bias" else "")
+                        rng = (lo, hi)
+                    elif rest in plain:
+                        target, rng = f"layers.{idx}.{plain[rest]}", None
+                    elif rest.endswith("rotary_emb.inv_freq"):
+                        continue
+                    else:
+                        raise ValueError(f"unexpected weight {name!r}")
+                else:
+                    raise ValueError(f"unexpected weight {name!r}")
+                if target not in expected:
+                    raise ValueError(f"unexpected weight {name!r} for this architecture")
+                param = self.get_parameter(target)
+                dst = param if rng is None else param[rng[0]:rng[1]]
+                if tuple(dst.shape) != tuple(w.shape):
+                    raise ValueError(f"weight {name!r} has shape {tuple(w.shape)}, "
+                                     f"expected {tuple(dst.shape)}")
+                dst.copy_(w)
+                seen[target] = seen.get(target, 0) + (dst.shape[0] if rng else param.shape[0])
+        for name, p in self.named_parameters():
+            if seen.get(name, 0) != p.shape[0]:
+                raise ValueError(f"checkpoint is missing weights for {name!r}")

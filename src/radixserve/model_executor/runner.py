@@ -1,0 +1,173 @@
+"""Runs one scheduled step on the model: tensors in, sampled tokens out.
+
+The interface (``StepRunner``) is all the engine core needs, so a null model (overhead
+benchmark) or a KV-checksum model (scheduler tests) can stand in for the real one.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from radixserve.config import EngineConfig
+from radixserve.core.batch import ScheduledBatch
+from radixserve.model_executor.attention.torch_backend import AttentionMetadata, KVCache
+from radixserve.model_executor.models.llama import CausalLM, ModelArgs, rope_inv_freq
+from radixserve.model_executor.sampler import SampleResult, sample
+
+log = logging.getLogger(__name__)
+
+
+class StepRunner(Protocol):
+    """What the engine core drives. ``num_pages`` includes the null page 0."""
+
+    num_pages: int
+    max_model_len: int
+
+    def execute(self, batch: ScheduledBatch) -> SampleResult:
+        """Run the step; returns one sampled token per request with ``batch.sample`` set."""
+        ...
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but CUDA is not available")
+    return torch.device(device)
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU has AVX512-BF16 or AMX-BF16 (bf16 matmul ~4x fp32 there)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """"auto" -> bfloat16 on CUDA and bf16-capable CPUs, else float32."""
+    if dtype == "auto":
+        if device.type == "cuda" or cpu_has_native_bf16():
+            return torch.bfloat16
+        return torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16,
+            "float16": torch.float16}[dtype]
+
+
+@dataclass
+class ModelInfo:
+    """What the engine reports about its model."""
+
+    name: str
+    folder: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    dtype: str
+    device: str
+
+
+class ModelRunner:
+    """Loads a Hugging Face-format model, owns its KV cache, runs steps.
+
+    Args:
+        config: engine configuration (model, dtype, device, KV sizing, max_model_len).
+
+    Raises:
+        ValueError: unreadable model, unsupported architecture, bad dtype/device.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        from radixserve.model_executor.loader import (
+            eos_token_ids,
+            iter_safetensors,
+            load_hf_config,
+            resolve_model,
+        )
+
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        files = resolve_model(config.model)
+        hf_config = load_hf_config(files.folder)
+        args = ModelArgs.from_hf(hf_config)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.args = args
+        page_size = config.page_size
+        # pool size: the explicit page count or the memory budget
+        per_page = KVCache.bytes_per_page(args.num_layers, page_size, args.num_kv_heads,
+                                          args.head_dim, self.dtype)
+        if config.num_pages is not None:
+            num_pages = config.num_pages
+        else:
+            num_pages = max(2, config.kv_cache_memory // per_page)
+        model_len = config.max_model_len or args.max_position_embeddings
+        if config.max_model_len and config.max_model_len > args.max_position_embeddings:
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
+                             f"context length {args.max_position_embeddings}")
+        # never more pages than max_num_seqs full-length sequences could use
+        num_pages = int(min(num_pages, config.max_num_seqs * -(-model_len // page_size) + 1))
+        self.num_pages = num_pages
+        self.max_model_len = int(min(model_len, (num_pages - 1) * page_size))
+        inv_freq, rope_scale = rope_inv_freq(hf_config, args.head_dim)
+        model = CausalLM(args, inv_freq, rope_scale, max(model_len, self.max_model_len) + 1)
+        model.load_weights(iter_safetensors(files.folder))
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.model.move_rope_tables(self.device)
+        self.kv = KVCache(args.num_layers, num_pages, page_size, args.num_kv_heads,
+                          args.head_dim, self.dtype, self.device)
+        self.page_size = page_size
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(config.seed)
+        self.info = ModelInfo(
+            name=files.name, folder=str(files.folder), max_model_len=self.max_model_len,
+            vocab_size=args.vocab_size, eos_token_ids=eos_token_ids(files.folder, hf_config),
+            dtype=str(self.dtype).removeprefix("torch."), device=str(self.device))
+        log.info("loaded %s: %s on %s, %d KV pages x %d tokens (%.1f MiB)", files.name,
+                 self.dtype, self.device, num_pages, page_size,
+                 num_pages * per_page / 2**20)
+
+    def _metadata(self, batch: ScheduledBatch) -> AttentionMetadata:
+        dev, ps = self.device, self.page_size
+        d = batch.num_decodes
+        pt, pd_mask = None, None
+        if d:
+            seq = batch.seq_lens[:d]
+            n_pages = int(-(-seq.max() // ps))
+            pt = torch.from_numpy(batch.page_table[:d, :n_pages].astype(np.int64)).to(dev)
+            keys = np.arange(n_pages * ps)[None, :] < seq[:, None]
+            pd_mask = torch.from_numpy(keys).to(dev)[:, None, None, :]
+        prefill = []
+        ends = np.cumsum(batch.num_new)
+        pt_np = batch.page_table
+        for i in range(d, len(batch.requests)):
+            ctx = int(batch.seq_lens[i])
+            pages = torch.from_numpy(pt_np[i, :-(-ctx // ps)].astype(np.int64)).to(dev)
+            end = int(ends[i])
+            prefill.append((end - int(batch.num_new[i]), end, ctx, pages))
+        return AttentionMetadata(
+            slot_mapping=torch.from_numpy(batch.slot_mapping).to(dev), num_decodes=d,
+            decode_page_table=pt, decode_mask=pd_mask, prefill=prefill)
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> SampleResult:
+        meta = self._metadata(batch)
+        ids = torch.from_numpy(batch.input_ids).to(self.device)
+        pos = torch.from_numpy(batch.positions).to(self.device)
+        hidden = self.model(ids, pos, self.kv.layers, meta)
+        if not len(batch.logits_indices):
+            return SampleResult(np.empty(0, np.int64), None)
+        idx = torch.from_numpy(batch.logits_indices).to(self.device)
+        logits = self.model.compute_logits(hidden[idx])
+        reqs = [r for r, s in zip(batch.requests, batch.sample.tolist(), strict=True) if s]
+        return sample(logits, reqs, self.generator)
+
+

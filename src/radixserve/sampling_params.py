@@ -1,0 +1,102 @@
+"""Per-request sampling knobs, shared by the offline API, the HTTP server and the engine core.
+
+A ``msgspec.Struct`` so it travels over the engine socket as MessagePack without pickle.
+Field names and meanings follow vLLM's ``SamplingParams`` so users can switch engines.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+#: Largest number of top logprobs a request may ask for (OpenAI's chat API allows 20).
+MAX_LOGPROBS = 20
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """How to pick each next token and when to stop.
+
+    Attributes:
+        n: completions per prompt (>= 1).
+        temperature: softmax temperature (>= 0); 0 means greedy.
+        top_p: nucleus mass in (0, 1].
+        top_k: keep the k most likely tokens; -1 (or 0) disables.
+        min_p: drop tokens whose probability is below ``min_p`` times the top one, in [0, 1].
+        seed: per-request generator seed; the same seed gives the same tokens alone or batched.
+        presence_penalty / frequency_penalty: OpenAI-style additive penalties over generated
+            tokens, in [-2, 2].
+        repetition_penalty: multiplicative penalty (CTRL paper, as in HF ``generate``) over prompt
+            and generated tokens, > 0; 1 disables.
+        max_tokens: generated tokens at most (>= 1); ``None`` means up to ``max_model_len``.
+        min_tokens: EOS and ``stop_token_ids`` are suppressed until this many tokens exist.
+        stop: strings that end the output (checked on detokenized text, trimmed from it).
+        stop_token_ids: token ids that end the output (kept in ``token_ids``).
+        ignore_eos: keep generating after EOS.
+        logprobs: return the chosen token's logprob and the top ``logprobs`` (0..20) per step.
+        prompt_logprobs: accepted for vLLM compatibility; not computed (must be None).
+        skip_special_tokens: drop special tokens when detokenizing.
+        include_stop_str_in_output: keep the matched stop string in the text.
+
+    Raises:
+        ValueError: from ``__post_init__`` naming the field and the allowed range.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        _check(self.n >= 1, "n", self.n, "must be >= 1")
+        _check(self.temperature >= 0.0, "temperature", self.temperature, "must be >= 0")
+        _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]")
+        _check(self.top_k >= -1, "top_k", self.top_k, "must be -1 (disabled) or >= 0")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must be in [0, 1]")
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty,
+               "must be in [-2, 2]")
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
+               self.frequency_penalty, "must be in [-2, 2]")
+        _check(self.repetition_penalty > 0.0, "repetition_penalty", self.repetition_penalty,
+               "must be > 0")
+        if self.max_tokens is not None:
+            _check(self.max_tokens >= 1, "max_tokens", self.max_tokens, "must be >= 1")
+        _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, "must be >= 0")
+        if self.max_tokens is not None:
+            _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
+                   f"must be <= max_tokens ({self.max_tokens})")
+        if self.logprobs is not None:
+            _check(0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", self.logprobs,
+                   f"must be in [0, {MAX_LOGPROBS}]")
+        _check(self.prompt_logprobs is None, "prompt_logprobs", self.prompt_logprobs,
+               "is not supported (must be None)")
+        if self.stop_token_ids is not None:
+            for t in self.stop_token_ids:
+                _check(t >= 0, "stop_token_ids", t, "must be non-negative token ids")
+        if self.stop is not None:
+            for s in self.stop:
+                _check(isinstance(s, str) and len(s) > 0, "stop", s, "must be non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the next token is the argmax (temperature 0 or top_k 1)."""
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+def _check(ok: bool, field: str, value: object, rule: str) -> None:
+    if not ok:
+        raise ValueError(f"{field}={value!r} {rule}")

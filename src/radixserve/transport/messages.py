@@ -1,0 +1,127 @@
+"""Wire schema between the frontend and the engine core (DESIGN §1).
+
+MessagePack via ``msgspec`` structs, tagged unions, no pickle. Token-id arrays travel as raw
+little-endian int32 bytes (``numpy.frombuffer``), never as per-token Python objects. A peer in
+another language can speak this protocol from these definitions alone.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import msgspec
+
+from radixserve.sampling_params import SamplingParams
+
+#: Bumped on any incompatible change; checked by the Hello handshake at connect.
+SCHEMA_VERSION = 1
+
+
+def pack_ids(ids: list[int] | np.ndarray) -> bytes:
+    """Token ids -> raw little-endian int32 bytes (4 bytes per token)."""
+    return np.asarray(ids, dtype="<i4").tobytes()
+
+
+def unpack_ids(buf: bytes) -> np.ndarray:
+    """Raw little-endian int32 bytes -> int32 array of shape [len(buf) // 4] (read-only view)."""
+    return np.frombuffer(buf, dtype="<i4")
+
+
+class EngineRequest(msgspec.Struct, tag="req", array_like=True):
+    """A new request for the engine core: prompt ids as int32 bytes."""
+
+    request_id: str
+    prompt_token_ids: bytes
+    sampling_params: SamplingParams
+    eos_token_ids: list[int]
+    arrival_time: float
+
+
+class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
+    request_ids: list[str]
+
+
+class Hello(msgspec.Struct, tag="hello", array_like=True):
+    """First message each way; the receiver refuses a different ``schema_version``."""
+
+    schema_version: int
+    info: dict[str, str | int | float] = {}
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    pass
+
+
+class StatsRequest(msgspec.Struct, tag="stats_req", array_like=True):
+    pass
+
+
+#: Everything the frontend sends to the engine core.
+ClientMessage = EngineRequest | AbortRequests | Hello | Shutdown | StatsRequest
+
+#: Finish reasons, exactly as OpenAI and vLLM spell them.
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_ABORT = "abort"
+
+
+class RequestOutput(msgspec.Struct, array_like=True):
+    """One request's new tokens from one engine step.
+
+    Attributes:
+        new_token_ids: int32 bytes, usually one token.
+        finish_reason: None while running; "stop" (EOS / stop token), "length", or "abort".
+        stop_reason: the stop token id that ended it, if any.
+        logprobs: per new token, ``[[token_id, logprob], ...]`` chosen token first, then top-N.
+        num_prompt_tokens / num_cached_tokens: prompt size and prompt tokens served from the
+            radix cache (sent with every output so the frontend never waits for a separate reply).
+        error: set when the core rejected the request (finish_reason is then "abort").
+    """
+
+    request_id: str
+    new_token_ids: bytes
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+    logprobs: list[list[list[float]]] | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+class SchedulerStats(msgspec.Struct):
+    """Snapshot of the scheduler for metrics; counters are cumulative since start."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_pages_used: int = 0
+    kv_pages_total: int = 0
+    kv_pages_cached: int = 0
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    num_preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    step_prefill_tokens: int = 0
+    step_decode_tokens: int = 0
+    num_steps: int = 0
+    #: per-step timer samples (seconds) since the last snapshot, when step timers are on:
+    #: {"schedule": [...], "prepare": [...], "forward": [...], "output": [...]}
+    step_timings: dict[str, list[float]] = {}
+
+
+class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True):
+    """Everything one engine step produced, for all requests: one message per step."""
+
+    step: int
+    outputs: list[RequestOutput]
+    timestamp: float
+    stats: SchedulerStats | None = None
+
+
+class EngineError(msgspec.Struct, tag="error", array_like=True):
+    """The engine core failed; the frontend fails in-flight requests and exits non-zero."""
+
+    message: str
+
+
+#: Everything the engine core sends to the frontend.
+CoreMessage = EngineOutputs | Hello | EngineError
