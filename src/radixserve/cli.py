@@ -76,6 +76,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         sp = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, seed=ns.seed,
                             top_p=ns.top_p, top_k=ns.top_k)
         cfg = engine_config_from_args(ns)
+        cfg.seed = ns.seed if ns.seed is not None else 0
         t0 = time.perf_counter()
         llm = LLM(**{k: v for k, v in dataclasses.asdict(cfg).items() if k != "extra"})
         t1 = time.perf_counter()
@@ -111,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--chat", action="store_true", help="apply the model's chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object")
-    add_engine_args(g)
+    add_engine_args(g, skip=("seed",))
     g.set_defaults(func=cmd_generate)
     for register in _subcommand_registrars():
         register(sub)

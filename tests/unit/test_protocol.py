@@ -1,0 +1,205 @@
+"""OpenAI protocol models and error bodies."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from pydantic import ValidationError
+
+from radixserve.entrypoints.openai.errors import (
+    OpenAIError,
+    add_exception_handlers,
+    error_from_validation,
+    error_from_value_error,
+    error_response,
+)
+from radixserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    CompletionRequest,
+    CompletionResponse,
+    TokenizeRequest,
+    UsageInfo,
+)
+
+MSGS = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+
+
+def chat(**kw) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"model": "m", "messages": MSGS, **kw})
+
+
+def test_defaults_match_openai():
+    r = chat()
+    assert (r.temperature, r.top_p, r.n, r.max_tokens, r.stream) == (1.0, 1.0, 1, None, False)
+    sp = r.to_sampling_params(default_max_tokens=123)
+    assert sp.max_tokens == 123 and sp.temperature == 1.0 and sp.top_k == -1
+    assert sp.logprobs is None and sp.stop is None and sp.skip_special_tokens
+
+
+def test_extra_fields_ignored_and_null_means_default():
+    r = chat(tools=[{"type": "function"}], response_format={"type": "text"}, temperature=None,
+             top_p=None, n=None, stream_options={"include_usage": True, "whatever": 1})
+    assert r.temperature == 1.0 and r.top_p == 1.0 and r.n == 1
+    assert not hasattr(r, "tools")
+    c = CompletionRequest.model_validate({"prompt": "x", "best_of": 3, "suffix": "ignored"})
+    assert c.to_sampling_params(5).max_tokens == 5
+
+
+def test_message_content_forms():
+    r = chat(messages=[{"role": "developer", "content": "a"},
+                       {"role": "user", "content": [{"type": "text", "text": "b"},
+                                                    {"type": "text", "text": "c"}]},
+                       {"role": "assistant", "content": None},
+                       {"role": "tool", "content": "d", "tool_call_id": "1"}])
+    assert [m.text() for m in r.messages] == ["a", "bc", "", "d"]
+    with pytest.raises(ValidationError):
+        chat(messages=[{"role": "wizard", "content": "x"}])
+    with pytest.raises(ValidationError):
+        chat(messages=[])
+
+
+@pytest.mark.parametrize("stop,expected", [("###", ["###"]), (["a", "b"], ["a", "b"]),
+                                           (None, None)])
+def test_stop_str_or_list(stop, expected):
+    assert chat(stop=stop).to_sampling_params(10).stop == expected
+    assert CompletionRequest(prompt="x", stop=stop).to_sampling_params(10).stop == expected
+
+
+def test_chat_mapping():
+    r = chat(max_tokens=7, max_completion_tokens=9, temperature=0.5, top_p=0.9, top_k=40,
+             min_p=0.05, seed=3, stop_token_ids=[5], ignore_eos=True, min_tokens=2,
+             presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.1,
+             logprobs=True, top_logprobs=4, skip_special_tokens=False,
+             include_stop_str_in_output=True, n=2)
+    sp = r.to_sampling_params(100)
+    assert sp.max_tokens == 9  # max_completion_tokens wins
+    assert (sp.temperature, sp.top_p, sp.top_k, sp.min_p, sp.seed) == (0.5, 0.9, 40, 0.05, 3)
+    assert (sp.stop_token_ids, sp.ignore_eos, sp.min_tokens, sp.n) == ([5], True, 2, 2)
+    assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) == (0.5, -0.5, 1.1)
+    assert sp.logprobs == 4 and not sp.skip_special_tokens and sp.include_stop_str_in_output
+    assert chat(max_tokens=7).to_sampling_params(100).max_tokens == 7
+    assert chat(logprobs=True).to_sampling_params(100).logprobs == 0
+    assert chat(logprobs=False).to_sampling_params(100).logprobs is None
+
+
+def test_completion_mapping_and_prompt_forms():
+    c = CompletionRequest(prompt="hi", logprobs=3, echo=True, max_tokens=4)
+    sp = c.to_sampling_params(100)
+    assert sp.logprobs == 3 and sp.max_tokens == 4 and c.echo
+    assert CompletionRequest(prompt="a").prompts() == ["a"]
+    assert CompletionRequest(prompt=["a", "b"]).prompts() == ["a", "b"]
+    assert CompletionRequest(prompt=[1, 2]).prompts() == [[1, 2]]
+    assert CompletionRequest(prompt=[[1], [2, 3]]).prompts() == [[1], [2, 3]]
+    for bad in ([], [[]], None, 3.5, [{"x": 1}]):
+        with pytest.raises(ValidationError):
+            CompletionRequest.model_validate({"prompt": bad})
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("n", 0), ("max_tokens", 0),
+    ("presence_penalty", 3.0), ("repetition_penalty", 0.0), ("min_p", 2.0), ("top_k", -5),
+    ("stop", [""]), ("stop_token_ids", [-1]),
+])
+def test_bad_values_raise_value_error_naming_field(field, value):
+    completion = CompletionRequest.model_validate({"prompt": "x", field: value})
+    for req in (chat(**{field: value}), completion):
+        with pytest.raises(ValueError) as info:
+            req.to_sampling_params(16)
+        err = error_from_value_error(info.value)
+        assert err.status_code == 400 and err.param == field
+
+
+def test_logprob_limits():
+    with pytest.raises(ValueError):
+        chat(logprobs=True, top_logprobs=21).to_sampling_params(16)
+    with pytest.raises(ValueError, match="top_logprobs"):
+        chat(top_logprobs=2).to_sampling_params(16)
+    with pytest.raises(ValueError):
+        CompletionRequest(prompt="x", logprobs=21).to_sampling_params(16)
+
+
+def test_bad_types_become_400_with_field_path():
+    with pytest.raises(ValidationError) as info:
+        chat(messages=[{"role": "user", "content": "x"}, {"role": "bogus"}])
+    err = error_from_validation(info.value)
+    assert err.status_code == 400 and err.type == "invalid_request_error"
+    assert err.param == "messages.1.role"
+    with pytest.raises(ValidationError) as info:
+        chat(temperature="hot")
+    assert error_from_validation(info.value).param == "temperature"
+
+
+def test_tokenize_request_needs_one_input():
+    assert TokenizeRequest(prompt="x").prompt == "x"
+    assert TokenizeRequest(messages=MSGS).messages
+    for body in ({}, {"prompt": "x", "messages": MSGS}):
+        with pytest.raises(ValidationError):
+            TokenizeRequest.model_validate(body)
+
+
+def test_response_shapes():
+    usage = UsageInfo(prompt_tokens=3, completion_tokens=2, total_tokens=5,
+                      prompt_tokens_details={"cached_tokens": 2})
+    r = ChatCompletionResponse(model="m", usage=usage, choices=[
+        {"index": 0, "message": {"content": "hi"}, "finish_reason": "length",
+         "logprobs": {"content": [{"token": "hi", "logprob": -0.1, "bytes": [104, 105],
+                                   "top_logprobs": [{"token": "hi", "logprob": -0.1}]}]}}])
+    d = json.loads(r.model_dump_json())
+    assert d["object"] == "chat.completion" and d["id"].startswith("chatcmpl-")
+    assert d["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
+    assert d["usage"]["prompt_tokens_details"]["cached_tokens"] == 2
+    chunk = ChatCompletionStreamResponse(
+        model="m", choices=[{"index": 0, "delta": {"content": "x"}}]
+    )
+    assert json.loads(chunk.model_dump_json())["object"] == "chat.completion.chunk"
+    c = CompletionResponse(model="m", usage=usage, choices=[
+        {"index": 0, "text": "x", "finish_reason": "stop",
+         "logprobs": {"tokens": ["x"], "token_logprobs": [-1.0], "top_logprobs": [{"x": -1.0}],
+                      "text_offset": [0]}}])
+    assert json.loads(c.model_dump_json())["object"] == "text_completion"
+
+
+def test_error_bodies_through_fastapi():
+    app = FastAPI()
+    add_exception_handlers(app)
+
+    @app.post("/v1/chat/completions")
+    async def create(req: ChatCompletionRequest):
+        try:
+            req.to_sampling_params(16)
+        except ValueError as exc:
+            raise error_from_value_error(exc) from exc
+        return {"ok": True}
+
+    @app.get("/missing")
+    async def missing():
+        raise OpenAIError("no such model", 404, code="model_not_found")
+
+    @app.get("/boom")
+    async def boom():
+        raise RuntimeError("kaput")
+
+    client = TestClient(app, raise_server_exceptions=False)
+    ok = client.post("/v1/chat/completions", json={"messages": MSGS})
+    assert ok.status_code == 200
+    r = client.post("/v1/chat/completions", json={"messages": MSGS, "top_p": 7})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_p"
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "x"}]})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "messages.0.role"
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    r = client.post("/v1/chat/completions", content=b"{not json",
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "message" in r.json()["error"]
+    r = client.get("/missing")
+    assert r.status_code == 404
+    assert r.json() == {"error": {"message": "no such model", "type": "not_found_error",
+                                  "param": None, "code": "model_not_found"}}
+    r = client.get("/boom")
+    assert r.status_code == 500 and r.json()["error"]["type"] == "internal_error"
+    assert error_response("x", 401).status_code == 401
