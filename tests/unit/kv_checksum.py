@@ -117,10 +117,14 @@ class KVChecksumRunner:
         self.computed: dict[str, list[tuple[int, int]]] = defaultdict(list)
         self.num_steps = 0
         self._engine = None
+        # With overlap scheduling ``execute`` runs in a worker thread while the engine mutates
+        # requests and pages; checks that read that live state only run without overlap.
+        self._overlap = False
 
     def attach(self, engine) -> KVChecksumRunner:
         """Enable free-page poisoning and write-target checks against ``engine``'s KV manager."""
         self._engine = engine
+        self._overlap = bool(getattr(engine, "overlap", False))
         return self
 
     # ------------------------------------------------------------------ checks
@@ -148,13 +152,25 @@ class KVChecksumRunner:
             assert np.unique(batch.slot_mapping).size == total, "two tokens share a KV slot"
             assert batch.slot_mapping.max() < self.num_pages * ps
         assert (batch.logits_indices == (np.cumsum(n) - 1)[batch.sample]).all()
-        num_tok = np.array([r.num_tokens for r in batch.requests], dtype=np.int64)
+        if self._overlap:
+            return
+        # the engine commits a step (placeholder for each token it samples) before running it
+        num_tok = np.array([r.num_tokens - r.num_pending for r in batch.requests],
+                           dtype=np.int64)
         assert (batch.seq_lens <= num_tok).all()
         assert (batch.sample == (batch.seq_lens == num_tok)).all()
 
     def _poison_and_check_targets(self, batch: ScheduledBatch) -> None:
         kvm = self._engine.kv
         free = np.fromiter(kvm.pool.free_set(), dtype=np.int64)
+        if self._overlap:
+            # Pages of this batch may be released by the engine while it runs (a request that
+            # finished or was preempted meanwhile); steps run in order, so their reuse is only
+            # written by a later step. Poison every other free page; the checksum does the rest.
+            free = np.setdiff1d(free, batch.page_table.reshape(-1))
+            if free.size:
+                self.kv[free] = POISON
+            return
         if free.size:
             self.kv[free] = POISON
         written = np.unique(batch.slot_mapping // self.page_size)

@@ -226,8 +226,9 @@ def test_checksum_model_detects_a_wrong_page_table_entry():
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("identical", [False, True])
 @pytest.mark.parametrize("early_first", [False, True])
+@pytest.mark.parametrize("overlap", [False, True])
 def test_minisglang_142_same_prefix_prefilled_together_one_stops_early(
-        page_size, identical, early_first):
+        page_size, identical, early_first, overlap):
     """Two requests with one long prefix are prefilled in the same step; one stops after its
     first token (max_tokens=1) while the other decodes on; then a third request reusing the
     prefix arrives while the second still decodes, in a pool so small that eviction happens."""
@@ -248,7 +249,8 @@ def test_minisglang_142_same_prefix_prefilled_together_one_stops_early(
     prefix_pages = len(prefix) // page_size
     pool = 1 + max(2 * -(-len(late.prompt) // page_size) + 1,
                    need_pages(late, page_size) + need_pages(third, page_size) - prefix_pages)
-    h = Harness(page_size=page_size, num_pages=pool + 1, max_num_batched_tokens=4096)
+    h = Harness(page_size=page_size, num_pages=pool + 1, max_num_batched_tokens=4096,
+                disable_overlap=not overlap)
     h.runner.record = True
     h.run(specs)
     h.check(specs)
@@ -341,7 +343,8 @@ def test_mixed_batches_keep_decoding_during_a_long_prefill(page_size):
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("prefix_caching", [True, False])
 @pytest.mark.parametrize("policy", ["fcfs", "lpm"])
-def test_preemption_keeps_outputs_exact(page_size, prefix_caching, policy):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_preemption_keeps_outputs_exact(page_size, prefix_caching, policy, overlap):
     """Six long generations in a pool that holds about one and a half of them: decodes run out
     of pages constantly, the newest request is preempted and later recomputed."""
     rng = np.random.default_rng(11)
@@ -351,7 +354,7 @@ def test_preemption_keeps_outputs_exact(page_size, prefix_caching, policy):
     most = max(need_pages(s, page_size) for s in specs)
     h = Harness(page_size=page_size, num_pages=most + most // 2 + 1,
                 enable_prefix_caching=prefix_caching, schedule_policy=policy,
-                max_num_batched_tokens=48)
+                max_num_batched_tokens=48, disable_overlap=not overlap)
     h.run(specs)
     h.check(specs)
     h.check_drained()
@@ -389,14 +392,15 @@ def test_early_stops_at_known_positions_with_shared_prefix(page_size):
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
-def test_aborts_waiting_prefilling_and_decoding(prefix_caching):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_aborts_waiting_prefilling_and_decoding(prefix_caching, overlap):
     rng = np.random.default_rng(9)
     ps = 4
     prefix = rand_tokens(rng, 17)
     specs = [Spec(f"r{i}", prefix + rand_tokens(rng, 30 * (i == 1) + 3), max_tokens=20,
                   ignore_eos=True) for i in range(5)]
     h = Harness(page_size=ps, num_pages=60, max_num_seqs=3, max_num_batched_tokens=16,
-                enable_prefix_caching=prefix_caching)
+                enable_prefix_caching=prefix_caching, disable_overlap=not overlap)
     for s in specs:
         h.add(s)
     h.step()

@@ -31,6 +31,10 @@ class ScheduledBatch:
         page_table: int32 [B, P] pages of each request, P = max pages among them; padded with
             the null page 0.
         logits_indices: int64 [S] token index whose hidden state gives each sample's logits.
+        num_outputs: int64 [S] tokens each sampling request had generated before this one
+            (for ``min_tokens``), taken when the step was scheduled.
+        penalty_tokens: sample row -> snapshot of that request's output ids, only for requests
+            with penalties; a trailing -1 is a token the previous step is still sampling.
     """
 
     requests: list[Request]
@@ -45,6 +49,8 @@ class ScheduledBatch:
     seq_lens: np.ndarray
     page_table: np.ndarray
     logits_indices: np.ndarray
+    num_outputs: np.ndarray | None = None
+    penalty_tokens: dict[int, list[int]] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -82,7 +88,13 @@ def build_batch(requests: list[Request], num_decodes: int, num_new: list[int],
     sample = seq_lens == num_tok
     max_pages = int((seq_lens.max() + page_size - 1) // page_size) if len(requests) else 0
     pt = page_table[rows, :max_pages]
+    samplers = [r for r, s in zip(requests, sample.tolist(), strict=True) if s]
+    num_outputs = np.fromiter((len(r.output_token_ids) for r in samplers), dtype=np.int64,
+                              count=len(samplers))
+    penalty = {i: list(r.output_token_ids) for i, r in enumerate(samplers)
+               if r.needs_penalty_tokens}
     return ScheduledBatch(
         requests=requests, num_decodes=num_decodes, rows=rows, start=start, num_new=n,
         sample=sample, input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
-        seq_lens=seq_lens, page_table=pt, logits_indices=(ends - 1)[sample])
+        seq_lens=seq_lens, page_table=pt, logits_indices=(ends - 1)[sample],
+        num_outputs=num_outputs, penalty_tokens=penalty or None)

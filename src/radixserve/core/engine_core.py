@@ -7,16 +7,19 @@ loop. Both see the same ``EngineOutputs`` per step.
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from radixserve.config import EngineConfig
+from radixserve.core.batch import ScheduledBatch
 from radixserve.core.request import Request
 from radixserve.core.scheduler import Scheduler
 from radixserve.kvcache.manager import KVCacheManager
 from radixserve.model_executor.runner import StepRunner
+from radixserve.model_executor.sampler import SampleResult
 from radixserve.transport.messages import (
     FINISH_ABORT,
     EngineOutputs,
@@ -67,8 +70,10 @@ class EngineCore:
         self.config = config
         self.runner = runner
         self.vocab_size = vocab_size
-        self.max_model_len = runner.max_model_len
-        self.kv = KVCacheManager(runner.num_pages, config.page_size, config.enable_prefix_caching)
+        # the pool may use fewer pages than the runner's KV tensors hold (never more)
+        num_pages = min(runner.num_pages, config.num_pages or runner.num_pages)
+        self.max_model_len = min(runner.max_model_len, (num_pages - 1) * config.page_size)
+        self.kv = KVCacheManager(num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.schedule_policy)
         self.step_count = 0
@@ -78,6 +83,11 @@ class EngineCore:
         self.generation_tokens = 0
         self._last_prefill = self._last_decode = 0
         self.check_integrity_each_step = False
+        self.overlap = not config.disable_overlap
+        # one thread: steps run strictly in order (see ``step``)
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="radixserve-forward")
+        self._inflight: tuple[ScheduledBatch, Future[SampleResult]] | None = None
+        self._last_sampled = np.zeros(config.max_num_seqs, dtype=np.int64)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, er: EngineRequest) -> None:
@@ -119,53 +129,104 @@ class EngineCore:
                 self._pending.append(self._output(req, [], FINISH_ABORT))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending)
+        return (self.scheduler.has_unfinished() or bool(self._pending)
+                or self._inflight is not None)
 
     # ------------------------------------------------------------------ step
     def step(self) -> EngineOutputs | None:
-        """Schedule and run one step; None when there was nothing to do or report."""
+        """Schedule one step and report finished work; None when there was nothing to do.
+
+        With overlap (the default) the step just scheduled runs in a worker thread while this
+        call turns the previous step's tokens into outputs, so scheduling and output handling
+        hide behind the forward. Steps run one at a time in that thread, in order, so every KV
+        write of step N happens before any read of step N+1.
+        """
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
-        outs, self._pending = self._pending, []
-        if batch is None:
-            self._last_prefill = self._last_decode = 0
-            if not outs:
-                return None
-            return EngineOutputs(self.step_count, outs, time.time())
         t1 = time.perf_counter()
-        result = self.runner.execute(batch)
-        t2 = time.perf_counter()
-        lp = result.logprobs
-        k = 0
-        sampled_rows: dict[int, int] = {}
-        for i, smp in enumerate(batch.sample.tolist()):
-            if smp:
-                sampled_rows[id(batch.requests[i])] = k
-                k += 1
-        for req in self.scheduler.update(batch, result.token_ids):
-            row = sampled_rows[id(req)]
-            outs.append(self._output(req, [req.output_token_ids[-1]], req.finish_reason,
-                                     None if lp is None or lp[row] is None else [lp[row]]))
-        self.generation_tokens += int(batch.sample.sum())
-        self._last_prefill = batch.num_prefill_tokens
-        self._last_decode = batch.num_decodes
-        self.step_count += 1
+        prepare = self.scheduler.last_prepare_s if batch is not None else 0.0
+        if batch is not None:
+            self.scheduler.commit(batch)
+        outs, self._pending = self._pending, []
+        forward = 0.0
+        if self.overlap:
+            fut = self._worker.submit(self._run, batch) if batch is not None else None
+            prev, self._inflight = self._inflight, (batch, fut) if batch is not None else None
+            if prev is not None:
+                tw = time.perf_counter()
+                result = prev[1].result()
+                forward = time.perf_counter() - tw  # time spent waiting on the model
+                outs += self._process(prev[0], result)
+        elif batch is not None:
+            tw = time.perf_counter()
+            result = self._run(batch)
+            forward = time.perf_counter() - tw
+            outs += self._process(batch, result)
+        if batch is None and self._inflight is None and not outs:
+            self._last_prefill = self._last_decode = 0
+            return None
+        if batch is not None:
+            self._last_prefill = batch.num_prefill_tokens
+            self._last_decode = batch.num_decodes
+            self.step_count += 1
         if self.check_integrity_each_step:
+            # valid while a step is in flight too: its pages were taken when it was scheduled
             self.scheduler.check_integrity()
-        if self.timers is not None:
+        if self.timers is not None and batch is not None:
             t3 = time.perf_counter()
-            self.timers.schedule.append(t1 - t0)
-            self.timers.prepare.append(0.0)
-            self.timers.forward.append(t2 - t1)
-            self.timers.output.append(t3 - t2)
+            self.timers.schedule.append(t1 - t0 - prepare)
+            self.timers.prepare.append(prepare)
+            self.timers.forward.append(forward)
+            self.timers.output.append(t3 - t1 - forward)
         return EngineOutputs(self.step_count, outs, time.time())
+
+    def _run(self, batch: ScheduledBatch) -> SampleResult:
+        """Worker side of a step: fill in placeholder inputs from the previous step's sampled
+        tokens (overlap), run the model, remember what it sampled per row."""
+        d = batch.num_decodes
+        if d:
+            pending = batch.input_ids[:d] < 0
+            if pending.any():
+                batch.input_ids[:d][pending] = self._last_sampled[batch.rows[:d][pending]]
+        if batch.penalty_tokens:
+            rows = batch.rows[batch.sample]
+            for i, toks in batch.penalty_tokens.items():
+                if toks and toks[-1] < 0:
+                    toks[-1] = int(self._last_sampled[rows[i]])
+        result = self.runner.execute(batch)
+        self._last_sampled[batch.rows[batch.sample]] = result.token_ids
+        return result
+
+    def _process(self, batch: ScheduledBatch, result: SampleResult) -> list[RequestOutput]:
+        lp = result.logprobs
+        outs = []
+        for req, tok, row in self.scheduler.resolve(batch, result.token_ids):
+            outs.append(self._output(req, [tok], req.finish_reason,
+                                     None if lp is None or lp[row] is None else [lp[row]]))
+        self.generation_tokens += len(outs)
+        return outs
+
+    def drain(self) -> list[RequestOutput]:
+        """Wait for the in-flight step (overlap) and return its outputs."""
+        if self._inflight is None:
+            return []
+        batch, fut = self._inflight
+        self._inflight = None
+        return self._process(batch, fut.result())
+
+    def shutdown(self) -> None:
+        """Finish the in-flight step and stop the worker thread."""
+        self.drain()
+        self._worker.shutdown(wait=True)
 
     def _output(self, req: Request, new: list[int], finish: str | None,
                 logprobs: list[list[list[float]]] | None = None) -> RequestOutput:
         return RequestOutput(
             request_id=req.request_id, new_token_ids=pack_ids(new), finish_reason=finish,
             stop_reason=req.stop_reason, logprobs=logprobs,
-            num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens)
+            num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
+            queue_time=None if finish is None or req.first_scheduled_time is None
+            else req.first_scheduled_time - req.arrival_time)
 
     # ------------------------------------------------------------------ stats
     def get_stats(self) -> SchedulerStats:

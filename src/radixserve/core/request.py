@@ -48,9 +48,17 @@ class Request:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     stop_ids: frozenset[int] = frozenset()
+    #: trailing entries of ``output_token_ids`` that are placeholders (-1) for tokens an
+    #: in-flight step is still sampling (overlap scheduling); at most 2
+    num_pending: int = 0
 
     def __post_init__(self) -> None:
         self.stop_ids = frozenset(self.params.stop_token_ids or ())
+
+    @property
+    def needs_penalty_tokens(self) -> bool:
+        p = self.params
+        return bool(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty)
 
     @property
     def num_prompt_tokens(self) -> int:

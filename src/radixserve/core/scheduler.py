@@ -53,6 +53,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
+        #: seconds the last ``schedule()`` spent building the step's metadata (``build_batch``)
+        self.last_prepare_s = 0.0
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Request) -> None:
@@ -141,8 +143,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if req.num_tokens - req.num_computed != 1:
-                i += 1
+            if (req.num_tokens - req.num_computed != 1
+                    or len(req.output_token_ids) >= req.max_tokens
+                    or req.num_tokens >= self.max_model_len):
+                i += 1  # prefilling, or its in-flight token is its last (overlap)
                 continue
             while not self._grow(req, req.num_computed + 1):
                 victim = self.running[-1]
@@ -181,6 +185,8 @@ class Scheduler:
             self._sort_waiting_lpm()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if req.num_pending:
+                break  # preempted while its last token was in flight: wait for it
             self._admit(req)
             n = min(req.num_tokens - req.num_computed, budget)
             need = -(-(req.num_computed + n) // self.page_size) - req.num_pages
@@ -200,8 +206,11 @@ class Scheduler:
             budget -= n
         if not decodes and not prefills:
             return None
-        return build_batch(decodes + prefills, len(decodes), [1] * len(decodes) + chunks,
-                           self.token_table, self.page_table, self.page_size)
+        t0 = time.perf_counter()
+        batch = build_batch(decodes + prefills, len(decodes), [1] * len(decodes) + chunks,
+                            self.token_table, self.page_table, self.page_size)
+        self.last_prepare_s = time.perf_counter() - t0
+        return batch
 
     def _sort_waiting_lpm(self) -> None:
         """Longest cached prefix first (SGLang's ``lpm``); preempted requests keep the front."""
@@ -219,38 +228,66 @@ class Scheduler:
         self.waiting = deque(front + rest)
 
     # ------------------------------------------------------------------ outputs
-    def update(self, batch: ScheduledBatch, sampled: np.ndarray) -> list[Request]:
-        """Apply one step's results.
+    def commit(self, batch: ScheduledBatch) -> None:
+        """Advance requests as if ``batch`` already ran: KV is counted as computed and each
+        sampling request gets a placeholder token (-1) that ``resolve`` fills in. Called right
+        after ``schedule`` so the next step can be scheduled while this one runs (overlap)."""
+        for req, n, smp in zip(batch.requests, batch.num_new.tolist(), batch.sample.tolist(),
+                               strict=True):
+            req.num_computed += n
+            if smp:
+                req.output_token_ids.append(-1)
+                req.num_pending += 1
+                self.token_table[req.row, req.num_tokens - 1] = -1
+
+    def resolve(self, batch: ScheduledBatch, sampled: np.ndarray
+                ) -> list[tuple[Request, int, int]]:
+        """Fill in the tokens ``batch`` sampled and apply stop conditions.
 
         Args:
             sampled: int64 [S] one token per request with ``batch.sample`` set, in order.
 
         Returns:
-            requests that got a new token this step (finished ones have ``finish_reason``).
+            (request, token, sample row) for each request that got a new token (finished ones
+            have ``finish_reason``). A request that finished or was aborted meanwhile gets
+            nothing: no extra token, no output.
         """
-        out: list[Request] = []
+        out: list[tuple[Request, int, int]] = []
         k = 0
-        for req, n, smp in zip(batch.requests, batch.num_new.tolist(), batch.sample.tolist(),
-                               strict=True):
-            if req.status != Status.RUNNING:
-                k += smp
-                continue  # aborted while the step ran
-            req.num_computed += n
+        for req, smp in zip(batch.requests, batch.sample.tolist(), strict=True):
             if not smp:
                 continue
             tok = int(sampled[k])
             k += 1
-            req.output_token_ids.append(tok)
-            self.token_table[req.row, req.num_tokens - 1] = tok
-            self._check_stop(req, tok)
-            out.append(req)
+            if req.status == Status.FINISHED:
+                continue
+            idx = len(req.output_token_ids) - req.num_pending
+            req.output_token_ids[idx] = tok
+            req.num_pending -= 1
+            if req.row >= 0:
+                self.token_table[req.row, req.num_prompt_tokens + idx] = tok
+            self._check_stop(req, tok, idx + 1)
+            out.append((req, tok, k - 1))
             if req.finish_reason is not None:
-                self.running.remove(req)
+                # drop the placeholder of a step scheduled before we knew it would stop
+                del req.output_token_ids[idx + 1:]
+                req.num_pending = 0
+                req.num_computed = min(req.num_computed, req.num_tokens)
+                if req.status == Status.RUNNING:
+                    self.running.remove(req)
+                else:
+                    self.waiting.remove(req)
                 self.finish(req, req.finish_reason)
         return out
 
-    def _check_stop(self, req: Request, tok: int) -> None:
-        n_out = len(req.output_token_ids)
+    def update(self, batch: ScheduledBatch, sampled: np.ndarray
+               ) -> list[tuple[Request, int, int]]:
+        """``commit`` then ``resolve``: one step applied without overlap."""
+        self.commit(batch)
+        return self.resolve(batch, sampled)
+
+    def _check_stop(self, req: Request, tok: int, n_out: int) -> None:
+        """Stop rules for the ``n_out``-th generated token ``tok``."""
         if n_out >= req.params.min_tokens:
             if tok in req.stop_ids:
                 req.finish_reason, req.stop_reason = FINISH_STOP, tok
@@ -258,7 +295,7 @@ class Scheduler:
             if tok in req.eos_token_ids and not req.params.ignore_eos:
                 req.finish_reason = FINISH_STOP
                 return
-        if n_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
+        if n_out >= req.max_tokens or req.num_prompt_tokens + n_out >= self.max_model_len:
             req.finish_reason = FINISH_LENGTH
 
     def finish(self, req: Request, reason: str) -> None:

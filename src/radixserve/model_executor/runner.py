@@ -7,7 +7,6 @@ benchmark) or a KV-checksum model (scheduler tests) can stand in for the real on
 from __future__ import annotations
 
 import logging
-
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -168,6 +167,7 @@ class ModelRunner:
         idx = torch.from_numpy(batch.logits_indices).to(self.device)
         logits = self.model.compute_logits(hidden[idx])
         reqs = [r for r, s in zip(batch.requests, batch.sample.tolist(), strict=True) if s]
-        return sample(logits, reqs, self.generator)
+        n_out = batch.num_outputs if batch.num_outputs is not None else [0] * len(reqs)
+        return sample(logits, reqs, self.generator, n_out, batch.penalty_tokens)
 
 

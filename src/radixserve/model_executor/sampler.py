@@ -26,30 +26,36 @@ class SampleResult:
     logprobs: list[list[list[float]] | None] | None
 
 
-def _apply_penalties(logits: torch.Tensor, reqs: Sequence[Request]) -> None:
-    """In place on float32 logits [S, V]."""
+def _apply_penalties(logits: torch.Tensor, reqs: Sequence[Request],
+                     outputs: dict[int, list[int]]) -> None:
+    """In place on float32 logits [S, V]; ``outputs[i]`` is row i's generated ids."""
     for i, r in enumerate(reqs):
         p = r.params
+        if not r.needs_penalty_tokens:
+            continue
+        generated = outputs[i]
         if p.repetition_penalty != 1.0:
             # CTRL (Keskar et al. 2019) as in HF's RepetitionPenaltyLogitsProcessor: over prompt
             # and output, divide positive logits and multiply negative ones.
-            ids = torch.from_numpy(np.unique(r.all_token_ids()).astype(np.int64))
-            ids = ids.to(logits.device)
+            seen = np.unique(np.concatenate([r.prompt_token_ids,
+                                             np.asarray(generated, dtype=np.int32)]))
+            ids = torch.from_numpy(seen.astype(np.int64)).to(logits.device)
             sel = logits[i, ids]
             logits[i, ids] = torch.where(sel > 0, sel / p.repetition_penalty,
                                          sel * p.repetition_penalty)
-        if (p.presence_penalty or p.frequency_penalty) and r.output_token_ids:
+        if (p.presence_penalty or p.frequency_penalty) and generated:
             # OpenAI's definition: over generated tokens only.
-            out = torch.tensor(r.output_token_ids, dtype=torch.int64, device=logits.device)
+            out = torch.tensor(generated, dtype=torch.int64, device=logits.device)
             counts = torch.zeros(logits.shape[1], device=logits.device)
             counts.index_add_(0, out, torch.ones_like(out, dtype=counts.dtype))
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
 
 
-def _block_stops(logits: torch.Tensor, reqs: Sequence[Request]) -> None:
+def _block_stops(logits: torch.Tensor, reqs: Sequence[Request],
+                 num_outputs: Sequence[int]) -> None:
     """Below ``min_tokens`` the request may not stop: mask EOS and stop token ids."""
     for i, r in enumerate(reqs):
-        if len(r.output_token_ids) < r.params.min_tokens:
+        if num_outputs[i] < r.params.min_tokens:
             ids = set(r.stop_ids)
             if not r.params.ignore_eos:
                 ids |= r.eos_token_ids
@@ -83,25 +89,31 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     return probs
 
 
-def sample(logits: torch.Tensor, reqs: Sequence[Request],
-           generator: torch.Generator | None) -> SampleResult:
+def sample(logits: torch.Tensor, reqs: Sequence[Request], generator: torch.Generator | None,
+           num_outputs: Sequence[int], penalty_tokens: dict[int, list[int]] | None = None
+           ) -> SampleResult:
     """Pick one token per row.
+
+    Request state is read only where it is immutable (params, prompt, generator): what changes
+    between steps comes as snapshots taken when the step was scheduled, because with overlap
+    scheduling the engine mutates requests while this runs.
 
     Args:
         logits: float32 [S, V], one row per sampling request (in ``reqs`` order).
-        reqs: the requests, for their ``SamplingParams``, tokens and generators.
+        reqs: the requests, for their ``SamplingParams``, prompt and generators.
         generator: engine-wide generator for unseeded random rows.
+        num_outputs: [S] tokens each row had generated before this one (``min_tokens``).
+        penalty_tokens: row -> generated ids, for rows with penalties.
     """
     want_lp = [r.params.logprobs for r in reqs]
     any_lp = any(n is not None for n in want_lp)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any_lp else None
-    if any(r.params.repetition_penalty != 1.0 or r.params.presence_penalty
-           or r.params.frequency_penalty for r in reqs):
+    if penalty_tokens:
         logits = logits.clone()
-        _apply_penalties(logits, reqs)
-    if any(len(r.output_token_ids) < r.params.min_tokens for r in reqs):
+        _apply_penalties(logits, reqs, penalty_tokens)
+    if any(n < r.params.min_tokens for n, r in zip(num_outputs, reqs, strict=True)):
         logits = logits.clone()
-        _block_stops(logits, reqs)
+        _block_stops(logits, reqs, num_outputs)
     tokens = logits.argmax(dim=-1)
     rand = [i for i, r in enumerate(reqs) if not r.params.greedy]
     if rand:
