@@ -7,8 +7,8 @@ another language can speak this protocol from these definitions alone.
 
 from __future__ import annotations
 
-import numpy as np
 import msgspec
+import numpy as np
 
 from radixserve.sampling_params import SamplingParams
 
@@ -75,6 +75,8 @@ class RequestOutput(msgspec.Struct, array_like=True):
         num_prompt_tokens / num_cached_tokens: prompt size and prompt tokens served from the
             radix cache (sent with every output so the frontend never waits for a separate reply).
         error: set when the core rejected the request (finish_reason is then "abort").
+        queue_time: seconds from arrival in the core to first being scheduled; set on the
+            output that finishes the request (None when it never ran).
     """
 
     request_id: str
@@ -85,6 +87,7 @@ class RequestOutput(msgspec.Struct, array_like=True):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    queue_time: float | None = None
 
 
 class SchedulerStats(msgspec.Struct):
