@@ -35,6 +35,8 @@ class ScheduledBatch:
             (for ``min_tokens``), taken when the step was scheduled.
         penalty_tokens: sample row -> snapshot of that request's output ids, only for requests
             with penalties; a trailing -1 is a token the previous step is still sampling.
+        epochs: int64 [B] each request's preemption count when scheduled; a request preempted
+            since holds other pages, so the step's results must not touch its page table.
     """
 
     requests: list[Request]
@@ -51,6 +53,7 @@ class ScheduledBatch:
     logits_indices: np.ndarray
     num_outputs: np.ndarray | None = None
     penalty_tokens: dict[int, list[int]] | None = None
+    epochs: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -97,4 +100,6 @@ def build_batch(requests: list[Request], num_decodes: int, num_new: list[int],
         requests=requests, num_decodes=num_decodes, rows=rows, start=start, num_new=n,
         sample=sample, input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
         seq_lens=seq_lens, page_table=pt, logits_indices=(ends - 1)[sample],
-        num_outputs=num_outputs, penalty_tokens=penalty or None)
+        num_outputs=num_outputs, penalty_tokens=penalty or None,
+        epochs=np.fromiter((r.num_preemptions for r in requests), dtype=np.int64,
+                           count=len(requests)))

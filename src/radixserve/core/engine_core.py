@@ -104,8 +104,10 @@ class EngineCore:
         if self.vocab_size is not None and (prompt.min() < 0 or prompt.max() >= self.vocab_size):
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
         if n >= self.max_model_len:
-            raise ValueError(f"prompt has {n} tokens but max_model_len is {self.max_model_len} "
-                             "(the prompt must leave room for at least one new token)")
+            pool = (self.kv.num_usable_pages * self.config.page_size)
+            why = (f"; the KV pool holds {pool} tokens" if pool == self.max_model_len else "")
+            raise ValueError(f"prompt has {n} tokens but max_model_len is {self.max_model_len}"
+                             f"{why} (the prompt must leave room for at least one new token)")
         if er.request_id in self.scheduler.requests:
             raise ValueError(f"request_id {er.request_id!r} is already running")
         sp = er.sampling_params

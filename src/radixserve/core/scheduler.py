@@ -252,6 +252,7 @@ class Scheduler:
             have ``finish_reason``). A request that finished or was aborted meanwhile gets
             nothing: no extra token, no output.
         """
+        self._cache_prefills(batch)
         out: list[tuple[Request, int, int]] = []
         k = 0
         for req, smp in zip(batch.requests, batch.sample.tolist(), strict=True):
@@ -279,6 +280,30 @@ class Scheduler:
                     self.waiting.remove(req)
                 self.finish(req, req.finish_reason)
         return out
+
+    def _cache_prefills(self, batch: ScheduledBatch) -> None:
+        """Insert the prompt pages this batch's prefill chunks completed into the radix tree.
+
+        Runs after the batch's KV is written. A step scheduled meanwhile (overlap) may still
+        read a request's replaced duplicate pages; they can only be reused by a later step,
+        and steps run in order."""
+        if self.kv.tree is None:
+            return
+        d = batch.num_decodes
+        assert batch.epochs is not None
+        for i in range(d, len(batch.requests)):
+            req = batch.requests[i]
+            if req.status != Status.RUNNING or req.num_preemptions != batch.epochs[i]:
+                continue
+            upto = min(int(batch.seq_lens[i]), req.num_prompt_tokens)
+            res = self.kv.cache_prefix(req.prompt_token_ids,
+                                       self.page_table[req.row, :req.num_pages],
+                                       req.num_matched_pages, req.node, upto)
+            if res is None:
+                continue
+            pages, node = res
+            self.page_table[req.row, :len(pages)] = pages
+            req.node, req.num_matched_pages = node, len(pages)
 
     def update(self, batch: ScheduledBatch, sampled: np.ndarray
                ) -> list[tuple[Request, int, int]]:

@@ -71,6 +71,41 @@ class KVCacheManager:
             self.tree.evict(n - self.pool.num_free)
         return self.pool.alloc(n)
 
+    def cache_prefix(self, tokens: np.ndarray, pages: np.ndarray, num_matched: int,
+                     node: RadixNode | None, num_tokens: int
+                     ) -> tuple[np.ndarray, RadixNode] | None:
+        """Share a live request's computed prompt pages through the tree (SGLang caches each
+        prefill chunk the same way), so requests arriving while it runs reuse them.
+
+        Args:
+            tokens: the request's tokens, int32 [>= num_tokens].
+            pages: its page table, int32 [k]; ``pages[:num_matched]`` is its locked prefix.
+            node: the node it holds locked (None: nothing matched yet).
+            num_tokens: leading tokens whose KV is written; whole pages of them are inserted.
+
+        Returns:
+            None if nothing new, else (tree pages int32 [n] for the first n pages, the new
+            node to hold locked). The caller swaps those into its page table: pages another
+            request inserted first replace its own copies, which are freed here; its own
+            pages past them now belong to the tree. The old lock is dropped.
+        """
+        if self.tree is None:
+            return None
+        n_full = min(num_tokens // self.page_size, len(pages))
+        if n_full <= num_matched:
+            return None
+        n_tok = n_full * self.page_size
+        already = self.tree.insert(tokens[:n_tok], pages[:n_full])
+        tree_pages, new_node = self.tree.match_prefix(tokens[:n_tok])
+        assert len(tree_pages) == n_full
+        self.tree.lock(new_node)
+        if node is not None:
+            self.tree.unlock(node)
+        dup = pages[num_matched:already // self.page_size]
+        if len(dup):
+            self.pool.free(dup)
+        return tree_pages, new_node
+
     def release(self, tokens: np.ndarray, pages: np.ndarray, num_computed: int,
                 node: RadixNode | None) -> None:
         """Give back a finished or preempted request's pages.
