@@ -6,8 +6,11 @@ benchmark) or a KV-checksum model (scheduler tests) can stand in for the real on
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Protocol
 
 import numpy as np
@@ -61,6 +64,30 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
             "float16": torch.float16}[dtype]
 
 
+_REQUIRED = ("architectures", "vocab_size", "hidden_size", "intermediate_size",
+             "num_hidden_layers", "num_attention_heads", "rms_norm_eps")
+
+
+def read_config(folder: Path) -> SimpleNamespace | None:
+    """``config.json`` as attributes, without importing transformers (~2.5 s per process).
+
+    Returns None when the checkpoint needs transformers' own config handling: scaled RoPE
+    (whose inverse frequencies come from transformers) or missing fields."""
+    try:
+        raw = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    params = raw.get("rope_parameters") or {}
+    if raw.get("rope_scaling") or params.get("rope_type", "default") != "default":
+        return None
+    if any(k not in raw for k in _REQUIRED):
+        return None
+    cfg = SimpleNamespace(**raw)
+    cfg.rope_parameters = {"rope_type": "default",
+                           "rope_theta": params.get("rope_theta", raw.get("rope_theta", 10000.0))}
+    return cfg
+
+
 @dataclass
 class ModelInfo:
     """What the engine reports about its model."""
@@ -95,7 +122,7 @@ class ModelRunner:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         files = resolve_model(config.model)
-        hf_config = load_hf_config(files.folder)
+        hf_config = read_config(files.folder) or load_hf_config(files.folder)
         args = ModelArgs.from_hf(hf_config)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)

@@ -78,16 +78,16 @@ class TorchAttention:
         if d:
             pt = meta.decode_page_table
             assert pt is not None and meta.decode_mask is not None
-            kd = k_cache[pt].view(d, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            vd = v_cache[pt].view(d, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            kvd = kv[:, pt].view(2, d, -1, self.num_kv_heads, self.head_dim)  # one gather
+            kd, vd = kvd[0].transpose(1, 2), kvd[1].transpose(1, 2)
             o = F.scaled_dot_product_attention(
                 q[:d].unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, scale=self.scale,
                 enable_gqa=True)
             out[:d] = o.squeeze(2)
         for start, end, ctx, pages in meta.prefill:
             n = end - start
-            kp = k_cache[pages].view(-1, self.num_kv_heads, self.head_dim)[:ctx]
-            vp = v_cache[pages].view(-1, self.num_kv_heads, self.head_dim)[:ctx]
+            kvp = kv[:, pages].view(2, -1, self.num_kv_heads, self.head_dim)[:, :ctx]
+            kp, vp = kvp[0], kvp[1]
             qs = q[start:end].transpose(0, 1).unsqueeze(0)
             ks = kp.transpose(0, 1).unsqueeze(0)
             vs = vp.transpose(0, 1).unsqueeze(0)

@@ -88,17 +88,25 @@ def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:  # noqa:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32 and cast back, as transformers' ``LlamaRMSNorm``."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    """RMSNorm over the last dim with transformers' ``LlamaRMSNorm`` numerics: normalize in
+    float32, cast back, then scale (the fused ``F.rms_norm`` is bit-identical in float32)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE. x [T, heads, D]; cos/sin [T, 1, D] in x's dtype."""
+    """Rotate-half RoPE (the Hugging Face / GPT-NeoX layout).
+
+    Args:
+        x: [T, heads, D].
+        cos, sin: [T, 1, D // 2] in x's dtype (the two halves of transformers' tables are
+            equal, so half is enough).
+    Returns: [T, heads, D], a new tensor.
+    """
     half = x.shape[-1] // 2
-    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rot * sin
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class DecoderLayer(nn.Module):
@@ -125,17 +133,16 @@ class DecoderLayer(nn.Module):
         residual = h if residual is None else residual + h
         x = rms_norm(residual, self.input_norm, a.rms_norm_eps)
         qkv = F.linear(x, self.qkv, self.qkv_bias)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         t = x.shape[0]
-        q = q.reshape(t, a.num_heads, a.head_dim)
-        k = k.reshape(t, a.num_kv_heads, a.head_dim)
-        v = v.reshape(t, a.num_kv_heads, a.head_dim)
+        nq = a.num_heads
+        # Q and K side by side in the fused output: one RoPE call for both
+        qk = qkv[:, :self.q_size + self.kv_size].view(t, nq + a.num_kv_heads, a.head_dim)
+        v = qkv[:, self.q_size + self.kv_size:].view(t, a.num_kv_heads, a.head_dim)
         if self.q_norm is not None:
-            q = rms_norm(q, self.q_norm, a.rms_norm_eps)
-            k = rms_norm(k, self.k_norm, a.rms_norm_eps)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
-        o = self.attn.forward(q, k, v, kv, meta)
+            qk = torch.cat((rms_norm(qk[:, :nq], self.q_norm, a.rms_norm_eps),
+                            rms_norm(qk[:, nq:], self.k_norm, a.rms_norm_eps)), dim=1)
+        qk = apply_rope(qk, cos, sin)
+        o = self.attn.forward(qk[:, :nq], qk[:, nq:], v, kv, meta)
         h = F.linear(o, self.o)
         residual = residual + h
         x = rms_norm(residual, self.post_norm, a.rms_norm_eps)
@@ -165,10 +172,10 @@ class CausalLM(nn.Module):
             torch.empty(a.vocab_size, a.hidden_size))
         pos = torch.arange(max_positions, dtype=torch.float32)
         freqs = pos[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        # float32 tables kept outside the module's buffers so ``.to(dtype)`` never rounds them
-        self.cos_table = emb.cos() * rope_scale
-        self.sin_table = emb.sin() * rope_scale
+        # float32 tables [max_positions, head_dim // 2], kept outside the module's buffers so
+        # ``.to(dtype)`` never rounds them
+        self.cos_table = freqs.cos() * rope_scale
+        self.sin_table = freqs.sin() * rope_scale
 
     def move_rope_tables(self, device: torch.device) -> None:
         self.cos_table = self.cos_table.to(device)
