@@ -83,3 +83,45 @@ class EngineConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls) if f.name != "extra"]
+
+
+#: Largest request body the HTTP server accepts by default (bytes).
+DEFAULT_MAX_REQUEST_BYTES = 8 * 1024**2
+
+
+@dataclass
+class ServerConfig:
+    """HTTP server settings of ``radixserve serve`` (the engine's are in ``EngineConfig``).
+
+    Attributes:
+        host: address to bind; 127.0.0.1 unless told otherwise.
+        port: TCP port.
+        api_key: when set, every ``/v1/*`` request needs ``Authorization: Bearer <api_key>``.
+        max_request_bytes: larger request bodies get 413.
+        max_concurrent_requests: generation requests in flight at most; one more gets 429
+            (None: no limit; the engine queues).
+        served_model_name: the model name clients use (None: the model's own name).
+        null_model: serve a null model (fixed token, no weights) to measure server overhead.
+        null_step_ms: with ``null_model``, milliseconds each engine step takes (0: instant).
+        graceful_timeout_s: seconds a SIGTERM/SIGINT shutdown may take before children are
+            killed.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    max_concurrent_requests: int | None = None
+    served_model_name: str | None = None
+    null_model: bool = False
+    null_step_ms: float = 0.0
+    graceful_timeout_s: float = 3.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port={self.port} must be in [0, 65535]")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes={self.max_request_bytes} must be >= 1")
+        if self.max_concurrent_requests is not None and self.max_concurrent_requests < 1:
+            raise ValueError(
+                f"max_concurrent_requests={self.max_concurrent_requests} must be >= 1")

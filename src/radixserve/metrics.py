@@ -50,7 +50,8 @@ class ServerMetrics:
         model_name: value of the ``model_name`` label.
 
     Gauges (from ``SchedulerStats``): ``num_requests_running``, ``num_requests_waiting``,
-    ``kv_cache_usage_perc`` (pages used by live requests / all pages, 0..1).
+    ``kv_cache_usage_perc`` (pages used by live requests / all pages, 0..1),
+    ``kv_cache_pages_used`` / ``kv_cache_pages_cached`` / ``kv_cache_pages_total`` (pages).
     Counters (tokens unless noted): ``prefix_cache_queries``, ``prefix_cache_hits``,
     ``num_preemptions`` (requests), ``prompt_tokens``, ``generation_tokens``,
     ``request_success`` (requests, label ``finished_reason``).
@@ -79,6 +80,11 @@ class ServerMetrics:
         self.kv_cache_usage_perc = gauge(
             "kv_cache_usage_perc", "Fraction of KV cache pages used by live requests (1 = 100%)."
         )
+        self.kv_cache_pages_used = gauge(
+            "kv_cache_pages_used", "KV cache pages not free (live requests + radix cache).")
+        self.kv_cache_pages_cached = gauge(
+            "kv_cache_pages_cached", "KV cache pages held by the radix prefix cache.")
+        self.kv_cache_pages_total = gauge("kv_cache_pages_total", "Usable KV cache pages.")
         self.prefix_cache_queries = counter(
             "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
         )
@@ -123,6 +129,9 @@ class ServerMetrics:
         self.num_requests_waiting.set(stats.num_waiting)
         if stats.kv_pages_total > 0:
             self.kv_cache_usage_perc.set(stats.kv_pages_used / stats.kv_pages_total)
+        self.kv_cache_pages_used.set(stats.kv_pages_used)
+        self.kv_cache_pages_cached.set(stats.kv_pages_cached)
+        self.kv_cache_pages_total.set(stats.kv_pages_total)
         for field, attr in _STAT_COUNTERS.items():
             value = getattr(stats, field)
             last = self._last_counts[field]

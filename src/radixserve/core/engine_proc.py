@@ -1,0 +1,274 @@
+"""The engine-core process: ``EngineCore`` behind the two ZMQ sockets (DESIGN §1, §3).
+
+Started by the frontend (``AsyncEngineClient``) as a fresh interpreter::
+
+    python -m radixserve.core.engine_proc --input ipc://.../input.sock \\
+        --output ipc://.../output.sock --parent-pid PID --config '{"model": null, ...}'
+
+so no fork ever happens after torch has started threads. The process
+
+1. binds its sockets, loads the model (the slow part), and only then answers the frontend's
+   ``Hello`` with the model's facts in ``Hello.info`` (see ``hello_info``): the frontend is
+   ready exactly when the model is;
+2. loops: drain the input socket (blocking with a short timeout when idle, non-blocking when
+   busy), add requests and aborts, run one ``step()``, send one ``EngineOutputs`` per step with
+   the scheduler's stats attached;
+3. exits 0 on ``Shutdown``, SIGTERM or SIGINT, or when its parent is gone (checked every
+   ``PARENT_CHECK_S``), so no orphan survives a killed frontend; on any other exception it sends
+   ``EngineError`` and exits 1.
+
+A request the core rejects (``EngineCore.add_request`` raises ValueError) becomes one
+``RequestOutput`` with ``error`` set and ``finish_reason="abort"``; other requests carry on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+from typing import Any
+
+from radixserve.config import EngineConfig
+from radixserve.transport.messages import (
+    FINISH_ABORT,
+    AbortRequests,
+    EngineError,
+    EngineOutputs,
+    EngineRequest,
+    RequestOutput,
+    Shutdown,
+    StatsRequest,
+)
+from radixserve.transport.zmq_io import CoreSockets, cleanup_ipc
+
+log = logging.getLogger("radixserve.engine")
+
+#: Seconds between checks that the parent (frontend) process still exists.
+PARENT_CHECK_S = 0.5
+#: Milliseconds one idle wait for input lasts (bounds the reaction time to signals).
+IDLE_POLL_MS = 200
+#: Seconds the core waits for the frontend's Hello after the model has loaded.
+HANDSHAKE_TIMEOUT_S = 60.0
+
+
+def build_engine(config: EngineConfig, null_model: bool = False,
+                 null_step_s: float = 0.0) -> Any:
+    """Load the model and build the ``EngineCore`` (seconds: this is the model load).
+
+    Args:
+        config: engine configuration.
+        null_model: use ``NullRunner`` (returns a fixed token instantly, no weights) with the
+            configured model's tokenizer facts; for measuring the server's own overhead.
+        null_step_s: with ``null_model``, sleep this long in every step (emulates a forward
+            pass of that duration; 0 = instant).
+
+    Raises:
+        ValueError: unreadable model, unsupported architecture, bad configuration.
+    """
+    from radixserve.core.engine_core import EngineCore
+
+    if not null_model:
+        return EngineCore(config)
+
+    from radixserve.model_executor.loader import eos_token_ids, load_hf_config, resolve_model
+    from radixserve.model_executor.null_runner import NullRunner
+    from radixserve.model_executor.runner import ModelInfo
+
+    files = resolve_model(config.model)
+    hf_config = load_hf_config(files.folder)
+    vocab_size = int(hf_config.vocab_size)
+    num_pages = config.num_pages or 4096
+    model_len = config.max_model_len or int(getattr(hf_config, "max_position_embeddings", 8192))
+    max_model_len = int(min(model_len, (num_pages - 1) * config.page_size))
+    runner = NullRunner(num_pages, max_model_len, vocab_size)
+    if null_step_s > 0:
+        execute = runner.execute
+
+        def slow_execute(batch: Any) -> Any:
+            time.sleep(null_step_s)
+            return execute(batch)
+
+        runner.execute = slow_execute  # type: ignore[method-assign]
+    runner.info = ModelInfo(  # type: ignore[attr-defined]
+        name=files.name, folder=str(files.folder), max_model_len=max_model_len,
+        vocab_size=vocab_size, eos_token_ids=eos_token_ids(files.folder, hf_config),
+        dtype="null", device="cpu")
+    return EngineCore(config, runner=runner, vocab_size=vocab_size)
+
+
+def hello_info(engine: Any) -> dict[str, str | int | float]:
+    """The facts the frontend needs, as ``Hello.info`` (lists as comma-separated strings).
+
+    Keys: ``model_name``, ``folder`` (the Hugging Face folder holding the tokenizer),
+    ``max_model_len``, ``vocab_size``, ``eos_token_ids`` ("2" or "2,0"), ``dtype``, ``device``,
+    ``num_pages``, ``page_size``, ``pid``.
+    """
+    info = engine.runner.info
+    return {
+        "model_name": str(info.name),
+        "folder": str(info.folder),
+        "max_model_len": int(engine.max_model_len),
+        "vocab_size": int(info.vocab_size),
+        "eos_token_ids": ",".join(str(int(t)) for t in info.eos_token_ids),
+        "dtype": str(info.dtype),
+        "device": str(info.device),
+        "num_pages": int(engine.runner.num_pages),
+        "page_size": int(engine.config.page_size),
+        "pid": os.getpid(),
+    }
+
+
+class EngineLoop:
+    """Drives one ``EngineCore`` from a ``CoreSockets`` until shutdown.
+
+    Args:
+        engine: the loaded ``EngineCore``.
+        sockets: bound sockets, handshake done.
+        parent_pid: exit when ``os.getppid()`` stops being this (None: never check).
+    """
+
+    def __init__(self, engine: Any, sockets: CoreSockets, parent_pid: int | None) -> None:
+        self.engine = engine
+        self.sockets = sockets
+        self.parent_pid = parent_pid
+        self.stop_reason: str | None = None
+        self._rejected: list[RequestOutput] = []
+        self._dirty = False
+        self._next_parent_check = 0.0
+
+    def request_stop(self, reason: str) -> None:
+        """Make ``run`` return after the current step (safe from a signal handler)."""
+        self.stop_reason = reason
+
+    def run(self) -> str:
+        """Loop until Shutdown, a signal or the parent's death; returns the reason."""
+        engine = self.engine
+        while self.stop_reason is None:
+            if engine.has_unfinished_requests() or self._rejected:
+                msgs = self.sockets.recv_nowait()
+            else:
+                first = self.sockets.recv(timeout_ms=IDLE_POLL_MS)
+                msgs = [] if first is None else [first, *self.sockets.recv_nowait()]
+            self._check_parent()
+            for msg in msgs:
+                self._handle(msg)
+            if self.stop_reason is not None:
+                break
+            out = engine.step() if engine.has_unfinished_requests() else None
+            if self._rejected:
+                rejected, self._rejected = self._rejected, []
+                if out is None:
+                    out = EngineOutputs(engine.step_count, rejected, time.time())
+                else:
+                    out.outputs.extend(rejected)
+            if out is None and self._dirty:
+                # aborts without notification still change the stats the frontend shows
+                out = EngineOutputs(engine.step_count, [], time.time())
+            if out is not None:
+                out.stats = engine.get_stats()
+                self.sockets.send(out)
+                self._dirty = False
+        return self.stop_reason
+
+    def _handle(self, msg: Any) -> None:
+        if isinstance(msg, EngineRequest):
+            try:
+                self.engine.add_request(msg)
+            except ValueError as e:
+                self._rejected.append(RequestOutput(
+                    request_id=msg.request_id, new_token_ids=b"", finish_reason=FINISH_ABORT,
+                    error=str(e)))
+        elif isinstance(msg, AbortRequests):
+            self.engine.abort_requests(msg.request_ids, notify=False)
+            self._dirty = True
+        elif isinstance(msg, StatsRequest):
+            self._dirty = True
+        elif isinstance(msg, Shutdown):
+            self.request_stop("shutdown requested")
+        # a repeated Hello is harmless: ignore it
+
+    def _check_parent(self) -> None:
+        if self.parent_pid is None:
+            return
+        now = time.monotonic()
+        if now < self._next_parent_check:
+            return
+        self._next_parent_check = now + PARENT_CHECK_S
+        if os.getppid() != self.parent_pid:
+            self.request_stop(f"parent process {self.parent_pid} is gone")
+
+
+def run_engine_process(input_addr: str, output_addr: str, config: EngineConfig,
+                       parent_pid: int | None = None, null_model: bool = False,
+                       null_step_s: float = 0.0) -> int:
+    """Bind, load, handshake, loop. Returns the process exit status (0 clean, 1 error)."""
+    sockets = CoreSockets(input_addr, output_addr, bind=True)
+    loop: EngineLoop | None = None
+    pending_signal: list[str] = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        reason = f"received {signal.Signals(signum).name}"
+        if loop is not None:
+            loop.request_stop(reason)
+        else:
+            pending_signal.append(reason)
+            raise KeyboardInterrupt(reason)  # interrupt the model load
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        try:
+            engine = build_engine(config, null_model, null_step_s)
+            sockets.handshake(timeout_s=HANDSHAKE_TIMEOUT_S, info=hello_info(engine))
+        except KeyboardInterrupt:
+            log.info("engine core: %s during start-up, exiting", pending_signal or "interrupt")
+            return 0
+        except Exception as e:  # noqa: BLE001 - any load failure is reported to the frontend
+            log.error("engine core failed to start: %s", e)
+            sockets.send(EngineError(f"{type(e).__name__}: {e}"))
+            return 1
+        loop = EngineLoop(engine, sockets, parent_pid)
+        if pending_signal:
+            return 0
+        log.info("engine core ready: pid %d", os.getpid())
+        try:
+            reason = loop.run()
+        except Exception as e:  # noqa: BLE001 - report, then exit non-zero
+            log.error("engine core failed: %s", traceback.format_exc())
+            sockets.send(EngineError(f"{type(e).__name__}: {e}"))
+            return 1
+        log.info("engine core exiting: %s", reason)
+        shutdown = getattr(engine, "shutdown", None)
+        if shutdown is not None:
+            shutdown()  # finish the in-flight step, stop the forward thread
+        return 0
+    finally:
+        sockets.close()
+        cleanup_ipc(input_addr, output_addr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m radixserve.core.engine_proc",
+                                description="radixserve engine-core process (started by serve)")
+    p.add_argument("--input", required=True, help="ipc:// address of the input socket")
+    p.add_argument("--output", required=True, help="ipc:// address of the output socket")
+    p.add_argument("--config", required=True, help="EngineConfig fields as a JSON object")
+    p.add_argument("--parent-pid", type=int, default=None)
+    p.add_argument("--null-model", action="store_true")
+    p.add_argument("--null-step-ms", type=float, default=0.0)
+    ns = p.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    config = EngineConfig(**json.loads(ns.config))
+    return run_engine_process(ns.input, ns.output, config, ns.parent_pid, ns.null_model,
+                              ns.null_step_ms / 1000)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

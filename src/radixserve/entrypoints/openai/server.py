@@ -1,0 +1,217 @@
+"""The OpenAI-compatible HTTP app: ``build_app(server_config, client)``.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+``GET /health`` (200 once the model is loaded, 503 before and after the engine died),
+``GET /metrics`` (Prometheus), ``POST /tokenize``, ``POST /detokenize``, ``GET /version``.
+
+The app starts the engine client in the background when it starts (so /health can answer 503
+while the model loads), loads the tokenizer named by the engine's Hello, and only then serves
+generation requests. Middlewares: API-key auth on ``/v1/*`` (when configured) and the body-size
+limit (413).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+import radixserve
+from radixserve.config import ServerConfig
+from radixserve.entrypoints.openai.errors import OpenAIError, add_exception_handlers
+from radixserve.entrypoints.openai.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
+from radixserve.entrypoints.openai.protocol import (
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
+from radixserve.entrypoints.openai.serving_chat import create_chat_completion
+from radixserve.entrypoints.openai.serving_common import (
+    ClientDisconnected,
+    ServingState,
+    check_token_ids,
+    parse_body,
+)
+from radixserve.entrypoints.openai.serving_completion import create_completion
+from radixserve.frontend.async_client import AsyncEngineClient
+from radixserve.frontend.tokenizer import FrontendTokenizer
+from radixserve.metrics import ServerMetrics
+
+log = logging.getLogger("radixserve.server")
+
+
+class AppState:
+    """The app's mutable state: ``serving`` is None until the engine and tokenizer are ready."""
+
+    def __init__(self, config: ServerConfig, client: AsyncEngineClient) -> None:
+        self.config = config
+        self.client = client
+        self.serving: ServingState | None = None
+        self.metrics = ServerMetrics(model_name=config.served_model_name or "")
+        self.start_task: asyncio.Task | None = None
+        self.start_error: str | None = None
+
+    def ready(self) -> ServingState:
+        """The serving state; raises OpenAIError 503 while loading or after the engine died."""
+        s = self.serving
+        if s is None or not self.client.healthy:
+            raise OpenAIError(f"Service unavailable: {self.unavailable_reason()}", 503)
+        return s
+
+    def unavailable_reason(self) -> str:
+        c = self.client
+        if c.dead_reason or self.start_error:
+            return c.dead_reason or self.start_error or ""
+        if c.draining or not c.ready and self.serving is not None:
+            return "the server is shutting down"
+        return "the model is still loading"
+
+    async def start(self) -> None:
+        """Start the engine, load the tokenizer, build the serving state. On failure the
+        client's ``on_fatal`` is called (the server exits non-zero)."""
+        client = self.client
+        try:
+            # import transformers while the engine loads its model
+            warm = asyncio.ensure_future(asyncio.to_thread(_import_transformers))
+            info = await client.start()
+            await warm
+            from radixserve.model_executor.loader import load_tokenizer
+
+            hf_tok = await asyncio.to_thread(load_tokenizer, info.folder)
+            name = self.config.served_model_name or info.model_name
+            aliases = {info.model_name, info.folder}
+            if client.config.model:
+                aliases.add(str(client.config.model))
+            metrics = ServerMetrics(model_name=name)
+            self.serving = ServingState(
+                client=client, tokenizer=FrontendTokenizer(hf_tok), info=info,
+                served_model_name=name, model_aliases=frozenset(aliases), metrics=metrics,
+                max_concurrent_requests=self.config.max_concurrent_requests)
+            self.metrics = metrics
+            log.info("ready: serving %s (max_model_len %d) on http://%s:%d", name,
+                     info.max_model_len, self.config.host, self.config.port)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any start failure ends the server
+            self.start_error = f"{type(e).__name__}: {e}"
+            log.error("server failed to start: %s", self.start_error)
+            if client.on_fatal is not None:
+                client.on_fatal(self.start_error)
+
+
+def _import_transformers() -> None:
+    """Import what ``load_tokenizer`` needs (seconds), while the engine loads the model."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: F401
+
+
+def build_app(server_config: ServerConfig, client: AsyncEngineClient) -> FastAPI:
+    """The FastAPI app serving ``client``'s engine under ``server_config``.
+
+    The engine starts when the app's lifespan starts and is shut down when it ends.
+    """
+    state = AppState(server_config, client)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        state.start_task = asyncio.ensure_future(state.start())
+        try:
+            yield
+        finally:
+            if state.start_task is not None and not state.start_task.done():
+                state.start_task.cancel()
+                with contextlib.suppress(BaseException):
+                    await state.start_task
+            await client.shutdown(server_config.graceful_timeout_s)
+
+    app = FastAPI(title="radixserve", version=radixserve.__version__, lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.radixserve = state
+    add_exception_handlers(app)
+
+    async def on_disconnect(_: Request, __: Exception) -> Response:
+        return Response(status_code=499)
+
+    app.add_exception_handler(ClientDisconnected, on_disconnect)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=server_config.max_request_bytes)
+    if server_config.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=server_config.api_key)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(raw: Request) -> Any:
+        return await create_chat_completion(raw, state.ready())
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request) -> Any:
+        return await create_completion(raw, state.ready())
+
+    @app.get("/v1/models")
+    async def models() -> Any:
+        s = state.ready()
+        card = ModelCard(id=s.served_model_name, root=s.info.folder,
+                         max_model_len=s.info.max_model_len)
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.serving is not None and client.healthy:
+            return JSONResponse({"status": "ok"})
+        reason = state.unavailable_reason()
+        status = ("dead" if client.dead_reason or state.start_error else
+                  "loading" if reason == "the model is still loading" else "shutting_down")
+        return JSONResponse({"status": status, "reason": reason}, status_code=503)
+
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": radixserve.__version__})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        m = state.metrics
+        if client.stats is not None:
+            m.update_from_stats(msgspec.structs.replace(
+                client.stats, step_timings=client.drain_step_timings()))
+        body, content_type = m.render()
+        return Response(body, media_type=content_type)
+
+    @app.post("/tokenize")
+    async def tokenize(raw: Request) -> Response:
+        req = await parse_body(raw, TokenizeRequest)
+        s = state.ready()
+        s.check_model(req.model)
+        tok = s.tokenizer
+        if req.messages is not None:
+            try:
+                text = tok.chat_prompt([{"role": m.role, "content": m.text()}
+                                        for m in req.messages], req.add_generation_prompt)
+            except ValueError as e:
+                raise OpenAIError(str(e), param="messages") from None
+            ids = await tok.encode_async(text)
+        else:
+            assert req.prompt is not None
+            if req.add_special_tokens:
+                ids = list(tok.hf.encode(req.prompt, add_special_tokens=True))
+            else:
+                ids = await tok.encode_async(req.prompt)
+        body: dict[str, Any] = {"count": len(ids), "max_model_len": s.info.max_model_len,
+                                "tokens": ids}
+        if req.return_token_strs:
+            body["token_strs"] = tok.hf.convert_ids_to_tokens(ids)
+        return JSONResponse(body)
+
+    @app.post("/detokenize")
+    async def detokenize(raw: Request) -> Response:
+        req = await parse_body(raw, DetokenizeRequest)
+        s = state.ready()
+        s.check_model(req.model)
+        if req.tokens:
+            check_token_ids(req.tokens, s.info.vocab_size, "tokens")
+        return JSONResponse({"prompt": s.tokenizer.decode(req.tokens)})
+
+    return app

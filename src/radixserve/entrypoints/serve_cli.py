@@ -1,0 +1,154 @@
+"""``radixserve serve [MODEL]``: the OpenAI-compatible server (frontend + engine-core process).
+
+Exit status: 0 after SIGTERM/SIGINT (in-flight requests aborted, engine stopped, IPC files
+removed, within ``graceful_timeout_s`` + a few seconds); 1 when the engine core died or failed
+to start; 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from collections.abc import Generator
+
+from radixserve.config import DEFAULT_MAX_REQUEST_BYTES, EngineConfig, ServerConfig
+
+log = logging.getLogger("radixserve.serve")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``serve`` subcommand to the ``radixserve`` parser."""
+    from radixserve.cli import add_engine_args, parse_bytes
+
+    p = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", nargs="?", default=None,
+                   help="HF folder or GGUF file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("RADIXSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* "
+                        "(default: env RADIXSERVE_API_KEY)")
+    p.add_argument("--max-request-bytes", type=parse_bytes, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="larger request bodies get 413 (default 8MiB)")
+    p.add_argument("--max-concurrent-requests", type=int, default=None,
+                   help="generation requests in flight at most; more get 429 (default: no limit)")
+    p.add_argument("--served-model-name", default=None,
+                   help="model name clients use (default: the model's own name)")
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--null-model", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--null-step-ms", type=float, default=0.0, help=argparse.SUPPRESS)
+    add_engine_args(p, skip=("model",))
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from radixserve.cli import engine_config_from_args
+
+    try:
+        engine_config = engine_config_from_args(ns)
+        engine_config.model = ns.model
+        server_config = ServerConfig(
+            host=ns.host, port=ns.port, api_key=ns.api_key or None,
+            max_request_bytes=ns.max_request_bytes,
+            max_concurrent_requests=ns.max_concurrent_requests,
+            served_model_name=ns.served_model_name, null_model=ns.null_model,
+            null_step_ms=ns.null_step_ms)
+    except ValueError as e:
+        print(f"radixserve: error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=ns.log_level.upper(),
+                        format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    rc = run_server(server_config, engine_config, log_level=ns.log_level)
+    # Everything is cleaned up (engine stopped, IPC files removed); skip the interpreter's
+    # finalization, which takes seconds with torch and transformers loaded.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
+
+
+def run_server(server_config: ServerConfig, engine_config: EngineConfig,
+               log_level: str = "info") -> int:
+    """Run the server until SIGTERM/SIGINT (returns 0) or the engine's death (returns 1)."""
+    return asyncio.run(_serve(server_config, engine_config, log_level))
+
+
+async def _serve(server_config: ServerConfig, engine_config: EngineConfig,
+                 log_level: str) -> int:
+    import uvicorn
+
+    from radixserve.entrypoints.openai.server import build_app
+    from radixserve.frontend.async_client import AsyncEngineClient
+
+    fatal: list[str] = []
+    server: _Server | None = None
+
+    def on_fatal(reason: str) -> None:
+        fatal.append(reason)
+        if server is not None:
+            server.should_exit = True
+
+    client = AsyncEngineClient(engine_config, null_model=server_config.null_model,
+                               null_step_ms=server_config.null_step_ms, on_fatal=on_fatal)
+    app = build_app(server_config, client)
+    config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
+                            log_level=log_level, lifespan="on", access_log=False,
+                            timeout_graceful_shutdown=max(1, int(server_config.graceful_timeout_s)),
+                            timeout_keep_alive=5)
+    server = _Server(config, client)
+    try:
+        await server.serve()
+    finally:
+        # lifespan shutdown normally did this; make sure no child survives in any case
+        await client.shutdown(server_config.graceful_timeout_s)
+    if fatal:
+        log.error("exiting: %s", fatal[0])
+        return 1
+    if not server.started:
+        return 1  # could not bind, or the lifespan failed
+    return 0
+
+
+try:
+    import uvicorn as _uvicorn
+
+    _ServerBase = _uvicorn.Server
+except ImportError:  # pragma: no cover - uvicorn is a dependency
+    _ServerBase = object  # type: ignore[assignment,misc]
+
+
+class _Server(_ServerBase):  # type: ignore[misc,valid-type]
+    """uvicorn's server with our signal handling: the first SIGTERM/SIGINT fails in-flight
+    requests at once (so streams end instead of holding the graceful shutdown open) and
+    starts the shutdown; a second SIGINT forces it. The signal is not re-raised afterwards, so
+    the process exits 0."""
+
+    def __init__(self, config, client) -> None:  # noqa: ANN001
+        super().__init__(config)
+        self._client = client
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        loop = asyncio.get_running_loop()
+        sigs = (signal.SIGINT, signal.SIGTERM)
+        for sig in sigs:
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        try:
+            yield
+        finally:
+            for sig in sigs:
+                loop.remove_signal_handler(sig)
+
+    def _on_signal(self, sig: int) -> None:
+        log.info("received %s: shutting down", signal.Signals(sig).name)
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        self.should_exit = True
+        self._client.begin_shutdown("server is shutting down")
