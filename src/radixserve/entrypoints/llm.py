@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 from radixserve.config import EngineConfig
 from radixserve.core.engine_core import EngineCore
 from radixserve.frontend.detokenizer import IncrementalDetokenizer
+from radixserve.frontend.tokenizer import FrontendTokenizer
 from radixserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from radixserve.sampling_params import SamplingParams
 from radixserve.transport.messages import FINISH_STOP, EngineRequest, pack_ids, unpack_ids
@@ -60,6 +61,8 @@ class LLM:
         info = self.engine.runner.info  # type: ignore[attr-defined]
         self.model_info = info
         self.tokenizer = load_tokenizer(info.folder)
+        # the same encoding and chat template code as the HTTP server
+        self._tok = FrontendTokenizer(self.tokenizer)
         self.eos_token_ids = list(info.eos_token_ids)
         self._ids = itertools.count()
 
@@ -112,21 +115,19 @@ class LLM:
         for conv in convs:
             if not conv:
                 raise ValueError("messages must not be empty")
-            text = self.tokenizer.apply_chat_template(
-                conv, tokenize=False, add_generation_prompt=add_generation_prompt,
-                **(chat_template_kwargs or {}))
-            prompts.append(text)
+            prompts.append(self._tok.chat_prompt(conv, add_generation_prompt,
+                                                 chat_template_kwargs))
         return self.generate(prompts, sampling_params, use_tqdm)
 
     # ------------------------------------------------------------------ internals
     def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
+            return prompt, self._tok.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
         if isinstance(prompt, dict) and "prompt" in prompt:
             text = prompt["prompt"]
-            return text, self.tokenizer.encode(text, add_special_tokens=False)
+            return text, self._tok.encode(text)
         raise ValueError("a prompt must be a string or a dict with 'prompt_token_ids'")
 
     def _run(self, encoded: list[tuple[str | None, list[int]]], params: list[SamplingParams],
