@@ -31,11 +31,12 @@ class ScheduledBatch:
         page_table: int32 [B, P] pages of each request, P = max pages among them; padded with
             the null page 0.
         logits_indices: int64 [S] token index whose hidden state gives each sample's logits.
-        num_outputs: int64 [S] tokens each sampling request had generated before this one
-            (for ``min_tokens``), taken when the step was scheduled.
+        num_outputs: sample row -> tokens that request had generated before this one, only
+            for requests with ``min_tokens``; taken when the step was scheduled.
         penalty_tokens: sample row -> snapshot of that request's output ids, only for requests
             with penalties; a trailing -1 is a token the previous step is still sampling.
-        epochs: int64 [B] each request's preemption count when scheduled; a request preempted
+        epochs: int64 [B - num_decodes] each prefill request's preemption count when
+            scheduled; a request preempted
             since holds other pages, so the step's results must not touch its page table.
     """
 
@@ -51,7 +52,7 @@ class ScheduledBatch:
     seq_lens: np.ndarray
     page_table: np.ndarray
     logits_indices: np.ndarray
-    num_outputs: np.ndarray | None = None
+    num_outputs: dict[int, int] | None = None
     penalty_tokens: dict[int, list[int]] | None = None
     epochs: np.ndarray | None = None
 
@@ -86,20 +87,21 @@ def build_batch(requests: list[Request], num_decodes: int, num_new: list[int],
     input_ids = token_table[tok_rows, positions].astype(np.int64)
     slot_mapping = (page_table[tok_rows, positions // page_size].astype(np.int64) * page_size
                     + positions % page_size)
-    num_tok = np.fromiter((r.num_tokens for r in requests), dtype=np.int64,
-                          count=len(requests))
-    sample = seq_lens == num_tok
+    # a decode always reaches its last token; only prefill chunks may stop short of it
+    sample = np.ones(len(requests), dtype=bool)
+    for i in range(num_decodes, len(requests)):
+        sample[i] = seq_lens[i] == requests[i].num_tokens
     max_pages = int((seq_lens.max() + page_size - 1) // page_size) if len(requests) else 0
     pt = page_table[rows, :max_pages]
     samplers = [r for r, s in zip(requests, sample.tolist(), strict=True) if s]
-    num_outputs = np.fromiter((len(r.output_token_ids) for r in samplers), dtype=np.int64,
-                              count=len(samplers))
+    min_tok = {i: len(r.output_token_ids) for i, r in enumerate(samplers)
+               if r.params.min_tokens}
     penalty = {i: list(r.output_token_ids) for i, r in enumerate(samplers)
                if r.needs_penalty_tokens}
     return ScheduledBatch(
         requests=requests, num_decodes=num_decodes, rows=rows, start=start, num_new=n,
         sample=sample, input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
         seq_lens=seq_lens, page_table=pt, logits_indices=(ends - 1)[sample],
-        num_outputs=num_outputs, penalty_tokens=penalty or None,
-        epochs=np.fromiter((r.num_preemptions for r in requests), dtype=np.int64,
-                           count=len(requests)))
+        num_outputs=min_tok or None, penalty_tokens=penalty or None,
+        epochs=np.fromiter((r.num_preemptions for r in requests[num_decodes:]),
+                           dtype=np.int64, count=len(requests) - num_decodes))

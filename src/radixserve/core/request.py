@@ -52,21 +52,22 @@ class Request:
     #: in-flight step is still sampling (overlap scheduling); at most 2
     num_pending: int = 0
 
+    #: prompt length in tokens (fixed)
+    num_prompt_tokens: int = 0
+    #: the sampler needs this request's generated ids (a penalty is set)
+    needs_penalty_tokens: bool = False
+
     def __post_init__(self) -> None:
-        self.stop_ids = frozenset(self.params.stop_token_ids or ())
-
-    @property
-    def needs_penalty_tokens(self) -> bool:
+        # plain attributes: these are read for every running request in every step
         p = self.params
-        return bool(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        self.stop_ids = frozenset(p.stop_token_ids or ())
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.needs_penalty_tokens = bool(p.repetition_penalty != 1.0 or p.presence_penalty
+                                         or p.frequency_penalty)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return self.num_prompt_tokens + len(self.output_token_ids)
 
     def all_token_ids(self) -> np.ndarray:
         """int32 [num_tokens]: prompt then output."""

@@ -143,9 +143,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if (req.num_tokens - req.num_computed != 1
-                    or len(req.output_token_ids) >= req.max_tokens
-                    or req.num_tokens >= self.max_model_len):
+            n_out = len(req.output_token_ids)
+            n_tok = req.num_prompt_tokens + n_out
+            if (n_tok - req.num_computed != 1 or n_out >= req.max_tokens
+                    or n_tok >= self.max_model_len):
                 i += 1  # prefilling, or its in-flight token is its last (overlap)
                 continue
             while not self._grow(req, req.num_computed + 1):
@@ -238,7 +239,9 @@ class Scheduler:
             if smp:
                 req.output_token_ids.append(-1)
                 req.num_pending += 1
-                self.token_table[req.row, req.num_tokens - 1] = -1
+        # the placeholder sits right after the step's last position
+        rows, at = batch.rows[batch.sample], batch.seq_lens[batch.sample]
+        self.token_table[rows, at] = -1
 
     def resolve(self, batch: ScheduledBatch, sampled: np.ndarray
                 ) -> list[tuple[Request, int, int]]:
@@ -254,6 +257,9 @@ class Scheduler:
         """
         self._cache_prefills(batch)
         out: list[tuple[Request, int, int]] = []
+        fill_rows: list[int] = []
+        fill_at: list[int] = []
+        fill_tok: list[int] = []
         k = 0
         for req, smp in zip(batch.requests, batch.sample.tolist(), strict=True):
             if not smp:
@@ -266,9 +272,14 @@ class Scheduler:
             req.output_token_ids[idx] = tok
             req.num_pending -= 1
             if req.row >= 0:
-                self.token_table[req.row, req.num_prompt_tokens + idx] = tok
+                fill_rows.append(req.row)
+                fill_at.append(req.num_prompt_tokens + idx)
+                fill_tok.append(tok)
             self._check_stop(req, tok, idx + 1)
             out.append((req, tok, k - 1))
+            if req.finish_reason is not None and req.row >= 0:
+                # write it now: finishing releases the row
+                self.token_table[fill_rows.pop(), fill_at.pop()] = fill_tok.pop()
             if req.finish_reason is not None:
                 # drop the placeholder of a step scheduled before we knew it would stop
                 del req.output_token_ids[idx + 1:]
@@ -279,6 +290,8 @@ class Scheduler:
                 else:
                     self.waiting.remove(req)
                 self.finish(req, req.finish_reason)
+        if fill_rows:
+            self.token_table[fill_rows, fill_at] = fill_tok
         return out
 
     def _cache_prefills(self, batch: ScheduledBatch) -> None:
@@ -293,7 +306,7 @@ class Scheduler:
         assert batch.epochs is not None
         for i in range(d, len(batch.requests)):
             req = batch.requests[i]
-            if req.status != Status.RUNNING or req.num_preemptions != batch.epochs[i]:
+            if req.status != Status.RUNNING or req.num_preemptions != batch.epochs[i - d]:
                 continue
             upto = min(int(batch.seq_lens[i]), req.num_prompt_tokens)
             res = self.kv.cache_prefix(req.prompt_token_ids,

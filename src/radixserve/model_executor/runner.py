@@ -194,7 +194,6 @@ class ModelRunner:
         idx = torch.from_numpy(batch.logits_indices).to(self.device)
         logits = self.model.compute_logits(hidden[idx])
         reqs = [r for r, s in zip(batch.requests, batch.sample.tolist(), strict=True) if s]
-        n_out = batch.num_outputs if batch.num_outputs is not None else [0] * len(reqs)
-        return sample(logits, reqs, self.generator, n_out, batch.penalty_tokens)
+        return sample(logits, reqs, self.generator, batch.num_outputs, batch.penalty_tokens)
 
 

@@ -52,10 +52,11 @@ def _apply_penalties(logits: torch.Tensor, reqs: Sequence[Request],
 
 
 def _block_stops(logits: torch.Tensor, reqs: Sequence[Request],
-                 num_outputs: Sequence[int]) -> None:
+                 num_outputs: dict[int, int]) -> None:
     """Below ``min_tokens`` the request may not stop: mask EOS and stop token ids."""
-    for i, r in enumerate(reqs):
-        if num_outputs[i] < r.params.min_tokens:
+    for i, n in num_outputs.items():
+        r = reqs[i]
+        if n < r.params.min_tokens:
             ids = set(r.stop_ids)
             if not r.params.ignore_eos:
                 ids |= r.eos_token_ids
@@ -90,8 +91,8 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
 
 
 def sample(logits: torch.Tensor, reqs: Sequence[Request], generator: torch.Generator | None,
-           num_outputs: Sequence[int], penalty_tokens: dict[int, list[int]] | None = None
-           ) -> SampleResult:
+           num_outputs: dict[int, int] | None = None,
+           penalty_tokens: dict[int, list[int]] | None = None) -> SampleResult:
     """Pick one token per row.
 
     Request state is read only where it is immutable (params, prompt, generator): what changes
@@ -102,7 +103,8 @@ def sample(logits: torch.Tensor, reqs: Sequence[Request], generator: torch.Gener
         logits: float32 [S, V], one row per sampling request (in ``reqs`` order).
         reqs: the requests, for their ``SamplingParams``, prompt and generators.
         generator: engine-wide generator for unseeded random rows.
-        num_outputs: [S] tokens each row had generated before this one (``min_tokens``).
+        num_outputs: row -> tokens it had generated before this one, for rows with
+            ``min_tokens``.
         penalty_tokens: row -> generated ids, for rows with penalties.
     """
     want_lp = [r.params.logprobs for r in reqs]
@@ -111,7 +113,7 @@ def sample(logits: torch.Tensor, reqs: Sequence[Request], generator: torch.Gener
     if penalty_tokens:
         logits = logits.clone()
         _apply_penalties(logits, reqs, penalty_tokens)
-    if any(n < r.params.min_tokens for n, r in zip(num_outputs, reqs, strict=True)):
+    if num_outputs and any(n < reqs[i].params.min_tokens for i, n in num_outputs.items()):
         logits = logits.clone()
         _block_stops(logits, reqs, num_outputs)
     tokens = logits.argmax(dim=-1)

@@ -7,6 +7,8 @@ another language can speak this protocol from these definitions alone.
 
 from __future__ import annotations
 
+import struct
+
 import msgspec
 import numpy as np
 
@@ -16,8 +18,13 @@ from radixserve.sampling_params import SamplingParams
 SCHEMA_VERSION = 1
 
 
+_I32 = struct.Struct("<i")
+
+
 def pack_ids(ids: list[int] | np.ndarray) -> bytes:
     """Token ids -> raw little-endian int32 bytes (4 bytes per token)."""
+    if isinstance(ids, list) and len(ids) == 1:
+        return _I32.pack(ids[0])  # one decoded token per request per step: the hot case
     return np.asarray(ids, dtype="<i4").tobytes()
 
 
