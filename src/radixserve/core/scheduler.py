@@ -149,7 +149,8 @@ class Scheduler:
                     or n_tok >= self.max_model_len):
                 i += 1  # prefilling, or its in-flight token is its last (overlap)
                 continue
-            while not self._grow(req, req.num_computed + 1):
+            while (req.num_computed >= req.num_pages * self.page_size
+                   and not self._grow(req, req.num_computed + 1)):
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is req:
@@ -275,7 +276,11 @@ class Scheduler:
                 fill_rows.append(req.row)
                 fill_at.append(req.num_prompt_tokens + idx)
                 fill_tok.append(tok)
-            self._check_stop(req, tok, idx + 1)
+            n_out = idx + 1
+            # fast path: most tokens end nothing
+            if (tok in req.stop_ids or tok in req.eos_token_ids or n_out >= req.max_tokens
+                    or req.num_prompt_tokens + n_out >= self.max_model_len):
+                self._check_stop(req, tok, n_out)
             out.append((req, tok, k - 1))
             if req.finish_reason is not None and req.row >= 0:
                 # write it now: finishing releases the row
