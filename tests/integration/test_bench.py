@@ -1,0 +1,147 @@
+"""The benchmark commands at tiny sizes: each runs end to end and writes JSON with every key the
+docs promise. Figures are never asserted (they depend on the machine and its load)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from radixserve.cli import main
+
+PHASES = {"schedule", "prepare", "output", "transport", "total"}
+LATENCY_KEYS = {f"{stat}_{metric}_ms" for stat in ("mean", "median", "p90", "p99")
+                for metric in ("ttft", "tpot", "itl", "e2el")}
+SERVE_KEYS = {"completed", "failed", "duration", "request_throughput", "output_throughput",
+              "total_token_throughput", "total_input_tokens", "total_output_tokens",
+              "cached_prompt_tokens", "max_concurrency", "request_rate"} | LATENCY_KEYS
+
+
+def _png(path: Path) -> bool:
+    return path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_overhead_null_model(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out, png = tmp_path / "overhead.json", tmp_path / "overhead.png"
+    assert main(["bench", "overhead", "--batch-sizes", "1,4", "--steps", "5", "--warmup", "2",
+                 "--prompt-len", "16", "--prefill-len", "32", "--json", str(out),
+                 "--plot", str(png)]) == 0
+    doc = json.loads(out.read_text())
+    rows = doc["results"]
+    assert {(r["batch_size"], r["mode"]) for r in rows} == {
+        (1, "decode"), (4, "decode"), (1, "mixed"), (4, "mixed")}
+    for r in rows:
+        assert set(r["us_per_step"]) >= PHASES
+        assert all(isinstance(v, float) and v >= 0 for v in r["us_per_step"].values())
+    assert {"cpu", "cores", "date"} <= set(doc["machine"])
+    assert _png(png)
+    assert "transport" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_bench_offline_default_model(tmp_path: Path) -> None:
+    out, png = tmp_path / "offline.json", tmp_path / "offline.png"
+    assert main(["bench", "offline", "--num-prompts", "2", "--input-len", "8",
+                 "--output-len", "8", "--step-timers", "--num-pages", "64", "--json", str(out),
+                 "--plot", str(png)]) == 0
+    doc = json.loads(out.read_text())
+    rs = doc["radixserve"]
+    for key in ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s", "wall_s"):
+        assert rs[key] > 0
+    assert rs["output_tokens"] == 16  # ignore_eos by default: every prompt runs to its length
+    timers = rs["extra"]["step_timers_ms"]
+    assert set(timers) >= {"schedule", "prepare", "forward", "output"}
+    assert _png(png)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    """A real ``radixserve serve`` process with the default model on a free port, step timers
+    on."""
+    port = _free_port()
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(port),
+             "--num-pages", "512", "--step-timers"], stdout=f, stderr=subprocess.STDOUT,
+            start_new_session=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited {proc.returncode}: {log.read_text()[-2000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(base + "/v1/models", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                pytest.fail(f"server not ready in 180 s: {log.read_text()[-2000:]}")
+            time.sleep(0.5)
+        yield base
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+
+
+@pytest.mark.slow
+def test_bench_serve_random_completions(server: str, tmp_path: Path) -> None:
+    out = tmp_path / "serve.json"
+    assert main(["bench", "serve", "--base-url", server, "--num-prompts", "3",
+                 "--random-input-len", "16", "--random-output-len", "4",
+                 "--max-concurrency", "2", "--disable-tqdm", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    (run,) = doc["runs"]
+    assert set(run) >= SERVE_KEYS
+    assert run["completed"] == 3 and run["failed"] == 0
+    assert run["total_output_tokens"] == 12  # ignore_eos is sent by default
+    # the engine's step timers reach /metrics as Prometheus histograms
+    metrics = httpx.get(server + "/metrics", timeout=10).text
+    for phase in ("schedule", "prepare", "forward", "output"):
+        counts = [line for line in metrics.splitlines()
+                  if line.startswith(f"radixserve:step_{phase}_seconds_count")]
+        assert counts and float(counts[0].split()[-1]) > 0, phase
+
+
+@pytest.mark.slow
+def test_bench_serve_shared_prefix_chat_sweep(server: str, tmp_path: Path) -> None:
+    out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    assert main(["bench", "serve", "--base-url", server, "--endpoint", "chat",
+                 "--dataset-name", "shared-prefix", "--shared-prefix-groups", "1",
+                 "--shared-prefix-prompts-per-group", "3", "--shared-prefix-len", "48",
+                 "--shared-prefix-question-len", "8", "--shared-prefix-output-len", "3",
+                 "--sweep-concurrency", "1,2", "--request-rate", "50", "--disable-tqdm",
+                 "--json", str(out), "--plot", str(png)]) == 0
+    doc = json.loads(out.read_text())
+    assert [r["max_concurrency"] for r in doc["runs"]] == [1, 2]
+    for run in doc["runs"]:
+        assert set(run) >= SERVE_KEYS
+        assert run["completed"] == 3 and run["failed"] == 0
+    assert _png(png)
+
+
+def test_bench_serve_reports_unreachable_server(capsys: pytest.CaptureFixture) -> None:
+    port = _free_port()  # nothing listens there
+    rc = main(["bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--num-prompts", "1",
+               "--random-input-len", "4", "--random-output-len", "2", "--disable-tqdm"])
+    assert rc == 2
+    assert "cannot list models" in capsys.readouterr().err

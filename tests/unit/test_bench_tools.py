@@ -1,0 +1,99 @@
+"""Benchmark plumbing without a model: SSE parsing and metrics of ``bench serve`` against a
+mock transport, and ``bench compare``'s reporting of missing peers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import httpx
+
+from radixserve.bench import compare, serve
+from radixserve.bench.datasets import BenchPrompt
+
+
+def _sse(chunks: list[dict]) -> bytes:
+    return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + \
+        b"data: [DONE]\n\n"
+
+
+def _run(handler, api: str = "completions") -> serve.RequestResult:  # noqa: ANN001
+    async def go() -> serve.RequestResult:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            body = serve.build_payload(BenchPrompt([1, 2, 3], 3, "hi", "sys"), api, "m", True,
+                                       0.0)
+            return await serve.send_request(client, "http://x" + serve.ENDPOINTS[api], body,
+                                             api, 3)
+    return asyncio.run(go())
+
+
+def test_send_request_parses_stream_and_usage() -> None:
+    seen = {}
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        seen.update(json.loads(req.content))
+        return httpx.Response(200, content=_sse([
+            {"choices": [{"text": "a"}]}, {"choices": [{"text": "b"}]},
+            {"choices": [{"text": "c", "finish_reason": "length"}]},
+            {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3,
+                                      "prompt_tokens_details": {"cached_tokens": 4}}}]))
+
+    r = _run(handler)
+    assert r.ok and r.output_tokens == 3 and r.prompt_len == 7 and r.cached_tokens == 4
+    assert len(r.itl) == 2 and r.ttft > 0 and r.latency >= r.ttft
+    assert seen["prompt"] == "syshi" and seen["ignore_eos"] is True and seen["stream"] is True
+    assert seen["stream_options"] == {"include_usage": True}
+
+
+def test_send_request_chat_counts_chunks_without_usage() -> None:
+    def handler(req: httpx.Request) -> httpx.Response:
+        body = json.loads(req.content)
+        assert body["messages"][0] == {"role": "system", "content": "sys"}
+        return httpx.Response(200, content=_sse([
+            {"choices": [{"delta": {"role": "assistant"}}]},
+            {"choices": [{"delta": {"content": "x"}}]},
+            {"choices": [{"delta": {"content": "y"}, "finish_reason": "stop"}]}]))
+
+    r = _run(handler, "chat")
+    assert r.ok and r.output_tokens == 2 and r.cached_tokens is None
+
+
+def test_stream_cut_short_is_a_failure() -> None:
+    # llama-cpp-python's server ends a stream early when another request interrupts it
+    r = _run(lambda req: httpx.Response(200, content=_sse([{"choices": [{"text": "a"}]}])))
+    assert not r.ok and "finish_reason" in r.error
+
+
+def test_send_request_http_error_is_a_failure() -> None:
+    r = _run(lambda req: httpx.Response(400, json={"error": {"message": "bad"}}))
+    assert not r.ok and "HTTP 400" in r.error
+
+
+def test_summarize_keys_and_tpot() -> None:
+    rs = [serve.RequestResult(ok=True, prompt_len=10, output_tokens=5, ttft=0.1, latency=0.5,
+                              itl=[0.1] * 4),
+          serve.RequestResult(ok=False, error="boom")]
+    m = serve.summarize(rs, 1.0)
+    assert m["completed"] == 1 and m["failed"] == 1 and m["errors"] == ["boom"]
+    assert abs(m["mean_tpot_ms"] - 100.0) < 1e-6
+    assert m["output_throughput"] == 5.0 and m["total_token_throughput"] == 15.0
+    assert m["cached_prompt_tokens"] is None
+
+
+def test_compare_reports_missing_peers(tmp_path: Path) -> None:
+    st = compare.peer_status(str(tmp_path / "no-venv"), ("llama.cpp", "vllm"))
+    for name in ("llama.cpp", "vllm"):
+        assert st[name]["available"] is False and "make bench-peers" in st[name]["reason"]
+    doc = {"offline": {"radixserve": {"output_tokens_per_s": 100.0, "total_tokens_per_s": 150.0},
+                       "transformers": {"output_tokens_per_s": 50.0,
+                                        "total_tokens_per_s": 75.0},
+                       "vllm": {"status": "unavailable", "reason": st["vllm"]["reason"]}},
+           "serve": {"radixserve": {"runs": [{"max_concurrency": 1, "output_throughput": 40.0,
+                                              "median_ttft_ms": 1.0, "median_tpot_ms": 2.0,
+                                              "failed": 0}]},
+                     "llama.cpp": {"status": "unavailable", "reason": "not installed"}}}
+    doc["ratios"] = compare.ratios(doc)
+    assert doc["ratios"]["offline"] == {"transformers": 2.0}
+    table = compare.format_table(doc)
+    assert "vllm" in table and "unavailable" in table and "llama.cpp" in table
