@@ -145,3 +145,17 @@ def test_bench_serve_reports_unreachable_server(capsys: pytest.CaptureFixture) -
                "--random-input-len", "4", "--random-output-len", "2", "--disable-tqdm"])
     assert rc == 2
     assert "cannot list models" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bench_prefix_ttft(tmp_path: Path) -> None:
+    out = tmp_path / "prefix.json"
+    assert main(["bench", "prefix", "--prefix-len", "64", "--suffix-len", "8", "--repeats", "2",
+                 "--num-pages", "64", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    for key in ("prefix_len", "suffix_len", "ttft_cached_s", "ttft_uncached_s", "speedup",
+                "cached_tokens", "samples_cached_s", "samples_uncached_s", "model", "dtype"):
+        assert key in res, key
+    # the prefix really was served from the cache (whole pages of it)
+    assert all(n >= 64 - 16 for n in res["cached_tokens"])
+    assert len(res["samples_cached_s"]) == 2

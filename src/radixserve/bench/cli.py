@@ -78,6 +78,21 @@ def cmd_offline(ns: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------- overhead
+def cmd_prefix(ns: argparse.Namespace) -> int:
+    from radixserve.bench.prefix import run_prefix_ttft
+    from radixserve.cli import engine_config_from_args
+
+    cfg = engine_config_from_args(ns)
+    kwargs = {k: v for k, v in vars(cfg).items() if k != "extra"}
+    try:
+        res = run_prefix_ttft(kwargs, ns.prefix_len, ns.suffix_len, ns.repeats, ns.seed)
+    except ValueError as e:
+        print(f"radixserve: error: {e}", file=sys.stderr)
+        return 2
+    _write(res, ns.json)
+    return 0
+
+
 def cmd_overhead(ns: argparse.Namespace) -> int:
     from radixserve.bench import overhead
 
@@ -304,3 +319,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--json", default=None)
     c.add_argument("--plot", default=None)
     c.set_defaults(func=cmd_compare)
+
+    x = bsub.add_parser("prefix", help="TTFT with a cached long prefix vs prefix caching off")
+    x.add_argument("--prefix-len", type=int, default=1000)
+    x.add_argument("--suffix-len", type=int, default=32)
+    x.add_argument("--repeats", type=int, default=5)
+    x.add_argument("--seed", type=int, default=0)
+    x.add_argument("--json", default=None)
+    add_engine_args(x, skip=("seed", "enable_prefix_caching"))
+    x.set_defaults(func=cmd_prefix)
