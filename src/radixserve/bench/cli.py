@@ -52,7 +52,8 @@ def cmd_offline(ns: argparse.Namespace) -> int:
         else:
             special = set(tok.all_special_ids)
             prompts = random_prompts(ns.num_prompts, ns.input_len, ns.output_len,
-                                     ns.range_ratio, len(tok), ns.seed, special)
+                                     ns.range_ratio, len(tok), ns.seed, special,
+                                     ns.output_range_ratio)
     except ValueError as e:
         return _err(str(e))
     kwargs = {k: v for k, v in vars(cfg).items() if k != "extra"}
@@ -222,6 +223,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--output-len", type=int, default=128)
     o.add_argument("--range-ratio", type=float, default=0.0,
                    help="lengths uniform in [len*(1-r), len]")
+    o.add_argument("--output-range-ratio", type=float, default=None,
+                   help="the same for output lengths (default: --range-ratio)")
     o.add_argument("--dataset", default=None, help="ShareGPT-format JSON file")
     o.add_argument("--no-ignore-eos", action="store_true")
     o.add_argument("--compare-transformers", action="store_true",

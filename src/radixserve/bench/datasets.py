@@ -28,14 +28,16 @@ class BenchPrompt:
 
 
 def random_prompts(num: int, input_len: int, output_len: int, range_ratio: float,
-                   vocab_size: int, seed: int = 0, avoid: set[int] | None = None
-                   ) -> list[BenchPrompt]:
+                   vocab_size: int, seed: int = 0, avoid: set[int] | None = None,
+                   output_range_ratio: float | None = None) -> list[BenchPrompt]:
     """``num`` prompts of uniformly random tokens, lengths uniform in
     ``[input_len * (1 - range_ratio), input_len]`` (vLLM's ``--random-range-ratio``); output
-    lengths likewise. Token ids in ``avoid`` (special tokens) are never used."""
+    lengths likewise, with ``output_range_ratio`` when given. Token ids in ``avoid`` (special
+    tokens) are never used."""
     rng = np.random.default_rng(seed)
     lo_in = max(1, int(input_len * (1 - range_ratio)))
-    lo_out = max(1, int(output_len * (1 - range_ratio)))
+    out_ratio = range_ratio if output_range_ratio is None else output_range_ratio
+    lo_out = max(1, int(output_len * (1 - out_ratio)))
     allowed = np.setdiff1d(np.arange(vocab_size), np.fromiter(avoid or (), dtype=np.int64))
     out = []
     for _ in range(num):
