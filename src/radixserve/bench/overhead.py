@@ -127,6 +127,8 @@ def run_case(batch_size: int, mode: str, cfg: OverheadConfig,
         max_model_len=max_model_len, step_timers=True, disable_overlap=not cfg.overlap)
     runner = NullRunner(num_pages, max_model_len, cfg.vocab_size)
     core = EngineCore(ecfg, runner=runner, vocab_size=cfg.vocab_size)
+    gc.collect()
+    gc.freeze()  # as the engine-core process does after start-up
     for i in range(batch_size):
         ids = rng.integers(3, cfg.vocab_size, cfg.prompt_len, dtype=np.int32)
         core.add_request(_request(f"d{i}", ids, gen_len))

@@ -24,6 +24,7 @@ A request the core rejects (``EngineCore.add_request`` raises ValueError) become
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -224,6 +225,10 @@ def run_engine_process(input_addr: str, output_addr: str, config: EngineConfig,
     try:
         try:
             engine = build_engine(config, null_model, null_step_s)
+            # everything built so far lives as long as the process: keep the cyclic GC from
+            # rescanning it on every collection during serving
+            gc.collect()
+            gc.freeze()
             sockets.handshake(timeout_s=HANDSHAKE_TIMEOUT_S, info=hello_info(engine))
         except KeyboardInterrupt:
             log.info("engine core: %s during start-up, exiting", pending_signal or "interrupt")
