@@ -21,6 +21,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from radixserve.frontend.tokenizer import bytes_to_unicode  # noqa: E402
 from radixserve.model_executor.loader import (  # noqa: E402
     DEFAULT_MODEL_NAME,
     ModelFiles,
@@ -183,16 +184,8 @@ TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content']
 
 def _byte_level_alphabet() -> list[str]:
     """GPT-2's bytes_to_unicode, as a list indexed by byte value."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-          *range(ord("®"), ord("ÿ") + 1)]
-    cs = bs[:]
-    extra = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + extra)
-            extra += 1
-    return [chr(c) for _, c in sorted(zip(bs, cs, strict=True))]
+    table = bytes_to_unicode()
+    return [table[b] for b in range(256)]
 
 
 def _llama_cpp_permute(w: np.ndarray, n_head: int, n_head_kv: int) -> np.ndarray:

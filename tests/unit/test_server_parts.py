@@ -17,7 +17,7 @@ from radixserve.entrypoints.openai.serving_common import (
     sampling_params_for,
     usage_dict,
 )
-from radixserve.frontend.tokenizer import _BYTE_DECODER, _bytes_to_unicode
+from radixserve.frontend.tokenizer import _BYTE_DECODER, bytes_to_unicode
 from radixserve.sampling_params import SamplingParams
 
 
@@ -121,7 +121,7 @@ def test_completion_logprobs_shape() -> None:
 
 
 def test_byte_level_table_round_trips() -> None:
-    table = _bytes_to_unicode()
+    table = bytes_to_unicode()
     assert len(table) == 256 and len(set(table.values())) == 256
     assert all(_BYTE_DECODER[ch] == b for b, ch in table.items())
     # "Ġ" is the byte-level spelling of a space

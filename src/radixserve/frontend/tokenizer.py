@@ -15,7 +15,7 @@ from typing import Any
 THREAD_ENCODE_CHARS = 8192
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character table (byte-level BPE vocabularies)."""
     bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
           + list(range(ord("®"), ord("ÿ") + 1)))
@@ -29,7 +29,7 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, (chr(c) for c in cs), strict=True))
 
 
-_BYTE_DECODER = {c: b for b, c in _bytes_to_unicode().items()}
+_BYTE_DECODER = {c: b for b, c in bytes_to_unicode().items()}
 
 
 class FrontendTokenizer:
