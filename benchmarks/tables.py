@@ -11,9 +11,11 @@ import json
 import sys
 from typing import Any
 
+from radixserve.bench.overhead import PHASES
+
 
 def overhead(doc: dict[str, Any]) -> str:
-    phases = ("schedule", "prepare", "output", "transport", "total")
+    phases = PHASES
     out = ["| mode | batch | " + " | ".join(phases) + " | total µs / request | median total |",
            "|---|---:|" + "---:|" * (len(phases) + 2)]
     for r in doc["results"]:
