@@ -186,7 +186,7 @@ def test_continuous_batching_matches_alone(default_llm: LLM) -> None:
         out = core.step()
         step += 1
         if out:
-            for o in out.outputs:
+            for o in out.all_outputs():
                 got[o.request_id] += unpack_ids(o.new_token_ids).tolist()
         core.scheduler.check_integrity()
     for i in range(len(ids)):

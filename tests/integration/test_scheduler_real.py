@@ -38,7 +38,7 @@ def run(llm: LLM, prompts: list[list[int]], max_tokens: int, **cfg) -> tuple[dic
             got[rid] = []
         while core.has_unfinished_requests():
             out = core.step()
-            for o in out.outputs if out else []:
+            for o in out.all_outputs() if out else []:
                 got[o.request_id] += unpack_ids(o.new_token_ids).tolist()
     core.shutdown()
     return got, core

@@ -110,17 +110,20 @@ class Harness:
         assert self.steps < MAX_STEPS, "no progress (livelock?)"
         if out is None:
             return
-        for o in out.outputs:
+        for o in out.all_outputs():
             res = self.results[o.request_id]
             assert res.finish is None, f"{o.request_id} got output after finishing ({o})"
             new = unpack_ids(o.new_token_ids).tolist()
             if o.finish_reason == "abort":
                 assert new == []
+            if not res.tokens:  # a request's first output is a full struct
+                assert o.num_prompt_tokens or o.finish_reason == "abort", o
             res.tokens += new
             res.finish = o.finish_reason
             res.stop_reason = o.stop_reason
-            res.num_cached = o.num_cached_tokens
-            res.num_prompt = o.num_prompt_tokens
+            if o.num_prompt_tokens:  # 0: a column-wise decode (carries no prompt info)
+                res.num_cached = o.num_cached_tokens
+                res.num_prompt = o.num_prompt_tokens
 
     def run(self, specs: list[Spec]) -> dict[str, Result]:
         """Add, abort and step per the specs' schedules until everything finished."""
@@ -454,7 +457,7 @@ def test_request_larger_than_pool_is_rejected():
     outs = []
     while h.engine.has_unfinished_requests():
         step = h.engine.step()
-        outs += step.outputs if step else []
+        outs += step.all_outputs() if step else []
     assert sum(len(unpack_ids(o.new_token_ids)) for o in outs) == 6
     assert outs[-1].finish_reason == "length"
     h.check_drained()

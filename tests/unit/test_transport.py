@@ -68,6 +68,10 @@ CORE_MESSAGES = [
         stats=STATS,
     ),
     EngineOutputs(step=5, outputs=[], timestamp=2.0),
+    # column-wise decodes next to a full output
+    EngineOutputs(step=6, outputs=[RequestOutput("r4", pack_ids([9]), num_prompt_tokens=3)],
+                  timestamp=3.0, decode_request_ids=["r5", "r6"],
+                  decode_token_ids=pack_ids([11, 49151])),
     Hello(schema_version=SCHEMA_VERSION),
     EngineError(message="boom"),
 ]
@@ -149,6 +153,22 @@ def test_int32_ids_bytes_round_trip(addrs):
             core.close()
 
     asyncio.run(main())
+
+
+def test_column_wise_decodes_expand_to_outputs():
+    msg = EngineOutputs(7, [RequestOutput("a", pack_ids([5]), finish_reason="length",
+                                          num_prompt_tokens=2, num_cached_tokens=1)], 0.0,
+                        decode_request_ids=["b", "c", "d"],
+                        decode_token_ids=np.array([0, 2**31 - 1, 1000]).astype("<i4").tobytes())
+    assert msg.num_outputs == 4
+    outs = msg.all_outputs()
+    assert [o.request_id for o in outs] == ["a", "b", "c", "d"]
+    assert outs[0] is msg.outputs[0]
+    assert [unpack_ids(o.new_token_ids).tolist() for o in outs[1:]] == [[0], [2**31 - 1], [1000]]
+    # a column-wise decode carries nothing else (the consumer keeps its prompt info)
+    assert all(o.finish_reason is None and o.logprobs is None and o.num_prompt_tokens == 0
+               and o.num_cached_tokens == 0 and o.queue_time is None for o in outs[1:])
+    assert EngineOutputs(1, [], 0.0).all_outputs() == []
 
 
 def _raw(kind: int, addr: str, bind: bool, ctx: zmq.Context) -> zmq.Socket:

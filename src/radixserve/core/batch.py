@@ -38,6 +38,10 @@ class ScheduledBatch:
         epochs: int64 [B - num_decodes] each prefill request's preemption count when
             scheduled; a request preempted
             since holds other pages, so the step's results must not touch its page table.
+        samplers: the requests with ``sample`` set, in order (length S).
+        row_gens: int64 [S] the scheduler's generation of each sampler's row when scheduled
+            (a row's generation changes whenever it is released, so a request whose row still
+            has it has neither finished nor been preempted since); set by the scheduler.
     """
 
     requests: list[Request]
@@ -55,6 +59,8 @@ class ScheduledBatch:
     num_outputs: dict[int, int] | None = None
     penalty_tokens: dict[int, list[int]] | None = None
     epochs: np.ndarray | None = None
+    samplers: list[Request] | None = None
+    row_gens: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -104,4 +110,5 @@ def build_batch(requests: list[Request], num_decodes: int, num_new: list[int],
         seq_lens=seq_lens, page_table=pt, logits_indices=(ends - 1)[sample],
         num_outputs=min_tok or None, penalty_tokens=penalty or None,
         epochs=np.fromiter((r.num_preemptions for r in requests[num_decodes:]),
-                           dtype=np.int64, count=len(requests) - num_decodes))
+                           dtype=np.int64, count=len(requests) - num_decodes),
+        samplers=samplers)

@@ -26,6 +26,7 @@ from radixserve.transport.messages import (
     EngineRequest,
     RequestOutput,
     SchedulerStats,
+    expand_decodes,
     pack_ids,
     unpack_ids,
 )
@@ -150,6 +151,7 @@ class EngineCore:
         if batch is not None:
             self.scheduler.commit(batch)
         outs, self._pending = self._pending, []
+        decoded: tuple[list[str], bytes] = ([], b"")
         forward = 0.0
         if self.overlap:
             fut = self._worker.submit(self._run, batch) if batch is not None else None
@@ -158,13 +160,15 @@ class EngineCore:
                 tw = time.perf_counter()
                 result = prev[1].result()
                 forward = time.perf_counter() - tw  # time spent waiting on the model
-                outs += self._process(prev[0], result)
+                full, decoded = self._process(prev[0], result)
+                outs += full
         elif batch is not None:
             tw = time.perf_counter()
             result = self._run(batch)
             forward = time.perf_counter() - tw
-            outs += self._process(batch, result)
-        if batch is None and self._inflight is None and not outs:
+            full, decoded = self._process(batch, result)
+            outs += full
+        if batch is None and self._inflight is None and not outs and not decoded[0]:
             self._last_prefill = self._last_decode = 0
             return None
         if batch is not None:
@@ -180,7 +184,7 @@ class EngineCore:
             self.timers.prepare.append(prepare)
             self.timers.forward.append(forward)
             self.timers.output.append(t3 - t1 - forward)
-        return EngineOutputs(self.step_count, outs, time.time())
+        return EngineOutputs(self.step_count, outs, time.time(), None, *decoded)
 
     def _run(self, batch: ScheduledBatch) -> SampleResult:
         """Worker side of a step: fill in placeholder inputs from the previous step's sampled
@@ -199,14 +203,22 @@ class EngineCore:
         self._last_sampled[batch.rows[batch.sample]] = result.token_ids
         return result
 
-    def _process(self, batch: ScheduledBatch, result: SampleResult) -> list[RequestOutput]:
+    def _process(self, batch: ScheduledBatch, result: SampleResult
+                 ) -> tuple[list[RequestOutput], tuple[list[str], bytes]]:
+        """Apply a finished step's tokens.
+
+        Returns:
+            the full outputs, and the column-wise decodes: request ids and their tokens as
+            int32 bytes (``EngineOutputs.decode_request_ids`` / ``decode_token_ids``).
+        """
         lp = result.logprobs
-        outs = []
-        for req, tok, row in self.scheduler.resolve(batch, result.token_ids):
-            outs.append(self._output(req, [tok], req.finish_reason,
-                                     None if lp is None or lp[row] is None else [lp[row]]))
-        self.generation_tokens += len(outs)
-        return outs
+        res = self.scheduler.resolve(batch, result.token_ids, plain=lp is None)
+        outs = [self._output(req, [tok], req.finish_reason,
+                             None if lp is None or lp[row] is None else [lp[row]])
+                for req, tok, row in res.full]
+        self.generation_tokens += res.num_outputs
+        ids = [r.request_id for r in res.plain]
+        return outs, (ids, res.plain_tokens.astype("<i4").tobytes())
 
     def drain(self) -> list[RequestOutput]:
         """Wait for the in-flight step (overlap) and return its outputs."""
@@ -214,7 +226,8 @@ class EngineCore:
             return []
         batch, fut = self._inflight
         self._inflight = None
-        return self._process(batch, fut.result())
+        outs, decoded = self._process(batch, fut.result())
+        return outs + expand_decodes(*decoded)
 
     def shutdown(self) -> None:
         """Finish the in-flight step and stop the worker thread."""

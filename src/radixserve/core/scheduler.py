@@ -12,8 +12,10 @@ cache, request back at the front of the waiting queue). This is vLLM V1's schedu
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -21,6 +23,27 @@ from radixserve.core.batch import ScheduledBatch, build_batch
 from radixserve.core.request import Request, Status
 from radixserve.kvcache.manager import KVCacheManager
 from radixserve.transport.messages import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
+
+
+@dataclass
+class Resolved:
+    """The tokens one step sampled, applied by ``Scheduler.resolve``.
+
+    Attributes:
+        full: (request, token, sample row) for each request whose output needs more than its
+            token: its first token, a finished request (``finish_reason`` set), or every
+            request when ``resolve`` was asked for no plain outputs.
+        plain: requests that got one ordinary token: still running, not their first.
+        plain_tokens: int64 [len(plain)] their tokens, in order.
+    """
+
+    full: list[tuple[Request, int, int]]
+    plain: list[Request]
+    plain_tokens: np.ndarray
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.full) + len(self.plain)
 
 
 class Scheduler:
@@ -49,6 +72,16 @@ class Scheduler:
         self.page_table = np.zeros((max_num_seqs, max_pages), dtype=np.int32)
         self.token_table = np.zeros((max_num_seqs, max_model_len + 1), dtype=np.int32)
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
+        # per-row state read by ``resolve`` without visiting requests:
+        #: int64 [rows] bumped each time a row is released
+        self.row_gen = np.zeros(max_num_seqs, dtype=np.int64)
+        #: int64 [rows] prompt length of the row's request
+        self.row_prompt_len = np.zeros(max_num_seqs, dtype=np.int64)
+        #: int64 [rows] output tokens after which the row's request stops for length
+        self.row_limit = np.zeros(max_num_seqs, dtype=np.int64)
+        # every live request's stop and EOS ids (refcounted), and their sorted array
+        self._stop_refs: dict[int, int] = {}
+        self._stop_arr: np.ndarray | None = None
         # cumulative counters for metrics
         self.num_preemptions = 0
         self.prefix_queried_tokens = 0
@@ -67,6 +100,27 @@ class Scheduler:
                 f"{self.kv.num_usable_pages}; lower max_tokens or enlarge the KV cache")
         self.requests[req.request_id] = req
         self.waiting.append(req)
+        self._ref_stop_ids(req, 1)
+
+    def _ref_stop_ids(self, req: Request, delta: int) -> None:
+        """Count ``req``'s stop and EOS ids in (``delta`` 1) or out (-1) of the live set."""
+        refs = self._stop_refs
+        for t in req.stop_ids | req.eos_token_ids:
+            n = refs.get(t, 0) + delta
+            if n > 0:
+                refs[t] = n
+            else:
+                refs.pop(t, None)
+            if n <= 0 or (n == 1 and delta > 0):
+                self._stop_arr = None  # the set changed
+
+    def _stop_candidates(self, tokens: np.ndarray) -> np.ndarray:
+        """bool [N]: which of ``tokens`` may end their request (a live stop or EOS id)."""
+        if self._stop_arr is None:
+            self._stop_arr = np.array(sorted(self._stop_refs), dtype=np.int64)
+        if not self._stop_arr.size:
+            return np.zeros(tokens.shape, dtype=bool)
+        return np.isin(tokens, self._stop_arr)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -100,6 +154,7 @@ class Scheduler:
         pages = self.page_table[req.row, :req.num_pages].copy()
         self.kv.release(req.all_token_ids(), pages, req.num_computed, req.node)
         self.page_table[req.row, :req.num_pages] = 0
+        self.row_gen[req.row] += 1
         self._free_rows.append(req.row)
         req.row, req.num_pages, req.num_matched_pages, req.node = -1, 0, 0, None
         req.num_computed = 0
@@ -113,6 +168,8 @@ class Scheduler:
         req.num_pages = req.num_matched_pages = len(pages)
         self.page_table[row, :len(pages)] = pages
         self.token_table[row, :len(tokens)] = tokens
+        self.row_prompt_len[row] = req.num_prompt_tokens
+        self.row_limit[row] = min(req.max_tokens, self.max_model_len - req.num_prompt_tokens)
         req.num_computed = len(pages) * self.page_size
         req.status = Status.RUNNING
         return True
@@ -211,6 +268,7 @@ class Scheduler:
         t0 = time.perf_counter()
         batch = build_batch(decodes + prefills, len(decodes), [1] * len(decodes) + chunks,
                             self.token_table, self.page_table, self.page_size)
+        batch.row_gens = self.row_gen[batch.rows[batch.sample]]
         self.last_prepare_s = time.perf_counter() - t0
         return batch
 
@@ -234,8 +292,13 @@ class Scheduler:
         """Advance requests as if ``batch`` already ran: KV is counted as computed and each
         sampling request gets a placeholder token (-1) that ``resolve`` fills in. Called right
         after ``schedule`` so the next step can be scheduled while this one runs (overlap)."""
-        for req, n, smp in zip(batch.requests, batch.num_new.tolist(), batch.sample.tolist(),
-                               strict=True):
+        d = batch.num_decodes
+        for req in batch.requests[:d]:  # one token each, always sampling
+            req.num_computed += 1
+            req.output_token_ids.append(-1)
+            req.num_pending += 1
+        for req, n, smp in zip(batch.requests[d:], batch.num_new[d:].tolist(),
+                               batch.sample[d:].tolist(), strict=True):
             req.num_computed += n
             if smp:
                 req.output_token_ids.append(-1)
@@ -244,60 +307,74 @@ class Scheduler:
         rows, at = batch.rows[batch.sample], batch.seq_lens[batch.sample]
         self.token_table[rows, at] = -1
 
-    def resolve(self, batch: ScheduledBatch, sampled: np.ndarray
-                ) -> list[tuple[Request, int, int]]:
+    def resolve(self, batch: ScheduledBatch, sampled: np.ndarray, plain: bool = True
+                ) -> Resolved:
         """Fill in the tokens ``batch`` sampled and apply stop conditions.
+
+        Requests that can only have got an ordinary token (row unchanged since scheduled, not
+        their first token, not a stop/EOS id, below their length limit) are applied with numpy
+        and one short loop; the others go through ``_resolve_one``.
 
         Args:
             sampled: int64 [S] one token per request with ``batch.sample`` set, in order.
+            plain: False puts every request in ``Resolved.full`` (outputs with logprobs).
 
         Returns:
-            (request, token, sample row) for each request that got a new token (finished ones
-            have ``finish_reason``). A request that finished or was aborted meanwhile gets
-            nothing: no extra token, no output.
+            the requests that got a new token (finished ones have ``finish_reason``). A
+            request that finished or was aborted meanwhile gets nothing: no extra token, no
+            output.
         """
         self._cache_prefills(batch)
-        out: list[tuple[Request, int, int]] = []
-        fill_rows: list[int] = []
-        fill_at: list[int] = []
-        fill_tok: list[int] = []
-        k = 0
-        for req, smp in zip(batch.requests, batch.sample.tolist(), strict=True):
-            if not smp:
-                continue
-            tok = int(sampled[k])
-            k += 1
-            if req.status == Status.FINISHED:
-                continue
-            idx = len(req.output_token_ids) - req.num_pending
-            req.output_token_ids[idx] = tok
+        samplers, gens = batch.samplers, batch.row_gens
+        assert samplers is not None and gens is not None
+        sampled = np.asarray(sampled, dtype=np.int64)
+        rows = batch.rows[batch.sample]
+        at = batch.seq_lens[batch.sample]  # where each sampled token goes in its sequence
+        n_out = at - self.row_prompt_len[rows] + 1
+        special = ((self.row_gen[rows] != gens) | (n_out <= 1)
+                   | (n_out >= self.row_limit[rows]) | self._stop_candidates(sampled))
+        if not plain:
+            special[:] = True
+        full: list[tuple[Request, int, int]] = []
+        if special.any():
+            for k in np.flatnonzero(special).tolist():
+                req, tok = samplers[k], int(sampled[k])
+                if self._resolve_one(req, tok):
+                    full.append((req, tok, k))
+            keep = ~special
+            reqs = list(itertools.compress(samplers, keep.tolist()))
+            rows, at, toks = rows[keep], at[keep], sampled[keep]
+        else:
+            reqs, toks = samplers, sampled
+        # plain tokens: their requests still hold the rows they were scheduled with
+        self.token_table[rows, at] = toks
+        for req, tok in zip(reqs, toks.tolist(), strict=True):
+            req.output_token_ids[-req.num_pending] = tok
             req.num_pending -= 1
-            if req.row >= 0:
-                fill_rows.append(req.row)
-                fill_at.append(req.num_prompt_tokens + idx)
-                fill_tok.append(tok)
-            n_out = idx + 1
-            # fast path: most tokens end nothing
-            if (tok in req.stop_ids or tok in req.eos_token_ids or n_out >= req.max_tokens
-                    or req.num_prompt_tokens + n_out >= self.max_model_len):
-                self._check_stop(req, tok, n_out)
-            out.append((req, tok, k - 1))
-            if req.finish_reason is not None and req.row >= 0:
-                # write it now: finishing releases the row
-                self.token_table[fill_rows.pop(), fill_at.pop()] = fill_tok.pop()
-            if req.finish_reason is not None:
-                # drop the placeholder of a step scheduled before we knew it would stop
-                del req.output_token_ids[idx + 1:]
-                req.num_pending = 0
-                req.num_computed = min(req.num_computed, req.num_tokens)
-                if req.status == Status.RUNNING:
-                    self.running.remove(req)
-                else:
-                    self.waiting.remove(req)
-                self.finish(req, req.finish_reason)
-        if fill_rows:
-            self.token_table[fill_rows, fill_at] = fill_tok
-        return out
+        return Resolved(full, reqs, toks)
+
+    def _resolve_one(self, req: Request, tok: int) -> bool:
+        """Apply one sampled token to ``req`` (any case); False if it gets no output."""
+        if req.status == Status.FINISHED:
+            return False
+        idx = len(req.output_token_ids) - req.num_pending
+        req.output_token_ids[idx] = tok
+        req.num_pending -= 1
+        if req.row >= 0:
+            self.token_table[req.row, req.num_prompt_tokens + idx] = tok
+        n_out = idx + 1
+        self._check_stop(req, tok, n_out)
+        if req.finish_reason is not None:
+            # drop the placeholder of a step scheduled before we knew it would stop
+            del req.output_token_ids[idx + 1:]
+            req.num_pending = 0
+            req.num_computed = min(req.num_computed, req.num_tokens)
+            if req.status == Status.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            self.finish(req, req.finish_reason)
+        return True
 
     def _cache_prefills(self, batch: ScheduledBatch) -> None:
         """Insert the prompt pages this batch's prefill chunks completed into the radix tree.
@@ -323,11 +400,11 @@ class Scheduler:
             self.page_table[req.row, :len(pages)] = pages
             req.node, req.num_matched_pages = node, len(pages)
 
-    def update(self, batch: ScheduledBatch, sampled: np.ndarray
-               ) -> list[tuple[Request, int, int]]:
+    def update(self, batch: ScheduledBatch, sampled: np.ndarray, plain: bool = True
+               ) -> Resolved:
         """``commit`` then ``resolve``: one step applied without overlap."""
         self.commit(batch)
-        return self.resolve(batch, sampled)
+        return self.resolve(batch, sampled, plain)
 
     def _check_stop(self, req: Request, tok: int, n_out: int) -> None:
         """Stop rules for the ``n_out``-th generated token ``tok``."""
@@ -345,6 +422,8 @@ class Scheduler:
         """Mark finished and release pages (the computed prefix goes to the radix cache)."""
         if req.row >= 0:
             self._release(req)
+        if req.status != Status.FINISHED:
+            self._ref_stop_ids(req, -1)
         req.status = Status.FINISHED
         req.finish_reason = reason
         self.requests.pop(req.request_id, None)

@@ -167,7 +167,7 @@ class LLM:
                 if step is None:
                     continue
                 stopped: list[str] = []
-                for o in step.outputs:
+                for o in step.all_outputs():
                     entry = track.get(o.request_id)
                     if entry is None:
                         continue
@@ -175,7 +175,8 @@ class LLM:
                     new = unpack_ids(o.new_token_ids).tolist()
                     if new and out.metrics and out.metrics.first_token_time is None:
                         out.metrics.first_token_time = time.time()
-                    out.num_cached_tokens = o.num_cached_tokens
+                    if o.num_prompt_tokens:  # 0: a column-wise decode, which carries none
+                        out.num_cached_tokens = o.num_cached_tokens
                     if new:
                         comp.token_ids.extend(new)
                         detok.add(new)

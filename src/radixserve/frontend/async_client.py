@@ -441,7 +441,7 @@ class AsyncEngineClient:
                         samples = self.step_timings.setdefault(k, [])
                         if len(samples) < MAX_TIMER_SAMPLES:  # nobody scrapes: stay bounded
                             samples.extend(v)
-                for out in msg.outputs:
+                for out in msg.all_outputs():
                     stream = streams.get(out.request_id)
                     if stream is None:
                         continue

@@ -15,7 +15,7 @@ import numpy as np
 from radixserve.sampling_params import SamplingParams
 
 #: Bumped on any incompatible change; checked by the Hello handshake at connect.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 _I32 = struct.Struct("<i")
@@ -80,7 +80,9 @@ class RequestOutput(msgspec.Struct, array_like=True):
         stop_reason: the stop token id that ended it, if any.
         logprobs: per new token, ``[[token_id, logprob], ...]`` chosen token first, then top-N.
         num_prompt_tokens / num_cached_tokens: prompt size and prompt tokens served from the
-            radix cache (sent with every output so the frontend never waits for a separate reply).
+            radix cache. Set in every output sent as a struct (a request's first output always
+            is); 0 in those expanded from ``EngineOutputs``' decode columns, which carry no
+            prompt information: a consumer keeps the values it got (``num_prompt_tokens > 0``).
         error: set when the core rejected the request (finish_reason is then "abort").
         queue_time: seconds from arrival in the core to first being scheduled; set on the
             output that finishes the request (None when it never ran).
@@ -119,12 +121,42 @@ class SchedulerStats(msgspec.Struct):
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True):
-    """Everything one engine step produced, for all requests: one message per step."""
+    """Everything one engine step produced, for all requests: one message per step.
+
+    The common case, a running request that got exactly one new token and nothing else (no
+    finish, no logprobs, not its first token), travels column-wise: its id in
+    ``decode_request_ids`` and its token at the same index of ``decode_token_ids`` (int32
+    bytes, 4 per request). Every other output is a full ``RequestOutput`` in ``outputs``. A
+    request appears at most once per message. ``all_outputs()`` gives both as structs.
+
+    Attributes:
+        outputs: full per-request outputs.
+        decode_request_ids: ids of the column-wise outputs, length D.
+        decode_token_ids: int32 [D] as raw little-endian bytes, one token per id.
+    """
 
     step: int
     outputs: list[RequestOutput]
     timestamp: float
     stats: SchedulerStats | None = None
+    decode_request_ids: list[str] = []
+    decode_token_ids: bytes = b""
+
+    @property
+    def num_outputs(self) -> int:
+        """Requests with an output in this message (both forms)."""
+        return len(self.outputs) + len(self.decode_request_ids)
+
+    def all_outputs(self) -> list[RequestOutput]:
+        """``outputs`` then one ``RequestOutput`` per column-wise decode (``num_prompt_tokens``
+        and ``num_cached_tokens`` 0 in those: see ``RequestOutput``)."""
+        return self.outputs + expand_decodes(self.decode_request_ids, self.decode_token_ids)
+
+
+def expand_decodes(request_ids: list[str], token_ids: bytes) -> list[RequestOutput]:
+    """Column-wise decodes -> one ``RequestOutput`` per request (token bytes sliced, 4 each)."""
+    return [RequestOutput(rid, token_ids[4 * i:4 * i + 4])
+            for i, rid in enumerate(request_ids)]
 
 
 class EngineError(msgspec.Struct, tag="error", array_like=True):

@@ -275,7 +275,8 @@ def apply_output(stream: RequestStream, choice: Choice, out: RequestOutput) -> C
     new = unpack_ids(out.new_token_ids).tolist()
     if new and choice.first_token_time is None:
         choice.first_token_time = time.time()
-    choice.num_cached_tokens = out.num_cached_tokens
+    if out.num_prompt_tokens:  # 0: a column-wise decode, which carries none
+        choice.num_cached_tokens = out.num_cached_tokens
     detok = choice.detok
     text = detok.add(new) if new else ""
     rows = (out.logprobs or []) if choice.want_logprobs else []
