@@ -14,7 +14,7 @@ import types
 import typing
 from collections.abc import Callable
 
-from radixserve.config import DTYPES, SCHEDULE_POLICIES, EngineConfig
+from radixserve.config import ATTENTION_BACKENDS, DTYPES, SCHEDULE_POLICIES, EngineConfig
 
 _SIZE = re.compile(r"^\s*([\d.]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
@@ -30,7 +30,8 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
 
 
-_CHOICES = {"dtype": DTYPES, "schedule_policy": SCHEDULE_POLICIES}
+_CHOICES = {"dtype": DTYPES, "schedule_policy": SCHEDULE_POLICIES,
+            "attention_backend": ATTENTION_BACKENDS}
 _ALIASES = {"enable_prefix_caching": ["--no-prefix-caching", "--no-prefix-cache"]}
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
+ATTENTION_BACKENDS = ("auto", "cpu", "torch")
 
 
 @dataclass
@@ -31,7 +32,8 @@ class EngineConfig:
         step_timers: record per-step schedule/prepare/forward/output timings.
         seed: seed of the engine-wide generator (requests without their own seed).
         num_threads: torch intra-op threads; None leaves torch's default.
-        attention_backend: "torch" (SDPA over gathered pages).
+        attention_backend: "auto" (the CPU paged decode kernel on CPU when it builds, else
+            SDPA), "cpu" (that kernel or an error) or "torch" (SDPA over gathered pages).
     """
 
     model: str | None = None
@@ -49,7 +51,7 @@ class EngineConfig:
     step_timers: bool = False
     seed: int = 0
     num_threads: int | None = None
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -77,8 +79,9 @@ class EngineConfig:
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy={self.schedule_policy!r} is not one of "
                              f"{', '.join(SCHEDULE_POLICIES)}")
-        if self.attention_backend not in ("torch",):
-            raise ValueError(f"attention_backend={self.attention_backend!r} must be 'torch'")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend={self.attention_backend!r} is not one of "
+                             f"{', '.join(ATTENTION_BACKENDS)}")
 
     @classmethod
     def field_names(cls) -> list[str]:

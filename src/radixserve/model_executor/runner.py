@@ -18,6 +18,7 @@ import torch
 
 from radixserve.config import EngineConfig
 from radixserve.core.batch import ScheduledBatch
+from radixserve.model_executor.attention.cpu_kernel import PagedDecodeKernel
 from radixserve.model_executor.attention.torch_backend import AttentionMetadata, KVCache
 from radixserve.model_executor.models.llama import CausalLM, ModelArgs, rope_inv_freq
 from radixserve.model_executor.sampler import SampleResult, sample
@@ -62,6 +63,29 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
         return torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16,
             "float16": torch.float16}[dtype]
+
+
+def select_decode_kernel(backend: str, device: torch.device,
+                         dtype: torch.dtype) -> PagedDecodeKernel | None:
+    """The decode-attention kernel for ``--attention-backend``.
+
+    "auto": the CPU kernel on CPU for float32/bfloat16 when it builds, else torch SDPA;
+    "torch": always SDPA; "cpu": the kernel or an error.
+
+    Raises:
+        ValueError: "cpu" asked for but not possible here (device, dtype or no compiler).
+    """
+    if backend == "torch":
+        return None
+    usable = PagedDecodeKernel.supports(dtype, device)
+    if backend == "cpu" and not usable:
+        raise ValueError(f"attention_backend='cpu' needs device cpu and float32/bfloat16, "
+                         f"got {device} {dtype}")
+    kernel = PagedDecodeKernel.load() if usable else None
+    if backend == "cpu" and kernel is None:
+        raise ValueError("attention_backend='cpu': the CPU attention kernel could not be built "
+                         "(see the log; it needs a C compiler)")
+    return kernel
 
 
 _REQUIRED = ("architectures", "vocab_size", "hidden_size", "intermediate_size",
@@ -144,7 +168,11 @@ class ModelRunner:
         self.num_pages = num_pages
         self.max_model_len = int(min(model_len, (num_pages - 1) * page_size))
         inv_freq, rope_scale = rope_inv_freq(hf_config, args.head_dim)
-        model = CausalLM(args, inv_freq, rope_scale, max(model_len, self.max_model_len) + 1)
+        self.decode_kernel = select_decode_kernel(config.attention_backend, self.device,
+                                                  self.dtype)
+        self.attention_backend = "cpu" if self.decode_kernel is not None else "torch"
+        model = CausalLM(args, inv_freq, rope_scale, max(model_len, self.max_model_len) + 1,
+                         self.decode_kernel)
         model.load_weights(iter_safetensors(files.folder))
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.model.move_rope_tables(self.device)
@@ -157,20 +185,23 @@ class ModelRunner:
             name=files.name, folder=str(files.folder), max_model_len=self.max_model_len,
             vocab_size=args.vocab_size, eos_token_ids=eos_token_ids(files.folder, hf_config),
             dtype=str(self.dtype).removeprefix("torch."), device=str(self.device))
-        log.info("loaded %s: %s on %s, %d KV pages x %d tokens (%.1f MiB)", files.name,
-                 self.dtype, self.device, num_pages, page_size,
-                 num_pages * per_page / 2**20)
+        log.info("loaded %s: %s on %s, %d KV pages x %d tokens (%.1f MiB), %s attention",
+                 files.name, self.dtype, self.device, num_pages, page_size,
+                 num_pages * per_page / 2**20, self.attention_backend)
 
     def _metadata(self, batch: ScheduledBatch) -> AttentionMetadata:
         dev, ps = self.device, self.page_size
         d = batch.num_decodes
-        pt, pd_mask = None, None
+        pt, pd_lens, pd_mask = None, None, None
         if d:
             seq = batch.seq_lens[:d]
             n_pages = int(-(-seq.max() // ps))
             pt = torch.from_numpy(batch.page_table[:d, :n_pages].astype(np.int64)).to(dev)
-            keys = np.arange(n_pages * ps)[None, :] < seq[:, None]
-            pd_mask = torch.from_numpy(keys).to(dev)[:, None, None, :]
+            if self.decode_kernel is not None:
+                pd_lens = torch.from_numpy(seq.astype(np.int64))
+            else:
+                keys = np.arange(n_pages * ps)[None, :] < seq[:, None]
+                pd_mask = torch.from_numpy(keys).to(dev)[:, None, None, :]
         prefill = []
         ends = np.cumsum(batch.num_new)
         pt_np = batch.page_table
@@ -181,7 +212,8 @@ class ModelRunner:
             prefill.append((end - int(batch.num_new[i]), end, ctx, pages))
         return AttentionMetadata(
             slot_mapping=torch.from_numpy(batch.slot_mapping).to(dev), num_decodes=d,
-            decode_page_table=pt, decode_mask=pd_mask, prefill=prefill)
+            decode_page_table=pt, decode_seq_lens=pd_lens, decode_mask=pd_mask,
+            prefill=prefill)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> SampleResult:

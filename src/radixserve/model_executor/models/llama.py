@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixserve.model_executor.attention.cpu_kernel import PagedDecodeKernel
 from radixserve.model_executor.attention.torch_backend import AttentionMetadata, TorchAttention
 
 SUPPORTED_ARCHITECTURES = {
@@ -110,7 +111,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, a: ModelArgs) -> None:
+    def __init__(self, a: ModelArgs, decode_kernel: PagedDecodeKernel | None = None) -> None:
         super().__init__()
         self.a = a
         q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
@@ -124,7 +125,8 @@ class DecoderLayer(nn.Module):
         self.k_norm = nn.Parameter(torch.ones(a.head_dim)) if a.qk_norm else None
         self.gate_up = nn.Parameter(torch.empty(2 * a.intermediate_size, a.hidden_size))
         self.down = nn.Parameter(torch.empty(a.hidden_size, a.intermediate_size))
-        self.attn = TorchAttention(a.num_heads, a.num_kv_heads, a.head_dim, a.head_dim ** -0.5)
+        self.attn = TorchAttention(a.num_heads, a.num_kv_heads, a.head_dim, a.head_dim ** -0.5,
+                                   decode_kernel)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata
@@ -159,14 +161,15 @@ class CausalLM(nn.Module):
         inv_freq: float32 [head_dim // 2] RoPE inverse frequencies; ``rope_scale`` multiplies
             cos/sin (transformers' ``attention_scaling``).
         max_positions: rows of the precomputed cos/sin table.
+        decode_kernel: the CPU paged decode-attention kernel, or None for torch SDPA.
     """
 
     def __init__(self, a: ModelArgs, inv_freq: torch.Tensor, rope_scale: float,
-                 max_positions: int) -> None:
+                 max_positions: int, decode_kernel: PagedDecodeKernel | None = None) -> None:
         super().__init__()
         self.a = a
         self.embed = nn.Parameter(torch.empty(a.vocab_size, a.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(a) for _ in range(a.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(a, decode_kernel) for _ in range(a.num_layers))
         self.norm = nn.Parameter(torch.ones(a.hidden_size))
         self.lm_head = None if a.tie_word_embeddings else nn.Parameter(
             torch.empty(a.vocab_size, a.hidden_size))

@@ -1,0 +1,108 @@
+"""The CPU paged decode-attention kernel against SDPA over the same pages, gathered in torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from radixserve.model_executor.attention.cpu_kernel import PagedDecodeKernel, build
+
+
+@pytest.fixture(scope="module")
+def kernel() -> PagedDecodeKernel:
+    build()  # raises with the compiler's message if the build fails
+    k = PagedDecodeKernel.load()
+    assert k is not None
+    return k
+
+
+def _case(seed: int, b: int, h: int, hkv: int, d: int, page: int, max_len: int,
+          dtype: torch.dtype):
+    g = torch.Generator().manual_seed(seed)
+    n_pages = 1 + b * -(-max_len // page) + 3
+    kv = torch.randn(2, n_pages, page, hkv, d, generator=g).to(dtype)
+    lens = torch.randint(1, max_len + 1, (b,), generator=g)
+    lens[0] = max_len
+    cols = -(-max_len // page)
+    # every sequence gets its own shuffled pages; columns past its length stay the null page 0
+    perm = torch.randperm(n_pages - 1, generator=g) + 1
+    pt = torch.zeros(b, cols, dtype=torch.int64)
+    used = 0
+    for i in range(b):
+        n = -(-int(lens[i]) // page)
+        pt[i, :n] = perm[used:used + n]
+        used += n
+    # q as a slice of a fused [B, H + Hkv, D] tensor: strided like the model's
+    q = torch.randn(b, h + hkv, d, generator=g).to(dtype)[:, :h]
+    return kv, pt, lens, q
+
+
+def _reference(kv, pt, lens, q, scale):
+    b, h, d = q.shape
+    hkv = kv.shape[3]
+    out = torch.empty(b, h, d)
+    for i in range(b):
+        n = int(lens[i])
+        k = kv[0][pt[i]].reshape(-1, hkv, d)[:n].float().transpose(0, 1)
+        v = kv[1][pt[i]].reshape(-1, hkv, d)[:n].float().transpose(0, 1)
+        o = F.scaled_dot_product_attention(q[i].float().unsqueeze(1), k, v, scale=scale,
+                                           enable_gqa=True)
+        out[i] = o.squeeze(1)
+    return out
+
+
+@pytest.mark.parametrize(("b", "h", "hkv", "d", "page", "max_len"), [
+    (1, 4, 4, 64, 16, 1),        # one key
+    (1, 9, 3, 64, 16, 300),      # one sequence: tasks split by KV head
+    (7, 9, 3, 64, 16, 97),       # SmolLM2's GQA shape, odd lengths
+    (16, 8, 2, 128, 1, 40),      # page size 1
+    (5, 6, 1, 24, 4, 33),        # multi-query, D % 8 == 0
+    (6, 4, 2, 20, 3, 29),        # D % 8 != 0: the scalar path
+    (33, 2, 2, 16, 8, 64),       # no GQA
+])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kernel_matches_sdpa_float32(kernel, b, h, hkv, d, page, max_len, threads) -> None:
+    kv, pt, lens, q = _case(b * 100 + d, b, h, hkv, d, page, max_len, torch.float32)
+    out = torch.full((b, h, d), float("nan"))
+    scale = d ** -0.5
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        kernel(q, kv[0], kv[1], pt, lens, out, scale)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out, _reference(kv, pt, lens, q, scale), atol=2e-6, rtol=1e-5)
+
+
+def test_kernel_bfloat16(kernel) -> None:
+    kv, pt, lens, q = _case(3, 5, 9, 3, 64, 16, 70, torch.bfloat16)
+    out = torch.empty(5, 9, 64, dtype=torch.bfloat16)
+    kernel(q, kv[0], kv[1], pt, lens, out, 0.125)
+    ref = _reference(kv, pt, lens, q, 0.125)  # float32 math on the same bf16 inputs
+    torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
+
+
+def test_kernel_rejects_bad_input(kernel) -> None:
+    kv, pt, lens, q = _case(1, 2, 4, 2, 16, 4, 8, torch.float32)
+    out = torch.empty(2, 4, 16)
+    bad = pt.clone()
+    bad[0, 0] = kv.shape[1]  # past the pool
+    with pytest.raises(RuntimeError, match="code 4"):
+        kernel(q, kv[0], kv[1], bad, lens, out, 0.25)
+    with pytest.raises(RuntimeError, match="code 2"):
+        kernel(q, kv[0], kv[1], pt, torch.tensor([9, 1]), out, 0.25)  # > 2 pages x 4
+    with pytest.raises(RuntimeError, match="code 2"):
+        kernel(q, kv[0], kv[1], pt, torch.tensor([0, 1]), out, 0.25)
+    with pytest.raises(ValueError, match="dtypes"):
+        kernel(q.double(), kv[0], kv[1], pt, lens, out, 0.25)
+    with pytest.raises(ValueError, match="int64"):
+        kernel(q, kv[0], kv[1], pt.int(), lens, out, 0.25)
+    with pytest.raises(ValueError, match="contiguous"):
+        kernel(q, kv[0], kv[1], pt, lens, out.transpose(0, 1), 0.25)
+
+
+def test_build_reports_compiler_failure(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path))
+    with pytest.raises(RuntimeError, match="failed"):
+        build(compiler="false")  # a "compiler" that always exits 1
