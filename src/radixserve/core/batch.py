@@ -3,6 +3,7 @@ Python loops)."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,13 +73,15 @@ class ScheduledBatch:
 
 
 def build_batch(requests: list[Request], num_decodes: int, num_new: list[int],
-                token_table: np.ndarray, page_table: np.ndarray, page_size: int
-                ) -> ScheduledBatch:
+                token_table: np.ndarray, page_table: np.ndarray, page_size: int,
+                any_min_tokens: bool = True, any_penalty: bool = True) -> ScheduledBatch:
     """Per-step metadata for ``requests`` from the scheduler's tables.
 
     Args:
         token_table: int32 [rows, max_model_len] token ids per row.
         page_table: int32 [rows, max_pages] page ids per row.
+        any_min_tokens / any_penalty: False when no request can have ``min_tokens`` / a
+            penalty (skips looking for them).
     """
     rows = np.fromiter((r.row for r in requests), dtype=np.int64, count=len(requests))
     start = np.fromiter((r.num_computed for r in requests), dtype=np.int64,
@@ -99,11 +102,12 @@ def build_batch(requests: list[Request], num_decodes: int, num_new: list[int],
         sample[i] = seq_lens[i] == requests[i].num_tokens
     max_pages = int((seq_lens.max() + page_size - 1) // page_size) if len(requests) else 0
     pt = page_table[rows, :max_pages]
-    samplers = [r for r, s in zip(requests, sample.tolist(), strict=True) if s]
-    min_tok = {i: len(r.output_token_ids) for i, r in enumerate(samplers)
-               if r.params.min_tokens}
-    penalty = {i: list(r.output_token_ids) for i, r in enumerate(samplers)
-               if r.needs_penalty_tokens}
+    samplers = (requests if num_decodes == len(requests) or sample.all()
+                else list(itertools.compress(requests, sample.tolist())))
+    min_tok = ({i: len(r.output_token_ids) for i, r in enumerate(samplers)
+                if r.params.min_tokens} if any_min_tokens else None)
+    penalty = ({i: list(r.output_token_ids) for i, r in enumerate(samplers)
+                if r.needs_penalty_tokens} if any_penalty else None)
     return ScheduledBatch(
         requests=requests, num_decodes=num_decodes, rows=rows, start=start, num_new=n,
         sample=sample, input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,

@@ -19,7 +19,7 @@ class Status(enum.Enum):
     FINISHED = 2
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     """A request inside the engine core.
 

@@ -82,6 +82,9 @@ class Scheduler:
         # every live request's stop and EOS ids (refcounted), and their sorted array
         self._stop_refs: dict[int, int] = {}
         self._stop_arr: np.ndarray | None = None
+        # live requests with min_tokens / a penalty (build_batch skips looking when 0)
+        self._num_min_tokens = 0
+        self._num_penalty = 0
         # cumulative counters for metrics
         self.num_preemptions = 0
         self.prefix_queried_tokens = 0
@@ -100,10 +103,13 @@ class Scheduler:
                 f"{self.kv.num_usable_pages}; lower max_tokens or enlarge the KV cache")
         self.requests[req.request_id] = req
         self.waiting.append(req)
-        self._ref_stop_ids(req, 1)
+        self._count_live(req, 1)
 
-    def _ref_stop_ids(self, req: Request, delta: int) -> None:
-        """Count ``req``'s stop and EOS ids in (``delta`` 1) or out (-1) of the live set."""
+    def _count_live(self, req: Request, delta: int) -> None:
+        """Count ``req`` in (``delta`` 1) or out (-1) of the live requests: its stop and EOS
+        ids, and whether it has ``min_tokens`` or a penalty."""
+        self._num_min_tokens += delta * bool(req.params.min_tokens)
+        self._num_penalty += delta * req.needs_penalty_tokens
         refs = self._stop_refs
         for t in req.stop_ids | req.eos_token_ids:
             n = refs.get(t, 0) + delta
@@ -193,32 +199,15 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         """Pick this step's work; None when there is nothing to run."""
         budget = self.max_num_batched_tokens
-        decodes: list[Request] = []
         prefills: list[Request] = []
         chunks: list[int] = []
         # 1. decodes, oldest first; preempt the newest when the pool is short
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n_out = len(req.output_token_ids)
-            n_tok = req.num_prompt_tokens + n_out
-            if (n_tok - req.num_computed != 1 or n_out >= req.max_tokens
-                    or n_tok >= self.max_model_len):
-                i += 1  # prefilling, or its in-flight token is its last (overlap)
-                continue
-            while (req.num_computed >= req.num_pages * self.page_size
-                   and not self._grow(req, req.num_computed + 1)):
-                victim = self.running[-1]
-                self._preempt(victim)
-                if victim is req:
-                    break
-            if req.status != Status.RUNNING:
-                break  # req preempted itself: everything after it is gone too
-            decodes.append(req)
-            budget -= 1
-            i += 1
-        # 2. chunks of running requests still in prefill
-        for req in list(self.running):
+        decodes, others = self._schedule_decodes_fast(budget)
+        if decodes is None:
+            decodes, others = self._schedule_decodes(budget)
+        budget -= len(decodes)
+        # 2. chunks of running requests still in prefill (only those step 1 passed over can be)
+        for req in others:
             if budget <= 0:
                 break
             remaining = req.num_tokens - req.num_computed
@@ -267,10 +256,84 @@ class Scheduler:
             return None
         t0 = time.perf_counter()
         batch = build_batch(decodes + prefills, len(decodes), [1] * len(decodes) + chunks,
-                            self.token_table, self.page_table, self.page_size)
+                            self.token_table, self.page_table, self.page_size,
+                            self._num_min_tokens > 0, self._num_penalty > 0)
         batch.row_gens = self.row_gen[batch.rows[batch.sample]]
         self.last_prepare_s = time.perf_counter() - t0
         return batch
+
+    def _schedule_decodes(self, budget: int) -> tuple[list[Request], list[Request]]:
+        """Step 1 of ``schedule``, one request at a time: each running request in decode takes
+        one token of ``budget`` (oldest first) and, when its next token starts a page, a page;
+        when the pool is short, the newest running request is preempted.
+
+        Returns:
+            (the decodes, the running requests passed over: prefilling, or whose in-flight
+            token is their last), both in ``running`` order.
+        """
+        decodes: list[Request] = []
+        others: list[Request] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            if not self._decode_ready(req):
+                others.append(req)
+                i += 1
+                continue
+            while (req.num_computed >= req.num_pages * self.page_size
+                   and not self._grow(req, req.num_computed + 1)):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is req:
+                    break
+            if req.status != Status.RUNNING:
+                break  # req preempted itself: everything after it is gone too
+            decodes.append(req)
+            budget -= 1
+            i += 1
+        return decodes, others
+
+    def _decode_ready(self, req: Request) -> bool:
+        """``req`` has exactly one token to compute and that token is not its last (overlap:
+        a request whose in-flight token ends it must not decode again)."""
+        n_out = len(req.output_token_ids)
+        n_tok = req.num_prompt_tokens + n_out
+        return (n_tok - req.num_computed == 1 and n_out < req.max_tokens
+                and n_tok < self.max_model_len)
+
+    def _schedule_decodes_fast(self, budget: int
+                               ) -> tuple[list[Request] | None, list[Request]]:
+        """``_schedule_decodes`` when no preemption is needed: one pass that only reads the
+        requests (the ``_decode_ready`` test inlined), then the new pages of every decode
+        entering a page taken in one allocation. Returns (None, []) and changes nothing if
+        the pool cannot give them all."""
+        decodes: list[Request] = []
+        others: list[Request] = []
+        needy: list[Request] = []  # their next token starts a new page
+        ps, max_len = self.page_size, self.max_model_len
+        for req in self.running:
+            if budget <= 0:
+                break
+            n_out = len(req.output_token_ids)
+            n_tok = req.num_prompt_tokens + n_out
+            nc = req.num_computed
+            if n_tok - nc != 1 or n_out >= req.max_tokens or n_tok >= max_len:
+                others.append(req)
+                continue
+            if nc >= req.num_pages * ps:
+                needy.append(req)
+            decodes.append(req)
+            budget -= 1
+        if needy:
+            pages = self.kv.allocate(len(needy))
+            if pages is None:
+                return None, []
+            rows = [r.row for r in needy]
+            cols = [r.num_pages for r in needy]
+            self.page_table[rows, cols] = pages
+            for r in needy:
+                r.num_pages += 1
+        return decodes, others
 
     def _sort_waiting_lpm(self) -> None:
         """Longest cached prefix first (SGLang's ``lpm``); preempted requests keep the front."""
@@ -423,7 +486,7 @@ class Scheduler:
         if req.row >= 0:
             self._release(req)
         if req.status != Status.FINISHED:
-            self._ref_stop_ids(req, -1)
+            self._count_live(req, -1)
         req.status = Status.FINISHED
         req.finish_reason = reason
         self.requests.pop(req.request_id, None)
