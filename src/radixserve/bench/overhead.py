@@ -7,7 +7,7 @@ one token per sampling request instantly, so what is left is the core's own work
 * ``schedule``: picking the step's requests and pages (``Scheduler.schedule`` minus the metadata);
 * ``prepare``: building the step's metadata with numpy (``core.batch.build_batch``);
 * ``output``: applying sampled tokens, stop checks, freeing finished requests and building the
-  per-request ``RequestOutput`` structs;
+  step's outputs (column-wise for plain decodes, ``RequestOutput`` structs for the rest);
 * ``transport``: msgspec-encoding the step's ``EngineOutputs``, sending it over a real ZMQ IPC
   PUSH socket, receiving it on a PULL socket and decoding it, as the frontend would;
 * ``total``: wall time of the whole step (the above plus the null forward and the loop's

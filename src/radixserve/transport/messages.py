@@ -154,9 +154,8 @@ class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True):
 
 
 def expand_decodes(request_ids: list[str], token_ids: bytes) -> list[RequestOutput]:
-    """Column-wise decodes -> one ``RequestOutput`` per request (token bytes sliced, 4 each)."""
-    return [RequestOutput(rid, token_ids[4 * i:4 * i + 4])
-            for i, rid in enumerate(request_ids)]
+    """Column-wise decodes -> one ``RequestOutput`` per request, its token as int32 bytes."""
+    return list(map(RequestOutput, request_ids, map(_I32.pack, unpack_ids(token_ids).tolist())))
 
 
 class EngineError(msgspec.Struct, tag="error", array_like=True):
