@@ -34,6 +34,8 @@ class EngineConfig:
         num_threads: torch intra-op threads; None leaves torch's default.
         attention_backend: "auto" (the CPU paged decode kernel on CPU when it builds, else
             SDPA), "cpu" (that kernel or an error) or "torch" (SDPA over gathered pages).
+        pack_weights: on CPU, pack linear weights once into oneDNN's layout (faster matmuls at
+            decode batch sizes; the dense copies are freed). Ignored on CUDA.
     """
 
     model: str | None = None
@@ -52,6 +54,7 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None
     attention_backend: str = "auto"
+    pack_weights: bool = True
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

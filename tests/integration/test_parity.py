@@ -120,15 +120,18 @@ def _write_tokenizer_stub(path: str) -> None:
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_tiny_random_model_parity(tmp_path, arch: str, backend: str) -> None:
-    """Both attention backends (the CPU decode kernel and torch SDPA) against transformers."""
+    """Both attention backends (the CPU decode kernel and torch SDPA) against transformers;
+    the SDPA run also keeps dense linear weights (the CUDA combination)."""
     from transformers import AutoModelForCausalLM
 
     path = _tiny_model(tmp_path, arch)
     _write_tokenizer_stub(path)
     ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     llm = LLM(model=path, dtype="float32", page_size=4, num_pages=256, attention_backend=backend,
+              pack_weights=backend == "cpu",
               max_num_batched_tokens=48)  # small budget: long prompts prefill in chunks
     assert llm.engine.runner.attention_backend == backend
+    assert llm.engine.runner.packed_weights == (backend == "cpu")
     rng = np.random.default_rng(7)
     prompts = [rng.integers(3, 384, size=n).tolist() for n in (3, 9, 33, 70, 130)]
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5)

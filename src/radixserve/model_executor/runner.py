@@ -175,6 +175,10 @@ class ModelRunner:
                          self.decode_kernel)
         model.load_weights(iter_safetensors(files.folder))
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.packed_weights = bool(
+            config.pack_weights and self.device.type == "cpu"
+            # tuned for decode-sized batches: prefill-sized calls lose only a few %
+            and self.model.pack_linears(batch_hint=min(config.max_num_seqs, 64)))
         self.model.move_rope_tables(self.device)
         self.kv = KVCache(args.num_layers, num_pages, page_size, args.num_kv_heads,
                           args.head_dim, self.dtype, self.device)
@@ -185,9 +189,10 @@ class ModelRunner:
             name=files.name, folder=str(files.folder), max_model_len=self.max_model_len,
             vocab_size=args.vocab_size, eos_token_ids=eos_token_ids(files.folder, hf_config),
             dtype=str(self.dtype).removeprefix("torch."), device=str(self.device))
-        log.info("loaded %s: %s on %s, %d KV pages x %d tokens (%.1f MiB), %s attention",
-                 files.name, self.dtype, self.device, num_pages, page_size,
-                 num_pages * per_page / 2**20, self.attention_backend)
+        log.info("loaded %s: %s on %s, %d KV pages x %d tokens (%.1f MiB), %s attention, "
+                 "%s linears", files.name, self.dtype, self.device, num_pages, page_size,
+                 num_pages * per_page / 2**20, self.attention_backend,
+                 "packed" if self.packed_weights else "dense")
 
     def _metadata(self, batch: ScheduledBatch) -> AttentionMetadata:
         dev, ps = self.device, self.page_size

@@ -19,6 +19,7 @@ from torch import nn
 
 from radixserve.model_executor.attention.cpu_kernel import PagedDecodeKernel
 from radixserve.model_executor.attention.torch_backend import AttentionMetadata, TorchAttention
+from radixserve.model_executor.layers.linear import LinearFn, dense_linear, packed_linear
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -127,6 +128,24 @@ class DecoderLayer(nn.Module):
         self.down = nn.Parameter(torch.empty(a.hidden_size, a.intermediate_size))
         self.attn = TorchAttention(a.num_heads, a.num_kv_heads, a.head_dim, a.head_dim ** -0.5,
                                    decode_kernel)
+        self.qkv_proj: LinearFn = dense_linear(self.qkv, self.qkv_bias)
+        self.o_proj: LinearFn = dense_linear(self.o)
+        self.gate_up_proj: LinearFn = dense_linear(self.gate_up)
+        self.down_proj: LinearFn = dense_linear(self.down)
+
+    def pack_linears(self, batch_hint: int) -> bool:
+        """Pack the four projections for oneDNN (CPU) and free their dense copies.
+
+        Returns False, changing nothing, where packing is not available."""
+        names = ("qkv", "o", "gate_up", "down")
+        ops = [packed_linear(self.get_parameter(n), getattr(self, n + "_bias", None), batch_hint)
+               for n in names]
+        if any(op is None for op in ops):
+            return False
+        for n, op in zip(names, ops, strict=True):
+            setattr(self, n + "_proj", op)
+            self.get_parameter(n).data = torch.empty(0, dtype=self.get_parameter(n).dtype)
+        return True
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata
@@ -134,7 +153,7 @@ class DecoderLayer(nn.Module):
         a = self.a
         residual = h if residual is None else residual + h
         x = rms_norm(residual, self.input_norm, a.rms_norm_eps)
-        qkv = F.linear(x, self.qkv, self.qkv_bias)
+        qkv = self.qkv_proj(x)
         t = x.shape[0]
         nq = a.num_heads
         # Q and K side by side in the fused output: one RoPE call for both
@@ -145,12 +164,12 @@ class DecoderLayer(nn.Module):
                             rms_norm(qk[:, nq:], self.k_norm, a.rms_norm_eps)), dim=1)
         qk = apply_rope(qk, cos, sin)
         o = self.attn.forward(qk[:, :nq], qk[:, nq:], v, kv, meta)
-        h = F.linear(o, self.o)
+        h = self.o_proj(o)
         residual = residual + h
         x = rms_norm(residual, self.post_norm, a.rms_norm_eps)
-        gu = F.linear(x, self.gate_up)
+        gu = self.gate_up_proj(x)
         gate, up = gu.chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down), residual
+        return self.down_proj(F.silu(gate) * up), residual
 
 
 class CausalLM(nn.Module):
@@ -173,12 +192,31 @@ class CausalLM(nn.Module):
         self.norm = nn.Parameter(torch.ones(a.hidden_size))
         self.lm_head = None if a.tie_word_embeddings else nn.Parameter(
             torch.empty(a.vocab_size, a.hidden_size))
+        self._lm_head_proj: LinearFn | None = None
         pos = torch.arange(max_positions, dtype=torch.float32)
         freqs = pos[:, None] * inv_freq[None, :]
         # float32 tables [max_positions, head_dim // 2], kept outside the module's buffers so
         # ``.to(dtype)`` never rounds them
         self.cos_table = freqs.cos() * rope_scale
         self.sin_table = freqs.sin() * rope_scale
+
+    def pack_linears(self, batch_hint: int) -> bool:
+        """Pack every projection and the LM head for oneDNN (CPU float32/bfloat16); the dense
+        layer weights are freed (the embedding stays: token lookup needs it). Call after the
+        weights are loaded and cast. Returns False, changing nothing, where packing is not
+        available.
+
+        Args:
+            batch_hint: tokens per call the packed layout is tuned for (any count works).
+        """
+        w = self.embed if self.lm_head is None else self.lm_head
+        head = packed_linear(w, None, batch_hint)
+        if head is None or not all(layer.pack_linears(batch_hint) for layer in self.layers):
+            return False
+        self._lm_head_proj = head
+        if self.lm_head is not None:
+            self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype)
+        return True
 
     def move_rope_tables(self, device: torch.device) -> None:
         self.cos_table = self.cos_table.to(device)
@@ -197,6 +235,8 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] -> float32 logits [S, vocab]."""
+        if self._lm_head_proj is not None:
+            return self._lm_head_proj(hidden).float()
         w = self.embed if self.lm_head is None else self.lm_head
         return F.linear(hidden, w).float()
 
