@@ -28,7 +28,11 @@ class EngineConfig:
         max_model_len: longest sequence (prompt + output) in tokens; None takes the model's.
         enable_prefix_caching: radix prefix cache; False uses the naive cache.
         schedule_policy: "fcfs" or "lpm" (longest prefix match first, SGLang's cache-aware policy).
-        disable_overlap: run schedule and forward one after the other.
+        disable_overlap: True runs schedule and forward one after the other; False runs the
+            forward in a worker thread while the next step is scheduled (overlap scheduling);
+            None (default) picks overlap on CUDA and no overlap on CPU, where forward and
+            scheduler share the same cores and the forward measured 10-20% slower with a second
+            busy thread beside it (docs/benchmarks.md).
         step_timers: record per-step schedule/prepare/forward/output timings.
         seed: seed of the engine-wide generator (requests without their own seed).
         num_threads: torch intra-op threads; None leaves torch's default.
@@ -49,7 +53,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     schedule_policy: str = "fcfs"
-    disable_overlap: bool = False
+    disable_overlap: bool | None = None
     step_timers: bool = False
     seed: int = 0
     num_threads: int | None = None

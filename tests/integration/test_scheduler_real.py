@@ -56,12 +56,13 @@ def test_outputs_identical_across_cache_overlap_and_preemption(default_llm: LLM)
     prompt_pages = max(-(-len(p) // 16) for p in prompts)
     tiny = 1 + 2 * prompt_pages + 1
     variants = {
-        "radix+overlap": dict(num_pages=4096),
+        "radix+overlap": dict(num_pages=4096, disable_overlap=False),
         "radix, no overlap": dict(num_pages=4096, disable_overlap=True),
-        "naive+overlap": dict(num_pages=4096, enable_prefix_caching=False),
+        "naive+overlap": dict(num_pages=4096, enable_prefix_caching=False,
+                              disable_overlap=False),
         "lpm": dict(num_pages=4096, schedule_policy="lpm"),
         # the shared system-prompt page is counted once with the radix cache
-        "tiny pool, radix+overlap": dict(num_pages=tiny - 1),
+        "tiny pool, radix+overlap": dict(num_pages=tiny - 1, disable_overlap=False),
         "tiny pool, naive, no overlap": dict(num_pages=tiny,
                                              enable_prefix_caching=False,
                                              disable_overlap=True),

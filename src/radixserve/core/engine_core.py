@@ -84,7 +84,10 @@ class EngineCore:
         self.generation_tokens = 0
         self._last_prefill = self._last_decode = 0
         self.check_integrity_each_step = False
-        self.overlap = not config.disable_overlap
+        if config.disable_overlap is None:  # auto: see EngineConfig.disable_overlap
+            self.overlap = getattr(getattr(runner, "device", None), "type", "cpu") == "cuda"
+        else:
+            self.overlap = not config.disable_overlap
         # one thread: steps run strictly in order (see ``step``)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="radixserve-forward")
         self._inflight: tuple[ScheduledBatch, Future[SampleResult]] | None = None
@@ -139,9 +142,9 @@ class EngineCore:
     def step(self) -> EngineOutputs | None:
         """Schedule one step and report finished work; None when there was nothing to do.
 
-        With overlap (the default) the step just scheduled runs in a worker thread while this
-        call turns the previous step's tokens into outputs, so scheduling and output handling
-        hide behind the forward. Steps run one at a time in that thread, in order, so every KV
+        With overlap (the default on CUDA) the step just scheduled runs in a worker thread while
+        this call turns the previous step's tokens into outputs, so scheduling and output
+        handling hide behind the forward. Steps run one at a time in that thread, in order, so every KV
         write of step N happens before any read of step N+1.
         """
         t0 = time.perf_counter()
