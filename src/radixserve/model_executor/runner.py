@@ -18,8 +18,8 @@ import torch
 
 from radixserve.config import EngineConfig
 from radixserve.core.batch import ScheduledBatch
-from radixserve.model_executor.attention.cpu_kernel import PagedDecodeKernel
 from radixserve.model_executor.attention.torch_backend import AttentionMetadata, KVCache
+from radixserve.model_executor.kernels.cpu import CpuKernels
 from radixserve.model_executor.models.llama import CausalLM, ModelArgs, rope_inv_freq
 from radixserve.model_executor.sampler import SampleResult, sample
 
@@ -65,23 +65,24 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
             "float16": torch.float16}[dtype]
 
 
-def select_decode_kernel(backend: str, device: torch.device,
-                         dtype: torch.dtype) -> PagedDecodeKernel | None:
-    """The decode-attention kernel for ``--attention-backend``.
+def select_cpu_kernels(backend: str, device: torch.device,
+                       dtype: torch.dtype) -> CpuKernels | None:
+    """radixserve's CPU kernels (paged decode attention, fused add + RMSNorm) for
+    ``--attention-backend``.
 
-    "auto": the CPU kernel on CPU for float32/bfloat16 when it builds, else torch SDPA;
-    "torch": always SDPA; "cpu": the kernel or an error.
+    "auto": the kernels on CPU for float32/bfloat16 when they build, else torch ops (SDPA);
+    "torch": always torch ops (the reference path); "cpu": the kernels or an error.
 
     Raises:
         ValueError: "cpu" asked for but not possible here (device, dtype or no compiler).
     """
     if backend == "torch":
         return None
-    usable = PagedDecodeKernel.supports(dtype, device)
+    usable = CpuKernels.supports(dtype, device)
     if backend == "cpu" and not usable:
         raise ValueError(f"attention_backend='cpu' needs device cpu and float32/bfloat16, "
                          f"got {device} {dtype}")
-    kernel = PagedDecodeKernel.load() if usable else None
+    kernel = CpuKernels.load() if usable else None
     if backend == "cpu" and kernel is None:
         raise ValueError("attention_backend='cpu': the CPU attention kernel could not be built "
                          "(see the log; it needs a C compiler)")
@@ -168,11 +169,10 @@ class ModelRunner:
         self.num_pages = num_pages
         self.max_model_len = int(min(model_len, (num_pages - 1) * page_size))
         inv_freq, rope_scale = rope_inv_freq(hf_config, args.head_dim)
-        self.decode_kernel = select_decode_kernel(config.attention_backend, self.device,
-                                                  self.dtype)
-        self.attention_backend = "cpu" if self.decode_kernel is not None else "torch"
+        self.kernels = select_cpu_kernels(config.attention_backend, self.device, self.dtype)
+        self.attention_backend = "cpu" if self.kernels is not None else "torch"
         model = CausalLM(args, inv_freq, rope_scale, max(model_len, self.max_model_len) + 1,
-                         self.decode_kernel)
+                         self.kernels)
         model.load_weights(iter_safetensors(files.folder))
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.packed_weights = bool(
@@ -202,7 +202,7 @@ class ModelRunner:
             seq = batch.seq_lens[:d]
             n_pages = int(-(-seq.max() // ps))
             pt = torch.from_numpy(batch.page_table[:d, :n_pages].astype(np.int64)).to(dev)
-            if self.decode_kernel is not None:
+            if self.kernels is not None:
                 pd_lens = torch.from_numpy(seq.astype(np.int64))
             else:
                 keys = np.arange(n_pages * ps)[None, :] < seq[:, None]

@@ -1,6 +1,6 @@
 """Paged attention over the KV pool.
 
-Decodes (one query token each) use the CPU kernel (``cpu_kernel.py``: keys and values read in
+Decodes (one query token each) use the CPU kernel (``kernels/cpu.py``: keys and values read in
 place from their pages) when one is given, else one batched
 ``torch.nn.functional.scaled_dot_product_attention`` call over their gathered pages, padded to
 the longest context and masked (CPU and CUDA). Prefill chunks run one SDPA call per sequence
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from radixserve.model_executor.attention.cpu_kernel import PagedDecodeKernel
+from radixserve.model_executor.kernels.cpu import CpuKernels
 
 
 @dataclass
@@ -80,16 +80,16 @@ class TorchAttention:
     Args:
         num_heads, num_kv_heads, head_dim: attention sizes (GQA when num_kv_heads < num_heads).
         scale: softmax scale.
-        decode_kernel: the CPU paged decode kernel, or None for the SDPA path.
+        kernels: the CPU kernel library (paged decode attention), or None for the SDPA path.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 decode_kernel: PagedDecodeKernel | None = None) -> None:
+                 kernels: CpuKernels | None = None) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
-        self.decode_kernel = decode_kernel
+        self.kernels = kernels
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -103,10 +103,10 @@ class TorchAttention:
         out = q.new_empty(q.shape)  # contiguous, whatever q's strides
         d = meta.num_decodes
         pt = meta.decode_page_table
-        if d and self.decode_kernel is not None and meta.decode_seq_lens is not None:
+        if d and self.kernels is not None and meta.decode_seq_lens is not None:
             assert pt is not None
-            self.decode_kernel(q[:d], k_cache, v_cache, pt, meta.decode_seq_lens, out[:d],
-                               self.scale)
+            self.kernels.paged_decode_attention(q[:d], k_cache, v_cache, pt,
+                                                meta.decode_seq_lens, out[:d], self.scale)
         elif d:
             assert pt is not None and meta.decode_mask is not None
             flat = pt.view(-1)

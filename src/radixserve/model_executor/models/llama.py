@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixserve.model_executor.attention.cpu_kernel import PagedDecodeKernel
 from radixserve.model_executor.attention.torch_backend import AttentionMetadata, TorchAttention
+from radixserve.model_executor.kernels.cpu import CpuKernels
 from radixserve.model_executor.layers.linear import LinearFn, dense_linear, packed_linear
 
 SUPPORTED_ARCHITECTURES = {
@@ -112,7 +112,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, a: ModelArgs, decode_kernel: PagedDecodeKernel | None = None) -> None:
+    def __init__(self, a: ModelArgs, kernels: CpuKernels | None = None) -> None:
         super().__init__()
         self.a = a
         q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
@@ -127,7 +127,8 @@ class DecoderLayer(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(2 * a.intermediate_size, a.hidden_size))
         self.down = nn.Parameter(torch.empty(a.hidden_size, a.intermediate_size))
         self.attn = TorchAttention(a.num_heads, a.num_kv_heads, a.head_dim, a.head_dim ** -0.5,
-                                   decode_kernel)
+                                   kernels)
+        self.kernels = kernels
         self.qkv_proj: LinearFn = dense_linear(self.qkv, self.qkv_bias)
         self.o_proj: LinearFn = dense_linear(self.o)
         self.gate_up_proj: LinearFn = dense_linear(self.gate_up)
@@ -151,8 +152,16 @@ class DecoderLayer(nn.Module):
                 sin: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         a = self.a
-        residual = h if residual is None else residual + h
-        x = rms_norm(residual, self.input_norm, a.rms_norm_eps)
+        fused = self.kernels is not None and h.dtype == torch.float32
+        if fused:
+            # residual updated in place: it is always a tensor this forward created
+            x = self.kernels.add_rms_norm(None if residual is None else h,
+                                          h if residual is None else residual,
+                                          self.input_norm, a.rms_norm_eps)
+            residual = h if residual is None else residual
+        else:
+            residual = h if residual is None else residual + h
+            x = rms_norm(residual, self.input_norm, a.rms_norm_eps)
         qkv = self.qkv_proj(x)
         t = x.shape[0]
         nq = a.num_heads
@@ -165,8 +174,11 @@ class DecoderLayer(nn.Module):
         qk = apply_rope(qk, cos, sin)
         o = self.attn.forward(qk[:, :nq], qk[:, nq:], v, kv, meta)
         h = self.o_proj(o)
-        residual = residual + h
-        x = rms_norm(residual, self.post_norm, a.rms_norm_eps)
+        if fused:
+            x = self.kernels.add_rms_norm(h, residual, self.post_norm, a.rms_norm_eps)
+        else:
+            residual = residual + h
+            x = rms_norm(residual, self.post_norm, a.rms_norm_eps)
         gu = self.gate_up_proj(x)
         gate, up = gu.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up), residual
@@ -180,15 +192,17 @@ class CausalLM(nn.Module):
         inv_freq: float32 [head_dim // 2] RoPE inverse frequencies; ``rope_scale`` multiplies
             cos/sin (transformers' ``attention_scaling``).
         max_positions: rows of the precomputed cos/sin table.
-        decode_kernel: the CPU paged decode-attention kernel, or None for torch SDPA.
+        kernels: the CPU kernel library (paged decode attention, fused add + RMSNorm), or None
+            for torch ops only.
     """
 
     def __init__(self, a: ModelArgs, inv_freq: torch.Tensor, rope_scale: float,
-                 max_positions: int, decode_kernel: PagedDecodeKernel | None = None) -> None:
+                 max_positions: int, kernels: CpuKernels | None = None) -> None:
         super().__init__()
         self.a = a
         self.embed = nn.Parameter(torch.empty(a.vocab_size, a.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(a, decode_kernel) for _ in range(a.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(a, kernels) for _ in range(a.num_layers))
+        self.kernels = kernels
         self.norm = nn.Parameter(torch.ones(a.hidden_size))
         self.lm_head = None if a.tie_word_embeddings else nn.Parameter(
             torch.empty(a.vocab_size, a.hidden_size))
@@ -231,6 +245,8 @@ class CausalLM(nn.Module):
         residual = None
         for layer, kv in zip(self.layers, kv_layers, strict=True):
             h, residual = layer(h, residual, cos, sin, kv, meta)
+        if self.kernels is not None and h.dtype == torch.float32:
+            return self.kernels.add_rms_norm(h, residual, self.norm, self.a.rms_norm_eps)
         return rms_norm(residual + h, self.norm, self.a.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

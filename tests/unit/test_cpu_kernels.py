@@ -1,4 +1,5 @@
-"""The CPU paged decode-attention kernel against SDPA over the same pages, gathered in torch."""
+"""radixserve's CPU kernels: paged decode attention against SDPA over the same pages gathered
+in torch, fused add + RMSNorm against ``F.rms_norm``."""
 
 from __future__ import annotations
 
@@ -6,13 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from radixserve.model_executor.attention.cpu_kernel import PagedDecodeKernel, build
+from radixserve.model_executor.kernels.cpu import CpuKernels, build
 
 
 @pytest.fixture(scope="module")
-def kernel() -> PagedDecodeKernel:
+def kernel() -> CpuKernels:
     build()  # raises with the compiler's message if the build fails
-    k = PagedDecodeKernel.load()
+    k = CpuKernels.load()
     assert k is not None
     return k
 
@@ -69,7 +70,7 @@ def test_kernel_matches_sdpa_float32(kernel, b, h, hkv, d, page, max_len, thread
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        kernel(q, kv[0], kv[1], pt, lens, out, scale)
+        kernel.paged_decode_attention(q, kv[0], kv[1], pt, lens, out, scale)
     finally:
         torch.set_num_threads(before)
     torch.testing.assert_close(out, _reference(kv, pt, lens, q, scale), atol=2e-6, rtol=1e-5)
@@ -78,7 +79,7 @@ def test_kernel_matches_sdpa_float32(kernel, b, h, hkv, d, page, max_len, thread
 def test_kernel_bfloat16(kernel) -> None:
     kv, pt, lens, q = _case(3, 5, 9, 3, 64, 16, 70, torch.bfloat16)
     out = torch.empty(5, 9, 64, dtype=torch.bfloat16)
-    kernel(q, kv[0], kv[1], pt, lens, out, 0.125)
+    kernel.paged_decode_attention(q, kv[0], kv[1], pt, lens, out, 0.125)
     ref = _reference(kv, pt, lens, q, 0.125)  # float32 math on the same bf16 inputs
     torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
 
@@ -89,20 +90,44 @@ def test_kernel_rejects_bad_input(kernel) -> None:
     bad = pt.clone()
     bad[0, 0] = kv.shape[1]  # past the pool
     with pytest.raises(RuntimeError, match="code 4"):
-        kernel(q, kv[0], kv[1], bad, lens, out, 0.25)
+        kernel.paged_decode_attention(q, kv[0], kv[1], bad, lens, out, 0.25)
     with pytest.raises(RuntimeError, match="code 2"):
-        kernel(q, kv[0], kv[1], pt, torch.tensor([9, 1]), out, 0.25)  # > 2 pages x 4
+        kernel.paged_decode_attention(q, kv[0], kv[1], pt, torch.tensor([9, 1]), out, 0.25)  # > 2 pages x 4
     with pytest.raises(RuntimeError, match="code 2"):
-        kernel(q, kv[0], kv[1], pt, torch.tensor([0, 1]), out, 0.25)
+        kernel.paged_decode_attention(q, kv[0], kv[1], pt, torch.tensor([0, 1]), out, 0.25)
     with pytest.raises(ValueError, match="dtypes"):
-        kernel(q.double(), kv[0], kv[1], pt, lens, out, 0.25)
+        kernel.paged_decode_attention(q.double(), kv[0], kv[1], pt, lens, out, 0.25)
     with pytest.raises(ValueError, match="int64"):
-        kernel(q, kv[0], kv[1], pt.int(), lens, out, 0.25)
+        kernel.paged_decode_attention(q, kv[0], kv[1], pt.int(), lens, out, 0.25)
     with pytest.raises(ValueError, match="contiguous"):
-        kernel(q, kv[0], kv[1], pt, lens, out.transpose(0, 1), 0.25)
+        kernel.paged_decode_attention(q, kv[0], kv[1], pt, lens, out.transpose(0, 1), 0.25)
 
 
 def test_build_reports_compiler_failure(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path))
     with pytest.raises(RuntimeError, match="failed"):
         build(compiler="false")  # a "compiler" that always exits 1
+
+
+@pytest.mark.parametrize(("m", "n"), [(1, 576), (3, 17), (130, 576), (64, 2048)])
+@pytest.mark.parametrize("add", [False, True])
+def test_add_rms_norm_matches_torch(kernel, m, n, add) -> None:
+    g = torch.Generator().manual_seed(m * n)
+    x = torch.randn(m, n, generator=g)
+    residual = torch.randn(m, n, generator=g) * 3
+    weight = torch.rand(n, generator=g) + 0.5
+    want_res = residual + x if add else residual.clone()
+    want = F.rms_norm(want_res, (n,), weight, 1e-5)
+    got = kernel.add_rms_norm(x if add else None, residual, weight, 1e-5)
+    torch.testing.assert_close(residual, want_res, atol=0, rtol=0)  # updated in place
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+def test_add_rms_norm_rejects_bad_input(kernel) -> None:
+    r = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="float32"):
+        kernel.add_rms_norm(None, r.double(), torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match="float32"):
+        kernel.add_rms_norm(torch.randn(4, 7), r, torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match="float32"):
+        kernel.add_rms_norm(None, r.t(), torch.ones(4), 1e-6)

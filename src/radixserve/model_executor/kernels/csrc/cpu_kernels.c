@@ -1,9 +1,10 @@
-/* Paged decode attention for CPUs: one query token per sequence, keys and values read in place
- * from the paged KV pool (no gather copy). Built at first use by cpu_kernel.py with
+/* radixserve's CPU kernels: paged decode attention and fused residual add + RMSNorm.
+ * Built at first use by kernels/cpu.py with
  * `cc -O3 -march=native -fopenmp`; it links the libgomp that torch has already loaded, so it
  * shares torch's OpenMP thread pool instead of starting a second one.
  *
- * Layouts (all row-major):
+ * Paged decode attention: one query token per sequence, keys and values read in place from
+ * the paged KV pool (no gather copy). Layouts (all row-major):
  *   q:          [B, H, D] with strides (q_stride_b, q_stride_h, 1)
  *   k/v cache:  [num_pages, P, Hkv, D] contiguous
  *   page_table: int64 [B, pt_cols] (row stride pt_stride), ids < num_pages;
@@ -235,4 +236,28 @@ int rs_paged_decode_attention(int dtype, const void *q, int64_t q_stride_b, int6
         free(buf);
     }
     return failed;
+}
+
+/* residual [M, N] += x (when x is not NULL); out = residual * rsqrt(mean(residual^2) + eps)
+ * * weight, all float32 (transformers' LlamaRMSNorm arithmetic). Rows are split across threads
+ * only when there is enough work to pay for waking them. */
+int rs_add_rms_norm(const float *x, float *residual, const float *weight, float *out, int64_t M,
+                    int64_t N, float eps, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (M * N >= 65536) schedule(static)
+    for (int64_t m = 0; m < M; ++m) {
+        float *r = residual + m * N;
+        if (x != NULL) {
+            const float *xr = x + m * N;
+#pragma omp simd
+            for (int64_t i = 0; i < N; ++i) r[i] += xr[i];
+        }
+        float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < N; ++i) ss += r[i] * r[i];
+        const float inv = 1.f / sqrtf(ss / (float)N + eps);
+        float *o = out + m * N;
+#pragma omp simd
+        for (int64_t i = 0; i < N; ++i) o[i] = (r[i] * inv) * weight[i];
+    }
+    return 0;
 }
