@@ -8,8 +8,8 @@ compiler, loaded with ctypes (which releases the GIL during each call).
 * **Fused residual add + RMSNorm** (vLLM's ``fused_add_rms_norm``): torch's CPU ``rms_norm`` is
   a chain of ~8 small ops, ~50 us per call at batch 1, 61 calls per SmolLM2 step; one call here.
 
-The shared object is cached under ``$RADIXSERVE_CACHE_DIR`` (default
-``~/.cache/radixserve``) ``/kernels/``, keyed by the source, the compiler flags and the CPU's
+The shared object is cached under ``cache_dir("kernels")`` (``~/.cache/radixserve/kernels``
+by default; ``$RADIXSERVE_CACHE_DIR`` or ``$XDG_CACHE_HOME`` move it), keyed by the source, the compiler flags and the CPU's
 flags (it is built with ``-march=native``). No compiler, or a failed build, leaves the torch
 path in use (``load()`` returns None and says why in the log).
 """
@@ -26,6 +26,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+from radixserve.cache_dir import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +46,6 @@ def _cpu_signature() -> str:
     return "\n".join(keep)
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("RADIXSERVE_CACHE_DIR") or Path.home() / ".cache" / "radixserve"
-    return Path(root) / "kernels"
-
-
 def build(compiler: str | None = None) -> Path:
     """Compile the kernel unless a matching build is cached; returns the ``.so`` path.
 
@@ -61,7 +58,7 @@ def build(compiler: str | None = None) -> Path:
     src = SOURCE.read_bytes()
     key = hashlib.sha256(src + " ".join([cc, *CFLAGS]).encode()
                          + _cpu_signature().encode()).hexdigest()[:16]
-    out = cache_dir() / f"cpu_kernels-{key}.so"
+    out = cache_dir("kernels") / f"cpu_kernels-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)

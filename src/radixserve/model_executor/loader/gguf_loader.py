@@ -33,14 +33,14 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from radixserve.cache_dir import cache_dir as radixserve_cache_dir
+
 logger = logging.getLogger(__name__)
 
 CONVERTER_VERSION = 1
 GGUF_MAGIC = b"GGUF"
 MARKER_FILE = "radixserve-gguf.json"
 """Written last into a converted folder: where it came from and how it was converted."""
-CACHE_ENV = "RADIXSERVE_CACHE_DIR"
-"""radixserve's cache root; GGUF conversions go into its ``gguf/`` subfolder."""
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                   "generation_config.json", MARKER_FILE)
 _STALE_TMP_SECONDS = 6 * 3600
@@ -57,17 +57,9 @@ def is_gguf_file(path: Path) -> bool:
 
 
 def default_cache_root() -> Path:
-    """The folder that holds converted GGUF models.
-
-    ``$RADIXSERVE_CACHE_DIR/gguf`` when that variable is set, else
-    ``$XDG_CACHE_HOME/radixserve/gguf`` (``~/.cache/radixserve/gguf`` by default).
-    """
-    env = os.environ.get(CACHE_ENV)
-    if env:
-        return Path(env).expanduser() / "gguf"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "radixserve" / "gguf"
+    """The folder that holds converted GGUF models: ``cache_dir("gguf")``
+    (``~/.cache/radixserve/gguf`` by default; see ``radixserve.cache_dir``)."""
+    return radixserve_cache_dir("gguf")
 
 
 def converted_folder_path(gguf_path: Path, cache_dir: Path | None = None) -> Path:
