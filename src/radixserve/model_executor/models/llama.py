@@ -137,7 +137,8 @@ class DecoderLayer(nn.Module):
     def pack_linears(self, batch_hint: int) -> bool:
         """Pack the four projections for oneDNN (CPU) and free their dense copies.
 
-        Returns False, changing nothing, where packing is not available."""
+        Returns False where packing is not available (decided on the first weight, before
+        anything is freed)."""
         names = ("qkv", "o", "gate_up", "down")
         ops = [packed_linear(self.get_parameter(n), getattr(self, n + "_bias", None), batch_hint)
                for n in names]
@@ -217,7 +218,7 @@ class CausalLM(nn.Module):
     def pack_linears(self, batch_hint: int) -> bool:
         """Pack every projection and the LM head for oneDNN (CPU float32/bfloat16); the dense
         layer weights are freed (the embedding stays: token lookup needs it). Call after the
-        weights are loaded and cast. Returns False, changing nothing, where packing is not
+        weights are loaded and cast. Returns False where packing is not
         available.
 
         Args:
