@@ -8,11 +8,12 @@ import subprocess
 import sys
 
 import msgspec
+import numpy as np
 import pytest
 
 from radixserve import LLM, SamplingParams
 from radixserve.config import EngineConfig
-from radixserve.transport.messages import EngineRequest, pack_ids, unpack_ids
+from radixserve.engine_types import EngineRequest
 
 pytestmark = pytest.mark.slow
 
@@ -178,16 +179,17 @@ def test_continuous_batching_matches_alone(default_llm: LLM) -> None:
     pending = list(range(len(ids)))
     while pending or core.has_unfinished_requests():
         for i in [i for i in pending if arrive_at[i] <= step]:
-            core.add_request(EngineRequest(f"cb-{i}", pack_ids(ids[i]), SamplingParams(
-                temperature=0, max_tokens=max_toks[i], ignore_eos=True),
-                llm.eos_token_ids, 0.0))
+            core.add_request(EngineRequest(
+                request_id=f"cb-{i}", prompt_token_ids=np.asarray(ids[i], dtype=np.int32),
+                sampling_params=SamplingParams(temperature=0, max_tokens=max_toks[i],
+                                               ignore_eos=True)))
             got[f"cb-{i}"] = []
             pending.remove(i)
         out = core.step()
         step += 1
         if out:
             for o in out.all_outputs():
-                got[o.request_id] += unpack_ids(o.new_token_ids).tolist()
+                got[o.request_id] += o.new_token_ids
         core.scheduler.check_integrity()
     for i in range(len(ids)):
         assert got[f"cb-{i}"] == alone[i], f"request {i} differs when batched"

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 
 from radixserve import LLM, SamplingParams
 from radixserve.config import EngineConfig
 from radixserve.core.engine_core import EngineCore
-from radixserve.transport.messages import EngineRequest, pack_ids, unpack_ids
+from radixserve.engine_types import EngineRequest
 
 pytestmark = pytest.mark.slow
 
@@ -32,14 +33,15 @@ def run(llm: LLM, prompts: list[list[int]], max_tokens: int, **cfg) -> tuple[dic
     for group in (prompts[:1], prompts[1:]):
         for p in group:
             rid = str(len(got))
-            core.add_request(EngineRequest(rid, pack_ids(p), SamplingParams(
-                temperature=0, max_tokens=max_tokens, ignore_eos=True), llm.eos_token_ids,
-                time.time()))
+            core.add_request(EngineRequest(
+                request_id=rid, prompt_token_ids=np.asarray(p, dtype=np.int32),
+                sampling_params=SamplingParams(temperature=0, max_tokens=max_tokens,
+                                               ignore_eos=True), arrival_time=time.time()))
             got[rid] = []
         while core.has_unfinished_requests():
             out = core.step()
             for o in out.all_outputs() if out else []:
-                got[o.request_id] += unpack_ids(o.new_token_ids).tolist()
+                got[o.request_id] += o.new_token_ids
     core.shutdown()
     return got, core
 

@@ -27,8 +27,8 @@ from kv_checksum import VOCAB, KVChecksumRunner, expected_output, next_token
 
 from radixserve.config import EngineConfig
 from radixserve.core.engine_core import EngineCore
+from radixserve.engine_types import EngineRequest
 from radixserve.sampling_params import SamplingParams
-from radixserve.transport.messages import EngineRequest, pack_ids, unpack_ids
 
 MAX_STEPS = 20_000
 
@@ -96,8 +96,9 @@ class Harness:
         sp = SamplingParams(temperature=0, max_tokens=spec.max_tokens,
                             ignore_eos=spec.ignore_eos,
                             stop_token_ids=list(spec.stop_ids) or None)
-        self.engine.add_request(EngineRequest(spec.rid, pack_ids(spec.prompt), sp,
-                                              eos_token_ids=list(spec.eos), arrival_time=0.0))
+        self.engine.add_request(EngineRequest(
+            request_id=spec.rid, prompt_token_ids=np.asarray(spec.prompt, dtype=np.int32),
+            sampling_params=sp, eos_token_ids=list(spec.eos)))
         self.results[spec.rid] = Result()
 
     def abort(self, rids: list[str]) -> None:
@@ -113,7 +114,7 @@ class Harness:
         for o in out.all_outputs():
             res = self.results[o.request_id]
             assert res.finish is None, f"{o.request_id} got output after finishing ({o})"
-            new = unpack_ids(o.new_token_ids).tolist()
+            new = list(o.new_token_ids)
             if o.finish_reason == "abort":
                 assert new == []
             if not res.tokens:  # a request's first output is a full struct
@@ -448,17 +449,17 @@ def test_request_larger_than_pool_is_rejected():
     assert h.engine.max_model_len == 16
     with pytest.raises(ValueError, match="KV pool holds 16 tokens"):
         h.engine.add_request(EngineRequest(
-            "big", pack_ids(list(range(20))), SamplingParams(temperature=0, max_tokens=1),
-            eos_token_ids=[], arrival_time=0.0))
+            request_id="big", prompt_token_ids=np.arange(20, dtype=np.int32),
+            sampling_params=SamplingParams(temperature=0, max_tokens=1), eos_token_ids=[]))
     h.check_drained()
     h.engine.add_request(EngineRequest(
-        "long", pack_ids(list(range(10))), SamplingParams(temperature=0, max_tokens=50),
-        eos_token_ids=[], arrival_time=0.0))
+        request_id="long", prompt_token_ids=np.arange(10, dtype=np.int32),
+        sampling_params=SamplingParams(temperature=0, max_tokens=50), eos_token_ids=[]))
     outs = []
     while h.engine.has_unfinished_requests():
         step = h.engine.step()
         outs += step.all_outputs() if step else []
-    assert sum(len(unpack_ids(o.new_token_ids)) for o in outs) == 6
+    assert sum(len(o.new_token_ids) for o in outs) == 6
     assert outs[-1].finish_reason == "length"
     h.check_drained()
 

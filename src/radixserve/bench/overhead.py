@@ -37,9 +37,10 @@ import zmq
 
 from radixserve.config import EngineConfig
 from radixserve.core.engine_core import EngineCore
+from radixserve.engine_types import EngineRequest
 from radixserve.model_executor.null_runner import NullRunner
 from radixserve.sampling_params import SamplingParams
-from radixserve.transport.messages import CoreMessage, EngineRequest, pack_ids
+from radixserve.transport.messages import CoreMessage, step_to_wire
 from radixserve.transport.zmq_io import CoreSockets, Decoder, cleanup_ipc, make_ipc_paths
 
 PHASES = ("schedule", "prepare", "output", "transport", "total")
@@ -97,7 +98,8 @@ class _Transport:
 
 def _request(rid: str, ids: np.ndarray, max_tokens: int) -> EngineRequest:
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return EngineRequest(rid, pack_ids(ids), sp, [], time.time())
+    return EngineRequest(request_id=rid, prompt_token_ids=ids, sampling_params=sp,
+                         arrival_time=time.time(), eos_token_ids=[])
 
 
 def run_case(batch_size: int, mode: str, cfg: OverheadConfig,
@@ -135,7 +137,9 @@ def run_case(batch_size: int, mode: str, cfg: OverheadConfig,
     # prefill everything, then reach steady-state decode
     while core.scheduler.waiting or any(
             r.num_tokens - r.num_computed != 1 for r in core.scheduler.running):
-        transport.roundtrip(core.step())
+        step_out = core.step()
+        if step_out is not None:
+            transport.roundtrip(step_to_wire(step_out))
     n_extra = 0
 
     scheduled: list[tuple[int, int]] = []
@@ -149,7 +153,8 @@ def run_case(batch_size: int, mode: str, cfg: OverheadConfig,
         t0 = time.perf_counter()
         out = core.step()
         t1 = time.perf_counter()
-        transport.roundtrip(out)
+        if out is not None:
+            transport.roundtrip(step_to_wire(out))
         t2 = time.perf_counter()
         scheduled.append((core._last_decode, core._last_prefill))
         return t2 - t0, t2 - t1

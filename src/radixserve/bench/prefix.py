@@ -12,16 +12,17 @@ from typing import Any
 import numpy as np
 
 from radixserve.core.engine_core import EngineCore
+from radixserve.engine_types import EngineRequest
 from radixserve.sampling_params import SamplingParams
-from radixserve.transport.messages import EngineRequest, pack_ids
 
 
 def _ttft(core: EngineCore, rid: str, ids: list[int], eos: list[int]) -> tuple[float, int]:
     """Seconds from submitting ``ids`` to its first token; and its cached prompt tokens."""
     t0 = time.perf_counter()
-    core.add_request(EngineRequest(rid, pack_ids(ids), SamplingParams(temperature=0,
-                                                                      max_tokens=1),
-                                   eos, time.time()))
+    core.add_request(EngineRequest(
+        request_id=rid, prompt_token_ids=np.asarray(ids, dtype=np.int32),
+        sampling_params=SamplingParams(temperature=0, max_tokens=1), arrival_time=time.time(),
+        eos_token_ids=eos))
     first, cached = None, 0
     while core.has_unfinished_requests():
         out = core.step()

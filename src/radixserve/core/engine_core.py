@@ -17,19 +17,18 @@ from radixserve.config import EngineConfig
 from radixserve.core.batch import ScheduledBatch
 from radixserve.core.request import Request
 from radixserve.core.scheduler import Scheduler
+from radixserve.engine_types import (
+    FINISH_ABORT,
+    EngineInfo,
+    EngineRequest,
+    RequestRejected,
+    SchedulerStats,
+    StepOutputs,
+    TokenOutput,
+)
 from radixserve.kvcache.manager import KVCacheManager
 from radixserve.model_executor.runner import StepRunner
 from radixserve.model_executor.sampler import SampleResult
-from radixserve.transport.messages import (
-    FINISH_ABORT,
-    EngineOutputs,
-    EngineRequest,
-    RequestOutput,
-    SchedulerStats,
-    expand_decodes,
-    pack_ids,
-    unpack_ids,
-)
 
 
 @dataclass
@@ -46,6 +45,9 @@ class StepTimers:
         for v in self.__dict__.values():
             v.clear()
         return out
+
+
+_NO_TOKENS = np.empty(0, dtype=np.int32)
 
 
 class EngineCore:
@@ -79,7 +81,7 @@ class EngineCore:
                                    self.max_model_len, config.schedule_policy)
         self.step_count = 0
         self.timers = StepTimers() if config.step_timers else None
-        self._pending: list[RequestOutput] = []
+        self._pending: list[TokenOutput] = []
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self._last_prefill = self._last_decode = 0
@@ -92,6 +94,15 @@ class EngineCore:
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="radixserve-forward")
         self._inflight: tuple[ScheduledBatch, Future[SampleResult]] | None = None
         self._last_sampled = np.zeros(config.max_num_seqs, dtype=np.int64)
+        minfo = getattr(runner, "info", None)
+        self.eos_token_ids: frozenset[int] = frozenset(
+            getattr(minfo, "eos_token_ids", ()) or ())
+        self.info = EngineInfo(
+            model_name=str(getattr(minfo, "name", "")), folder=str(getattr(minfo, "folder", "")),
+            max_model_len=self.max_model_len, vocab_size=int(vocab_size or 0),
+            eos_token_ids=sorted(self.eos_token_ids), dtype=str(getattr(minfo, "dtype", "")),
+            device=str(getattr(minfo, "device", "cpu")), num_pages=num_pages,
+            page_size=config.page_size)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, er: EngineRequest) -> None:
@@ -101,19 +112,21 @@ class EngineCore:
             ValueError: empty prompt, token id out of range, prompt of ``max_model_len`` tokens
                 or more, or a request that can never fit the KV pool.
         """
-        prompt = unpack_ids(er.prompt_token_ids).astype(np.int32)
+        prompt = np.asarray(er.prompt_token_ids, dtype=np.int32)
         n = len(prompt)
         if n == 0:
-            raise ValueError("prompt is empty: at least one token is required")
+            raise RequestRejected("prompt is empty: at least one token is required", "prompt")
         if self.vocab_size is not None and (prompt.min() < 0 or prompt.max() >= self.vocab_size):
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+            raise RequestRejected(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
         if n >= self.max_model_len:
             pool = (self.kv.num_usable_pages * self.config.page_size)
             why = (f"; the KV pool holds {pool} tokens" if pool == self.max_model_len else "")
-            raise ValueError(f"prompt has {n} tokens but max_model_len is {self.max_model_len}"
-                             f"{why} (the prompt must leave room for at least one new token)")
+            raise RequestRejected(
+                f"prompt has {n} tokens but max_model_len is {self.max_model_len}"
+                f"{why} (the prompt must leave room for at least one new token)", "prompt",
+                "context_length_exceeded")
         if er.request_id in self.scheduler.requests:
-            raise ValueError(f"request_id {er.request_id!r} is already running")
+            raise RequestRejected(f"request_id {er.request_id!r} is already running")
         sp = er.sampling_params
         room = self.max_model_len - n
         max_tokens = room if sp.max_tokens is None else min(sp.max_tokens, room)
@@ -121,8 +134,8 @@ class EngineCore:
         if sp.seed is not None and not sp.greedy:
             gen = torch.Generator(device=getattr(self.runner, "device", "cpu"))
             gen.manual_seed(sp.seed)
-        req = Request(er.request_id, prompt, sp, frozenset(er.eos_token_ids), max_tokens,
-                      generator=gen)
+        eos = self.eos_token_ids if er.eos_token_ids is None else frozenset(er.eos_token_ids)
+        req = Request(er.request_id, prompt, sp, eos, max_tokens, generator=gen)
         self.scheduler.add(req)
         self.prompt_tokens += n
 
@@ -139,7 +152,7 @@ class EngineCore:
                 or self._inflight is not None)
 
     # ------------------------------------------------------------------ step
-    def step(self) -> EngineOutputs | None:
+    def step(self) -> StepOutputs | None:
         """Schedule one step and report finished work; None when there was nothing to do.
 
         With overlap (the default on CUDA) the step just scheduled runs in a worker thread while
@@ -154,7 +167,7 @@ class EngineCore:
         if batch is not None:
             self.scheduler.commit(batch)
         outs, self._pending = self._pending, []
-        decoded: tuple[list[str], bytes] = ([], b"")
+        decoded: tuple[list[str], np.ndarray] = ([], _NO_TOKENS)
         forward = 0.0
         if self.overlap:
             fut = self._worker.submit(self._run, batch) if batch is not None else None
@@ -187,7 +200,8 @@ class EngineCore:
             self.timers.prepare.append(prepare)
             self.timers.forward.append(forward)
             self.timers.output.append(t3 - t1 - forward)
-        return EngineOutputs(self.step_count, outs, time.time(), None, *decoded)
+        return StepOutputs(step=self.step_count, outputs=outs, decode_request_ids=decoded[0],
+                           decode_token_ids=decoded[1])
 
     def _run(self, batch: ScheduledBatch) -> SampleResult:
         """Worker side of a step: fill in placeholder inputs from the previous step's sampled
@@ -207,12 +221,12 @@ class EngineCore:
         return result
 
     def _process(self, batch: ScheduledBatch, result: SampleResult
-                 ) -> tuple[list[RequestOutput], tuple[list[str], bytes]]:
+                 ) -> tuple[list[TokenOutput], tuple[list[str], np.ndarray]]:
         """Apply a finished step's tokens.
 
         Returns:
-            the full outputs, and the column-wise decodes: request ids and their tokens as
-            int32 bytes (``EngineOutputs.decode_request_ids`` / ``decode_token_ids``).
+            the full outputs, and the column-wise decodes: request ids and their tokens,
+            int32 [D] (``StepOutputs.decode_request_ids`` / ``decode_token_ids``).
         """
         lp = result.logprobs
         res = self.scheduler.resolve(batch, result.token_ids, plain=lp is None)
@@ -221,16 +235,17 @@ class EngineCore:
                 for req, tok, row in res.full]
         self.generation_tokens += res.num_outputs
         ids = [r.request_id for r in res.plain]
-        return outs, (ids, res.plain_tokens.astype("<i4").tobytes())
+        return outs, (ids, res.plain_tokens.astype(np.int32))
 
-    def drain(self) -> list[RequestOutput]:
-        """Wait for the in-flight step (overlap) and return its outputs."""
+    def drain(self) -> StepOutputs | None:
+        """Wait for the in-flight step (overlap) and return its outputs (None: none ran)."""
         if self._inflight is None:
-            return []
+            return None
         batch, fut = self._inflight
         self._inflight = None
         outs, decoded = self._process(batch, fut.result())
-        return outs + expand_decodes(*decoded)
+        return StepOutputs(step=self.step_count, outputs=outs, decode_request_ids=decoded[0],
+                           decode_token_ids=decoded[1])
 
     def shutdown(self) -> None:
         """Finish the in-flight step and stop the worker thread."""
@@ -238,9 +253,9 @@ class EngineCore:
         self._worker.shutdown(wait=True)
 
     def _output(self, req: Request, new: list[int], finish: str | None,
-                logprobs: list[list[list[float]]] | None = None) -> RequestOutput:
-        return RequestOutput(
-            request_id=req.request_id, new_token_ids=pack_ids(new), finish_reason=finish,
+                logprobs: list[list[list[float]]] | None = None) -> TokenOutput:
+        return TokenOutput(
+            request_id=req.request_id, new_token_ids=new, finish_reason=finish,
             stop_reason=req.stop_reason, logprobs=logprobs,
             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
             queue_time=None if finish is None or req.first_scheduled_time is None
@@ -248,6 +263,8 @@ class EngineCore:
 
     # ------------------------------------------------------------------ stats
     def get_stats(self) -> SchedulerStats:
+        """A snapshot of the scheduler and KV pool (reads only; ``step_timings`` left empty:
+        see ``drain_step_timings``)."""
         s, kv = self.scheduler, self.kv
         used = kv.num_usable_pages - kv.num_free_pages
         return SchedulerStats(
@@ -255,6 +272,9 @@ class EngineCore:
             kv_pages_total=kv.num_usable_pages, kv_pages_cached=kv.num_cached_pages,
             prefix_queried_tokens=s.prefix_queried_tokens, prefix_hit_tokens=s.prefix_hit_tokens,
             num_preemptions=s.num_preemptions, prompt_tokens=self.prompt_tokens,
-            generation_tokens=self.generation_tokens, step_prefill_tokens=self._last_prefill,
-            step_decode_tokens=self._last_decode, num_steps=self.step_count,
-            step_timings=self.timers.drain() if self.timers else {})
+            generation_tokens=self.generation_tokens)
+
+    def drain_step_timings(self) -> dict[str, list[float]]:
+        """Step timer samples (seconds) recorded since the last call, and forget them; {} when
+        step timers are off."""
+        return self.timers.drain() if self.timers else {}

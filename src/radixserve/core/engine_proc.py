@@ -35,6 +35,7 @@ import traceback
 from typing import Any
 
 from radixserve.config import EngineConfig
+from radixserve.engine_types import RequestRejected
 from radixserve.transport.messages import (
     FINISH_ABORT,
     AbortRequests,
@@ -44,6 +45,8 @@ from radixserve.transport.messages import (
     RequestOutput,
     Shutdown,
     StatsRequest,
+    request_from_wire,
+    step_to_wire,
 )
 from radixserve.transport.zmq_io import CoreSockets, cleanup_ipc
 
@@ -160,7 +163,8 @@ class EngineLoop:
                 self._handle(msg)
             if self.stop_reason is not None:
                 break
-            out = engine.step() if engine.has_unfinished_requests() else None
+            step = engine.step() if engine.has_unfinished_requests() else None
+            out = None if step is None else step_to_wire(step)
             if self._rejected:
                 rejected, self._rejected = self._rejected, []
                 if out is None:
@@ -172,6 +176,7 @@ class EngineLoop:
                 out = EngineOutputs(engine.step_count, [], time.time())
             if out is not None:
                 out.stats = engine.get_stats()
+                out.stats.step_timings = engine.drain_step_timings()
                 self.sockets.send(out)
                 self._dirty = False
         return self.stop_reason
@@ -179,8 +184,8 @@ class EngineLoop:
     def _handle(self, msg: Any) -> None:
         if isinstance(msg, EngineRequest):
             try:
-                self.engine.add_request(msg)
-            except ValueError as e:
+                self.engine.add_request(request_from_wire(msg))
+            except RequestRejected as e:
                 self._rejected.append(RequestOutput(
                     request_id=msg.request_id, new_token_ids=b"", finish_reason=FINISH_ABORT,
                     error=str(e)))

@@ -21,8 +21,8 @@ import numpy as np
 
 from radixserve.core.batch import ScheduledBatch, build_batch
 from radixserve.core.request import Request, Status
+from radixserve.engine_types import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
 from radixserve.kvcache.manager import KVCacheManager
-from radixserve.transport.messages import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
 
 
 @dataclass

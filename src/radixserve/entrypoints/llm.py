@@ -11,15 +11,16 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from radixserve.config import EngineConfig
 from radixserve.core.engine_core import EngineCore
+from radixserve.engine_types import FINISH_STOP, EngineRequest
 from radixserve.frontend.detokenizer import IncrementalDetokenizer
 from radixserve.frontend.tokenizer import FrontendTokenizer
 from radixserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from radixserve.sampling_params import SamplingParams
-from radixserve.transport.messages import FINISH_STOP, EngineRequest, pack_ids, unpack_ids
 
 PromptType = str | dict[str, Any]
 
@@ -152,7 +153,8 @@ class LLM:
                         self.tokenizer, ids, sp.skip_special_tokens, sp.stop,
                         sp.include_stop_str_in_output)
                     self.engine.add_request(EngineRequest(
-                        cid, pack_ids(ids), child, self.eos_token_ids, now))
+                        request_id=cid, prompt_token_ids=np.asarray(ids, dtype=np.int32),
+                        sampling_params=child, arrival_time=now))
                     added.append(cid)
                     track[cid] = (out, comp, detok)
         except Exception:
@@ -172,7 +174,7 @@ class LLM:
                     if entry is None:
                         continue
                     out, comp, detok = entry
-                    new = unpack_ids(o.new_token_ids).tolist()
+                    new = o.new_token_ids
                     if new and out.metrics and out.metrics.first_token_time is None:
                         out.metrics.first_token_time = time.time()
                     if o.num_prompt_tokens:  # 0: a column-wise decode, which carries none

@@ -12,6 +12,8 @@ import struct
 import msgspec
 import numpy as np
 
+from radixserve import engine_types as et
+from radixserve.engine_types import SchedulerStats
 from radixserve.sampling_params import SamplingParams
 
 #: Bumped on any incompatible change; checked by the Hello handshake at connect.
@@ -65,10 +67,7 @@ class StatsRequest(msgspec.Struct, tag="stats_req", array_like=True):
 #: Everything the frontend sends to the engine core.
 ClientMessage = EngineRequest | AbortRequests | Hello | Shutdown | StatsRequest
 
-#: Finish reasons, exactly as OpenAI and vLLM spell them.
-FINISH_STOP = "stop"
-FINISH_LENGTH = "length"
-FINISH_ABORT = "abort"
+from radixserve.engine_types import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP  # noqa: E402,F401
 
 
 class RequestOutput(msgspec.Struct, array_like=True):
@@ -97,27 +96,6 @@ class RequestOutput(msgspec.Struct, array_like=True):
     num_cached_tokens: int = 0
     error: str | None = None
     queue_time: float | None = None
-
-
-class SchedulerStats(msgspec.Struct):
-    """Snapshot of the scheduler for metrics; counters are cumulative since start."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_pages_used: int = 0
-    kv_pages_total: int = 0
-    kv_pages_cached: int = 0
-    prefix_queried_tokens: int = 0
-    prefix_hit_tokens: int = 0
-    num_preemptions: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    step_prefill_tokens: int = 0
-    step_decode_tokens: int = 0
-    num_steps: int = 0
-    #: per-step timer samples (seconds) since the last snapshot, when step timers are on:
-    #: {"schedule": [...], "prepare": [...], "forward": [...], "output": [...]}
-    step_timings: dict[str, list[float]] = {}
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True):
@@ -166,3 +144,25 @@ class EngineError(msgspec.Struct, tag="error", array_like=True):
 
 #: Everything the engine core sends to the frontend.
 CoreMessage = EngineOutputs | Hello | EngineError
+
+
+def request_from_wire(msg: EngineRequest) -> et.EngineRequest:
+    """The engine's own request for a wire request (prompt bytes -> int32 array)."""
+    return et.EngineRequest(request_id=msg.request_id,
+                            prompt_token_ids=unpack_ids(msg.prompt_token_ids),
+                            sampling_params=msg.sampling_params,
+                            arrival_time=msg.arrival_time)
+
+
+def output_to_wire(o: et.TokenOutput) -> RequestOutput:
+    """One full engine output as its wire struct (token ids -> int32 bytes)."""
+    return RequestOutput(o.request_id, pack_ids(o.new_token_ids), o.finish_reason,
+                         o.stop_reason, o.logprobs, o.num_prompt_tokens, o.num_cached_tokens,
+                         o.error, o.queue_time)
+
+
+def step_to_wire(step: et.StepOutputs, stats: SchedulerStats | None = None) -> EngineOutputs:
+    """One engine step's outputs as the wire message (columns stay columns)."""
+    return EngineOutputs(step.step, [output_to_wire(o) for o in step.outputs], 0.0, stats,
+                         step.decode_request_ids,
+                         step.decode_token_ids.astype("<i4", copy=False).tobytes())

@@ -1,0 +1,180 @@
+"""The engine core's own request and output types: what ``EngineCore`` takes and returns
+in-process (the offline ``LLM``), and what the frontend's output processor consumes.
+
+Plain values: token ids are Python lists or numpy arrays, never packed bytes. The engine-core
+process converts them to and from the wire structs (``transport/messages.py``) at its sockets,
+so the wire format stays at the edge. This module sits below ``core``, ``frontend`` and
+``transport``: all three import it, it imports none of them.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+
+from radixserve.sampling_params import SamplingParams
+
+#: Finish reasons, exactly as OpenAI and vLLM spell them.
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_ABORT = "abort"
+
+#: One generated position's logprobs: ``[[token_id, logprob], ...]``, the sampled token first,
+#: then the top N in descending order (the sampled token again where it is among them).
+LogprobRow = list[list[float]]
+
+
+class RequestRejected(ValueError):
+    """The engine cannot take a request (it never ran; nothing of it is left behind).
+
+    Attributes:
+        param: the request field at fault ("prompt", "max_tokens", ...), or None.
+        code: a machine-readable reason ("context_length_exceeded"), or None.
+    """
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+class EngineRequest(msgspec.Struct, kw_only=True):
+    """A new request for the engine core.
+
+    Attributes:
+        request_id: unique among live requests.
+        prompt_token_ids: int32 [P] prompt token ids, P >= 1.
+        sampling_params: how to sample and when to stop (``n`` must be 1: a request with
+            ``n > 1`` is split into ``SamplingParams.children`` first).
+        arrival_time: ``time.time()`` when the API request arrived, seconds.
+        eos_token_ids: ids that end this request instead of the model's own (None: the
+            model's, which the core knows; vLLM's engine request carries the same override).
+    """
+
+    request_id: str
+    prompt_token_ids: np.ndarray
+    sampling_params: SamplingParams
+    arrival_time: float = 0.0
+    eos_token_ids: list[int] | None = None
+
+
+class TokenOutput(msgspec.Struct, kw_only=True, gc=False):
+    """One request's result from one engine step, when it is more than one plain token:
+    its first token, a finish, logprobs, or a rejection.
+
+    Attributes:
+        request_id: the request.
+        new_token_ids: tokens generated this step (usually one; none for an abort/rejection).
+        finish_reason: None while running; "stop" (EOS / stop token), "length" or "abort".
+        stop_reason: the stop token id that ended it, if any.
+        logprobs: one ``LogprobRow`` per new token, when the request asked for logprobs.
+        num_prompt_tokens: prompt length in tokens.
+        num_cached_tokens: prompt tokens served from the radix prefix cache.
+        error: why the engine rejected the request (``finish_reason`` is then "abort").
+        error_param / error_code: see ``RequestRejected``.
+        queue_time: seconds from arrival in the core to first being scheduled; set on the
+            output that finishes the request (None when it never ran).
+    """
+
+    request_id: str
+    new_token_ids: list[int] = []
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+    logprobs: list[LogprobRow] | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+    error_param: str | None = None
+    error_code: str | None = None
+    queue_time: float | None = None
+
+
+class StepOutputs(msgspec.Struct, kw_only=True):
+    """Everything one engine step produced.
+
+    The common case, a running request that got exactly one token and nothing else, is kept
+    column-wise all the way to the output processor: its id in ``decode_request_ids`` and its
+    token at the same index of ``decode_token_ids``. Everything else is a ``TokenOutput`` in
+    ``outputs``. A request appears at most once per step.
+
+    Attributes:
+        step: the engine's step counter when this was produced.
+        outputs: full per-request outputs.
+        decode_request_ids: ids of the column-wise outputs, length D.
+        decode_token_ids: int32 [D], one token per id.
+    """
+
+    step: int
+    outputs: list[TokenOutput] = []
+    decode_request_ids: list[str] = []
+    decode_token_ids: np.ndarray = msgspec.field(
+        default_factory=lambda: np.empty(0, dtype=np.int32))
+
+    @property
+    def num_outputs(self) -> int:
+        """Requests with an output in this step (both forms)."""
+        return len(self.outputs) + len(self.decode_request_ids)
+
+    def all_outputs(self) -> list[TokenOutput]:
+        """``outputs`` then one ``TokenOutput`` per column-wise decode (``num_prompt_tokens``
+        0 in those). For tests and simple consumers: the output processor reads the columns
+        directly instead."""
+        return self.outputs + [TokenOutput(request_id=rid, new_token_ids=[tok])
+                               for rid, tok in zip(self.decode_request_ids,
+                                                   self.decode_token_ids.tolist(), strict=True)]
+
+
+class EngineInfo(msgspec.Struct, kw_only=True, frozen=True):
+    """Facts about the loaded engine that the frontend needs (sent once, at the handshake).
+
+    Attributes:
+        model_name: the model's display name ("SmolLM2-135M-Instruct").
+        folder: Hugging Face folder with the tokenizer and chat template.
+        max_model_len: longest sequence (prompt + output) in tokens.
+        vocab_size: token ids must be below it.
+        eos_token_ids: ids that end generation (the core applies them itself).
+        dtype: "float32", "bfloat16", ... or "null" for the null model.
+        device: "cpu", "cuda", ...
+        num_pages: KV pages in the pool, the null page 0 included.
+        page_size: tokens per KV page.
+        pid: the engine-core process id (0 in-process).
+    """
+
+    model_name: str
+    folder: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    dtype: str
+    device: str
+    num_pages: int
+    page_size: int
+    pid: int = 0
+
+
+class SchedulerStats(msgspec.Struct, kw_only=True):
+    """Snapshot of the scheduler for metrics; counters are cumulative since start.
+
+    Attributes:
+        num_running / num_waiting: requests in each queue.
+        kv_pages_used / kv_pages_total / kv_pages_cached: KV pool occupancy in pages.
+        prefix_queried_tokens / prefix_hit_tokens: prompt tokens looked up in the radix cache
+            and found there.
+        num_preemptions: requests preempted (pages released, recomputed later).
+        prompt_tokens / generation_tokens: tokens accepted and generated.
+        step_timings: per-step timer samples in seconds since the last snapshot, when step
+            timers are on: {"schedule": [...], "prepare": [...], "forward": [...],
+            "output": [...]}.
+    """
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_pages_used: int = 0
+    kv_pages_total: int = 0
+    kv_pages_cached: int = 0
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    num_preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    step_timings: dict[str, list[float]] = {}
