@@ -40,7 +40,7 @@ def add_engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> N
     hints = typing.get_type_hints(EngineConfig)
     g = p.add_argument_group("engine")
     for f in dataclasses.fields(EngineConfig):
-        if f.name in ("extra", *skip):
+        if f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
         t = hints[f.name]
@@ -79,7 +79,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         cfg = engine_config_from_args(ns)
         cfg.seed = ns.seed if ns.seed is not None else 0
         t0 = time.perf_counter()
-        llm = LLM(**{k: v for k, v in dataclasses.asdict(cfg).items() if k != "extra"})
+        llm = LLM(**dataclasses.asdict(cfg))
         t1 = time.perf_counter()
         if ns.chat:
             out = llm.chat([{"role": "user", "content": ns.prompt}], sp, use_tqdm=False)[0]

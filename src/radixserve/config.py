@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
@@ -59,7 +59,6 @@ class EngineConfig:
     num_threads: int | None = None
     attention_backend: str = "auto"
     pack_weights: bool = True
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -92,7 +91,7 @@ class EngineConfig:
 
     @classmethod
     def field_names(cls) -> list[str]:
-        return [f.name for f in dataclasses.fields(cls) if f.name != "extra"]
+        return [f.name for f in dataclasses.fields(cls)]
 
 
 #: Largest request body the HTTP server accepts by default (bytes).

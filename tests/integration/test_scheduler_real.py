@@ -25,8 +25,7 @@ def run(llm: LLM, prompts: list[list[int]], max_tokens: int, **cfg) -> tuple[dic
     """All prompts through a fresh EngineCore sharing ``llm``'s model runner."""
     base = dict(page_size=llm.config.page_size, max_num_seqs=16, max_num_batched_tokens=256)
     base.update(cfg)
-    core = EngineCore(EngineConfig(**base), runner=llm.engine.runner,
-                      vocab_size=llm.model_info.vocab_size)
+    core = EngineCore(EngineConfig(**base), llm.engine.runner)
     core.check_integrity_each_step = True
     got: dict[str, list[int]] = {}
     # the first request runs alone, the rest join after it finished (its prefix is cached)

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from radixserve.core.batch import ScheduledBatch
-from radixserve.model_executor.sampler import SampleResult
+from radixserve.model_executor.forward_batch import ForwardBatch, SampleResult
+from radixserve.model_executor.step_runner import ModelInfo
 
 VOCAB = 1000
 #: The hash is a polynomial over [1] + tokens modulo a Mersenne prime (the leading 1 makes the
@@ -120,29 +121,47 @@ class KVChecksumRunner:
         # With overlap scheduling ``execute`` runs in a worker thread while the engine mutates
         # requests and pages; checks that read that live state only run without overlap.
         self._overlap = False
+        self.device = "cpu"
+        self.info = ModelInfo(name="kv-checksum", folder="", max_model_len=max_model_len,
+                              vocab_size=vocab_size, eos_token_ids=[], dtype="int64",
+                              device="cpu")
+        #: id(ForwardBatch) -> the engine's ScheduledBatch of that step (see ``attach``)
+        self._scheduled: dict[int, ScheduledBatch] = {}
 
     def attach(self, engine) -> KVChecksumRunner:
-        """Enable free-page poisoning and write-target checks against ``engine``'s KV manager."""
+        """Enable free-page poisoning and write-target checks against ``engine``'s KV manager.
+
+        The runner sees only ``ForwardBatch``es; to check them against the requests it wraps
+        the engine's ``schedule`` (test-only) to remember each step's ``ScheduledBatch``."""
         self._engine = engine
         self._overlap = bool(getattr(engine, "overlap", False))
+        schedule = engine.scheduler.schedule
+
+        def remembering_schedule():
+            batch = schedule()
+            if batch is not None:
+                self._scheduled[id(batch.forward)] = batch
+            return batch
+
+        engine.scheduler.schedule = remembering_schedule
         return self
 
     # ------------------------------------------------------------------ checks
-    def _check_metadata(self, batch: ScheduledBatch) -> None:
+    def _check_metadata(self, batch: ForwardBatch, requests: list) -> None:
         ps = self.page_size
         n = batch.num_new
-        b = len(batch.requests)
-        assert batch.rows.shape == (b,) and batch.start.shape == (b,) and n.shape == (b,)
+        b = len(requests)
+        start = batch.seq_lens - n
+        assert batch.rows.shape == (b,) and start.shape == (b,) and n.shape == (b,)
         assert (n >= 1).all(), "a scheduled request computes no token"
         assert (n[:batch.num_decodes] == 1).all(), "a decode computes more than one token"
-        assert len({id(r) for r in batch.requests}) == b, "a request is scheduled twice"
-        assert (batch.seq_lens == batch.start + n).all()
+        assert len({id(r) for r in requests}) == b, "a request is scheduled twice"
         total = int(n.sum())
         assert batch.input_ids.shape == (total,) == batch.positions.shape
         assert batch.slot_mapping.shape == (total,)
         req_idx = np.repeat(np.arange(b), n)
         offsets = np.cumsum(n) - n
-        want_pos = np.arange(total) - np.repeat(offsets, n) + np.repeat(batch.start, n)
+        want_pos = np.arange(total) - np.repeat(offsets, n) + np.repeat(start, n)
         assert (batch.positions == want_pos).all(), "positions"
         want_slot = (batch.page_table[req_idx, batch.positions // ps].astype(np.int64) * ps
                      + batch.positions % ps)
@@ -155,12 +174,14 @@ class KVChecksumRunner:
         if self._overlap:
             return
         # the engine commits a step (placeholder for each token it samples) before running it
-        num_tok = np.array([r.num_tokens - r.num_pending for r in batch.requests],
+        num_tok = np.array([r.num_tokens - r.num_pending for r in requests],
                            dtype=np.int64)
         assert (batch.seq_lens <= num_tok).all()
+        # committed before it runs: each request counts this step's tokens as computed
+        assert (batch.seq_lens == np.array([r.num_computed for r in requests])).all()
         assert (batch.sample == (batch.seq_lens == num_tok)).all()
 
-    def _poison_and_check_targets(self, batch: ScheduledBatch) -> None:
+    def _poison_and_check_targets(self, batch: ForwardBatch) -> None:
         kvm = self._engine.kv
         free = np.fromiter(kvm.pool.free_set(), dtype=np.int64)
         if self._overlap:
@@ -184,17 +205,19 @@ class KVChecksumRunner:
             assert not bad, f"step overwrites radix-tree (shared, immutable) pages {bad}"
 
     # ------------------------------------------------------------------ step
-    def execute(self, batch: ScheduledBatch) -> SampleResult:
+    def execute(self, batch: ForwardBatch) -> SampleResult:
         self.num_steps += 1
         ps = self.page_size
-        self._check_metadata(batch)
+        requests = self._scheduled.pop(id(batch)).requests
+        start = batch.seq_lens - batch.num_new
+        self._check_metadata(batch, requests)
         if self._engine is not None:
             self._poison_and_check_targets(batch)
         if self.record:
             self.batches.append(BatchRecord(
-                [r.request_id for r in batch.requests], batch.num_decodes, batch.start.copy(),
+                [r.request_id for r in requests], batch.num_decodes, start.copy(),
                 batch.num_new.copy(), batch.sample.copy()))
-        for r, s, n in zip(batch.requests, batch.start.tolist(), batch.num_new.tolist(),
+        for r, s, n in zip(requests, start.tolist(), batch.num_new.tolist(),
                            strict=True):
             self.computed[r.request_id].append((s, n))
         flat = self.kv.reshape(-1)

@@ -74,7 +74,7 @@ class Harness:
                          max_num_batched_tokens=max_num_batched_tokens,
                          enable_prefix_caching=enable_prefix_caching,
                          schedule_policy=schedule_policy, disable_overlap=disable_overlap),
-            runner=self.runner, vocab_size=VOCAB)
+            self.runner)
         self.engine.check_integrity_each_step = True
         self.runner.attach(self.engine)
         self.max_model_len = max_model_len
@@ -175,7 +175,7 @@ class Harness:
             assert all(n.lock_ref == 0 for n in kv.tree.all_nodes() if n is not kv.tree.root)
         else:
             assert kv.num_free_pages == kv.num_usable_pages
-        assert not eng.scheduler.page_table.any(), "page table rows left set"
+        assert not eng.scheduler.tables.page_table.any(), "page table rows left set"
 
 
 def need_pages(spec: Spec, page_size: int) -> int:
@@ -198,7 +198,7 @@ def test_checksum_model_detects_a_freed_page_still_in_use():
     h.step()
     h.step()
     req = h.engine.scheduler.running[0]
-    page = int(h.engine.scheduler.page_table[req.row, 1])
+    page = int(h.engine.scheduler.tables.page_table[req.row, 1])
     h.engine.kv.pool.free([page])  # corrupt: a live page on the free list
     # the page is the request's own or (prompt pages are shared after prefill) a tree page
     with pytest.raises(AssertionError, match="free list|both free and cached"):
@@ -220,7 +220,7 @@ def test_checksum_model_detects_a_wrong_page_table_entry():
     h.step()
     sched = h.engine.scheduler
     a, b = sched.running
-    pt = sched.page_table
+    pt = sched.tables.page_table
     pt[a.row, 0], pt[b.row, 0] = pt[b.row, 0], pt[a.row, 0]  # swap two owned pages
     h.step()
     for s in specs:

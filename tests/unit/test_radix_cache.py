@@ -39,7 +39,7 @@ def _children(node):
 
 # ---------------------------------------------------------------------------- PagePool
 def test_page_pool_alloc_free_and_null_page():
-    pool = PagePool(6, 4)
+    pool = PagePool(6)
     assert pool.num_usable == 5 and pool.num_free == 5
     a = pool.alloc(3)
     assert a.dtype == np.int32 and len(set(a.tolist())) == 3 and 0 not in a.tolist()
@@ -56,7 +56,7 @@ def test_page_pool_alloc_free_and_null_page():
 
 
 def test_page_pool_rejects_double_free_and_bad_ids():
-    pool = PagePool(5, 1)
+    pool = PagePool(5)
     a = pool.alloc(2)
     pool.free(a[:1])
     with pytest.raises(ValueError, match="double free"):
@@ -68,7 +68,7 @@ def test_page_pool_rejects_double_free_and_bad_ids():
     with pytest.raises(ValueError, match="out of range"):
         pool.free([5])
     with pytest.raises(ValueError):
-        PagePool(1, 4)
+        PagePool(1)
 
 
 # ---------------------------------------------------------------------------- match / insert

@@ -128,7 +128,7 @@ def run_case(batch_size: int, mode: str, cfg: OverheadConfig,
         max_num_batched_tokens=budget,
         max_model_len=max_model_len, step_timers=True, disable_overlap=not cfg.overlap)
     runner = NullRunner(num_pages, max_model_len, cfg.vocab_size)
-    core = EngineCore(ecfg, runner=runner, vocab_size=cfg.vocab_size)
+    core = EngineCore(ecfg, runner)
     gc.collect()
     gc.freeze()  # as the engine-core process does after start-up
     for i in range(batch_size):
@@ -156,7 +156,7 @@ def run_case(batch_size: int, mode: str, cfg: OverheadConfig,
         if out is not None:
             transport.roundtrip(step_to_wire(out))
         t2 = time.perf_counter()
-        scheduled.append((core._last_decode, core._last_prefill))
+        scheduled.append((core.last_num_decodes, core.last_num_prefill_tokens))
         return t2 - t0, t2 - t1
 
     for _ in range(cfg.warmup):

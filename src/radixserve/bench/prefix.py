@@ -51,10 +51,8 @@ def run_prefix_ttft(engine_kwargs: dict[str, Any], prefix_len: int = 1000,
     suffixes = [rng.choice(allowed, size=suffix_len).tolist() for _ in range(repeats + 1)]
     eos = list(info.eos_token_ids)
     cfg = llm.config
-    on = EngineCore(dataclasses.replace(cfg, enable_prefix_caching=True), llm.engine.runner,
-                    info.vocab_size)
-    off = EngineCore(dataclasses.replace(cfg, enable_prefix_caching=False), llm.engine.runner,
-                     info.vocab_size)
+    on = EngineCore(dataclasses.replace(cfg, enable_prefix_caching=True), llm.engine.runner)
+    off = EngineCore(dataclasses.replace(cfg, enable_prefix_caching=False), llm.engine.runner)
     _ttft(on, "warm", prefix + suffixes[0], eos)  # puts the prefix in the cache
     _ttft(off, "warm", prefix + suffixes[0], eos)  # same warm-up work for fairness
     cached, uncached, hits = [], [], []

@@ -1,7 +1,8 @@
 """The engine core: scheduler + KV cache + model runner, one step at a time (DESIGN §3).
 
-The offline ``LLM`` drives it in-process; the server's engine-core process wraps it in a ZMQ
-loop. Both see the same ``EngineOutputs`` per step.
+It takes ``engine_types.EngineRequest`` and returns ``engine_types.StepOutputs``: plain values,
+no wire format. The offline ``LLM`` drives it in-process; the engine-core process
+(``engine_proc.py``) converts at its sockets.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from radixserve.config import EngineConfig
 from radixserve.core.batch import ScheduledBatch
 from radixserve.core.request import Request
+from radixserve.core.resolver import StepResolver
 from radixserve.core.scheduler import Scheduler
 from radixserve.engine_types import (
     FINISH_ABORT,
@@ -27,8 +29,9 @@ from radixserve.engine_types import (
     TokenOutput,
 )
 from radixserve.kvcache.manager import KVCacheManager
-from radixserve.model_executor.runner import StepRunner
-from radixserve.model_executor.sampler import SampleResult
+from radixserve.kvcache.sizing import pool_max_len
+from radixserve.model_executor.forward_batch import SampleResult
+from radixserve.model_executor.step_runner import StepRunner
 
 
 @dataclass
@@ -55,53 +58,48 @@ class EngineCore:
 
     Args:
         config: engine configuration.
-        runner: the model runner; None loads ``config.model`` into a ``ModelRunner``.
-        vocab_size: token ids must be below it (taken from the runner's model when None).
+        runner: the model runner (``model_executor.runner.build_runner``). The pool uses its
+            KV pages, or fewer when ``config.num_pages`` says so (never more).
 
-    Raises:
-        ValueError: bad configuration or unloadable model (nothing stays half-loaded: the
-            runner is built before any other state).
+    Attributes:
+        info: the engine's facts (model, ``max_model_len``, pool size), typed.
+        max_model_len: longest sequence in tokens.
     """
 
-    def __init__(self, config: EngineConfig, runner: StepRunner | None = None,
-                 vocab_size: int | None = None) -> None:
-        if runner is None:
-            from radixserve.model_executor.runner import ModelRunner
-
-            runner = ModelRunner(config)
-            vocab_size = runner.info.vocab_size
+    def __init__(self, config: EngineConfig, runner: StepRunner) -> None:
         self.config = config
         self.runner = runner
-        self.vocab_size = vocab_size
-        # the pool may use fewer pages than the runner's KV tensors hold (never more)
-        num_pages = min(runner.num_pages, config.num_pages or runner.num_pages)
-        self.max_model_len = min(runner.max_model_len, (num_pages - 1) * config.page_size)
+        minfo = runner.info
+        self.vocab_size = minfo.vocab_size
+        num_pages = (runner.num_pages if config.num_pages is None
+                     else min(runner.num_pages, config.num_pages))
+        self.max_model_len = pool_max_len(num_pages, config.page_size, runner.max_model_len)
         self.kv = KVCacheManager(num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.schedule_policy)
+        self.resolver = StepResolver(self.scheduler.tables, self.scheduler.live,
+                                     self.max_model_len)
         self.step_count = 0
         self.timers = StepTimers() if config.step_timers else None
         self._pending: list[TokenOutput] = []
         self.prompt_tokens = 0
         self.generation_tokens = 0
-        self._last_prefill = self._last_decode = 0
+        #: decode requests and prefill tokens of the last step scheduled
+        self.last_num_decodes = self.last_num_prefill_tokens = 0
         self.check_integrity_each_step = False
         if config.disable_overlap is None:  # auto: see EngineConfig.disable_overlap
-            self.overlap = getattr(getattr(runner, "device", None), "type", "cpu") == "cuda"
+            self.overlap = getattr(runner.device, "type", "cpu") == "cuda"
         else:
             self.overlap = not config.disable_overlap
         # one thread: steps run strictly in order (see ``step``)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="radixserve-forward")
         self._inflight: tuple[ScheduledBatch, Future[SampleResult]] | None = None
         self._last_sampled = np.zeros(config.max_num_seqs, dtype=np.int64)
-        minfo = getattr(runner, "info", None)
-        self.eos_token_ids: frozenset[int] = frozenset(
-            getattr(minfo, "eos_token_ids", ()) or ())
+        self.eos_token_ids: frozenset[int] = frozenset(minfo.eos_token_ids)
         self.info = EngineInfo(
-            model_name=str(getattr(minfo, "name", "")), folder=str(getattr(minfo, "folder", "")),
-            max_model_len=self.max_model_len, vocab_size=int(vocab_size or 0),
-            eos_token_ids=sorted(self.eos_token_ids), dtype=str(getattr(minfo, "dtype", "")),
-            device=str(getattr(minfo, "device", "cpu")), num_pages=num_pages,
+            model_name=minfo.name, folder=minfo.folder, max_model_len=self.max_model_len,
+            vocab_size=minfo.vocab_size, eos_token_ids=sorted(self.eos_token_ids),
+            dtype=minfo.dtype, device=str(minfo.device), num_pages=num_pages,
             page_size=config.page_size)
 
     # ------------------------------------------------------------------ requests
@@ -116,7 +114,7 @@ class EngineCore:
         n = len(prompt)
         if n == 0:
             raise RequestRejected("prompt is empty: at least one token is required", "prompt")
-        if self.vocab_size is not None and (prompt.min() < 0 or prompt.max() >= self.vocab_size):
+        if prompt.min() < 0 or prompt.max() >= self.vocab_size:
             raise RequestRejected(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
         if n >= self.max_model_len:
             pool = (self.kv.num_usable_pages * self.config.page_size)
@@ -132,7 +130,7 @@ class EngineCore:
         max_tokens = room if sp.max_tokens is None else min(sp.max_tokens, room)
         gen = None
         if sp.seed is not None and not sp.greedy:
-            gen = torch.Generator(device=getattr(self.runner, "device", "cpu"))
+            gen = torch.Generator(device=self.runner.device)
             gen.manual_seed(sp.seed)
         eos = self.eos_token_ids if er.eos_token_ids is None else frozenset(er.eos_token_ids)
         req = Request(er.request_id, prompt, sp, eos, max_tokens, generator=gen)
@@ -165,7 +163,7 @@ class EngineCore:
         t1 = time.perf_counter()
         prepare = self.scheduler.last_prepare_s if batch is not None else 0.0
         if batch is not None:
-            self.scheduler.commit(batch)
+            self.resolver.commit(batch)
         outs, self._pending = self._pending, []
         decoded: tuple[list[str], np.ndarray] = ([], _NO_TOKENS)
         forward = 0.0
@@ -185,11 +183,11 @@ class EngineCore:
             full, decoded = self._process(batch, result)
             outs += full
         if batch is None and self._inflight is None and not outs and not decoded[0]:
-            self._last_prefill = self._last_decode = 0
+            self.last_num_decodes = self.last_num_prefill_tokens = 0
             return None
         if batch is not None:
-            self._last_prefill = batch.num_prefill_tokens
-            self._last_decode = batch.num_decodes
+            self.last_num_prefill_tokens = batch.forward.num_prefill_tokens
+            self.last_num_decodes = batch.num_decodes
             self.step_count += 1
         if self.check_integrity_each_step:
             # valid while a step is in flight too: its pages were taken when it was scheduled
@@ -206,30 +204,36 @@ class EngineCore:
     def _run(self, batch: ScheduledBatch) -> SampleResult:
         """Worker side of a step: fill in placeholder inputs from the previous step's sampled
         tokens (overlap), run the model, remember what it sampled per row."""
-        d = batch.num_decodes
+        fb = batch.forward
+        d = fb.num_decodes
         if d:
-            pending = batch.input_ids[:d] < 0
+            pending = fb.input_ids[:d] < 0
             if pending.any():
-                batch.input_ids[:d][pending] = self._last_sampled[batch.rows[:d][pending]]
-        if batch.penalty_tokens:
-            rows = batch.rows[batch.sample]
-            for i, toks in batch.penalty_tokens.items():
+                fb.input_ids[:d][pending] = self._last_sampled[fb.rows[:d][pending]]
+        outs = fb.sampling.penalty_outputs
+        if outs:
+            rows = fb.rows[fb.sample]
+            for i, toks in outs.items():
                 if toks and toks[-1] < 0:
                     toks[-1] = int(self._last_sampled[rows[i]])
-        result = self.runner.execute(batch)
-        self._last_sampled[batch.rows[batch.sample]] = result.token_ids
+        result = self.runner.execute(fb)
+        self._last_sampled[fb.rows[fb.sample]] = result.token_ids
         return result
 
     def _process(self, batch: ScheduledBatch, result: SampleResult
                  ) -> tuple[list[TokenOutput], tuple[list[str], np.ndarray]]:
-        """Apply a finished step's tokens.
+        """Apply a finished step's tokens: radix inserts of completed prompt pages, tokens and
+        stop checks, finished requests released.
 
         Returns:
             the full outputs, and the column-wise decodes: request ids and their tokens,
             int32 [D] (``StepOutputs.decode_request_ids`` / ``decode_token_ids``).
         """
         lp = result.logprobs
-        res = self.scheduler.resolve(batch, result.token_ids, plain=lp is None)
+        self.scheduler.cache_prefills(batch)
+        res = self.resolver.resolve(batch, result.token_ids, plain=lp is None)
+        for req in res.finished:
+            self.scheduler.finish(req, req.finish_reason or FINISH_ABORT)
         outs = [self._output(req, [tok], req.finish_reason,
                              None if lp is None or lp[row] is None else [lp[row]])
                 for req, tok, row in res.full]

@@ -75,34 +75,9 @@ def build_engine(config: EngineConfig, null_model: bool = False,
         ValueError: unreadable model, unsupported architecture, bad configuration.
     """
     from radixserve.core.engine_core import EngineCore
+    from radixserve.model_executor.runner import build_runner
 
-    if not null_model:
-        return EngineCore(config)
-
-    from radixserve.model_executor.loader import eos_token_ids, load_hf_config, resolve_model
-    from radixserve.model_executor.null_runner import NullRunner
-    from radixserve.model_executor.runner import ModelInfo
-
-    files = resolve_model(config.model)
-    hf_config = load_hf_config(files.folder)
-    vocab_size = int(hf_config.vocab_size)
-    num_pages = config.num_pages or 4096
-    model_len = config.max_model_len or int(getattr(hf_config, "max_position_embeddings", 8192))
-    max_model_len = int(min(model_len, (num_pages - 1) * config.page_size))
-    runner = NullRunner(num_pages, max_model_len, vocab_size)
-    if null_step_s > 0:
-        execute = runner.execute
-
-        def slow_execute(batch: Any) -> Any:
-            time.sleep(null_step_s)
-            return execute(batch)
-
-        runner.execute = slow_execute  # type: ignore[method-assign]
-    runner.info = ModelInfo(  # type: ignore[attr-defined]
-        name=files.name, folder=str(files.folder), max_model_len=max_model_len,
-        vocab_size=vocab_size, eos_token_ids=eos_token_ids(files.folder, hf_config),
-        dtype="null", device="cpu")
-    return EngineCore(config, runner=runner, vocab_size=vocab_size)
+    return EngineCore(config, build_runner(config, null_model, null_step_s))
 
 
 def hello_info(engine: Any) -> dict[str, str | int | float]:

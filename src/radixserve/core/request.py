@@ -1,4 +1,5 @@
-"""Engine-side state of one request."""
+"""Engine-side state of one request: its tokens, its place in the KV pool and the
+scheduler's queues, and how it finished."""
 
 from __future__ import annotations
 
@@ -56,6 +57,9 @@ class Request:
     num_prompt_tokens: int = 0
     #: the sampler needs this request's generated ids (a penalty is set)
     needs_penalty_tokens: bool = False
+    #: token ids masked while fewer than ``params.min_tokens`` are generated (stop ids, and
+    #: EOS unless ``ignore_eos``); empty without ``min_tokens``
+    min_tokens_blocked: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         # plain attributes: these are read for every running request in every step
@@ -64,6 +68,9 @@ class Request:
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.needs_penalty_tokens = bool(p.repetition_penalty != 1.0 or p.presence_penalty
                                          or p.frequency_penalty)
+        if p.min_tokens:
+            blocked = self.stop_ids if p.ignore_eos else self.stop_ids | self.eos_token_ids
+            self.min_tokens_blocked = sorted(blocked)
 
     @property
     def num_tokens(self) -> int:

@@ -19,6 +19,7 @@ from radixserve.core.engine_core import EngineCore
 from radixserve.engine_types import FINISH_STOP, EngineRequest
 from radixserve.frontend.detokenizer import IncrementalDetokenizer
 from radixserve.frontend.tokenizer import FrontendTokenizer
+from radixserve.model_executor.runner import build_runner
 from radixserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from radixserve.sampling_params import SamplingParams
 
@@ -58,8 +59,8 @@ class LLM:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching, seed=seed,
             **kwargs)
-        self.engine = EngineCore(self.config)
-        info = self.engine.runner.info  # type: ignore[attr-defined]
+        self.engine = EngineCore(self.config, build_runner(self.config))
+        info = self.engine.runner.info
         self.model_info = info
         self.tokenizer = load_tokenizer(info.folder)
         # the same encoding and chat template code as the HTTP server

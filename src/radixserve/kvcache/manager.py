@@ -28,7 +28,7 @@ class KVCacheManager:
 
     def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool) -> None:
         self.page_size = page_size
-        self.pool = PagePool(num_pages, page_size)
+        self.pool = PagePool(num_pages)
         self.tree: RadixCache | None = (
             RadixCache(page_size, self.pool.free) if enable_prefix_caching else None)
 

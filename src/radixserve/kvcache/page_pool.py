@@ -14,17 +14,15 @@ class PagePool:
 
     Args:
         num_pages: pages in the KV tensors, including the reserved null page 0.
-        page_size: tokens per page.
 
     Raises:
         ValueError: on a double free or an out-of-range id (both are engine bugs, so fail loudly).
     """
 
-    def __init__(self, num_pages: int, page_size: int) -> None:
+    def __init__(self, num_pages: int) -> None:
         if num_pages < 2:
             raise ValueError(f"num_pages={num_pages} must be >= 2 (page 0 is reserved)")
         self.num_pages = num_pages
-        self.page_size = page_size
         # A stack: recently freed pages are reused first (warm in cache).
         self._free: list[int] = list(range(num_pages - 1, 0, -1))
         self._is_free = np.ones(num_pages, dtype=bool)

@@ -128,6 +128,22 @@ class RadixCache:
         pages = np.concatenate(parts) if parts else np.empty(0, np.int32)
         return pages, node
 
+    def peek_prefix_len(self, tokens: np.ndarray) -> int:
+        """Tokens of the longest cached page-aligned prefix of ``tokens`` [n] int32, without
+        changing the tree: no split, no LRU touch (for ordering a queue; ``match_prefix`` is
+        for taking the prefix)."""
+        node, pos = self.root, 0
+        while len(tokens) - pos >= self.page_size:
+            child = node.children.get(self._child_key(tokens, pos))
+            if child is None:
+                break
+            m = self._match_len(child.key, tokens, pos)
+            pos += m
+            if m < len(child.key):
+                break
+            node = child
+        return pos
+
     def insert(self, tokens: np.ndarray, pages: np.ndarray) -> int:
         """Insert a page-aligned ``tokens`` [n] with its ``pages`` [n // page_size].
 

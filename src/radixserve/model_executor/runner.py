@@ -1,40 +1,27 @@
-"""Runs one scheduled step on the model: tensors in, sampled tokens out.
-
-The interface (``StepRunner``) is all the engine core needs, so a null model (overhead
-benchmark) or a KV-checksum model (scheduler tests) can stand in for the real one.
-"""
+"""``ModelRunner``: loads a model and its KV storage, runs one ``ForwardBatch``: arrays in,
+sampled tokens out. ``build_runner`` picks it or the null model for a configuration."""
 
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Protocol
 
 import numpy as np
 import torch
 
 from radixserve.config import EngineConfig
-from radixserve.core.batch import ScheduledBatch
-from radixserve.model_executor.attention.torch_backend import AttentionMetadata, KVCache
+from radixserve.kvcache.sizing import plan_kv_pool
+from radixserve.kvcache.storage import KVStorage
+from radixserve.model_executor.attention.paged_attention import AttentionMetadata
+from radixserve.model_executor.forward_batch import ForwardBatch, SampleResult
 from radixserve.model_executor.kernels.cpu import CpuKernels
 from radixserve.model_executor.models.llama import CausalLM, ModelArgs, rope_inv_freq
-from radixserve.model_executor.sampler import SampleResult, sample
+from radixserve.model_executor.sampler import sample
+from radixserve.model_executor.step_runner import ModelInfo, StepRunner
 
 log = logging.getLogger(__name__)
-
-
-class StepRunner(Protocol):
-    """What the engine core drives. ``num_pages`` includes the null page 0."""
-
-    num_pages: int
-    max_model_len: int
-
-    def execute(self, batch: ScheduledBatch) -> SampleResult:
-        """Run the step; returns one sampled token per request with ``batch.sample`` set."""
-        ...
 
 
 def resolve_device(device: str) -> torch.device:
@@ -113,19 +100,6 @@ def read_config(folder: Path) -> SimpleNamespace | None:
     return cfg
 
 
-@dataclass
-class ModelInfo:
-    """What the engine reports about its model."""
-
-    name: str
-    folder: str
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: list[int]
-    dtype: str
-    device: str
-
-
 class ModelRunner:
     """Loads a Hugging Face-format model, owns its KV cache, runs steps.
 
@@ -153,23 +127,20 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.args = args
         page_size = config.page_size
-        # pool size: the explicit page count or the memory budget
-        per_page = KVCache.bytes_per_page(args.num_layers, page_size, args.num_kv_heads,
-                                          args.head_dim, self.dtype)
-        if config.num_pages is not None:
-            num_pages = config.num_pages
-        else:
-            num_pages = max(2, config.kv_cache_memory // per_page)
-        model_len = config.max_model_len or args.max_position_embeddings
-        if config.max_model_len and config.max_model_len > args.max_position_embeddings:
-            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
-                             f"context length {args.max_position_embeddings}")
-        # never more pages than max_num_seqs full-length sequences could use
-        num_pages = int(min(num_pages, config.max_num_seqs * -(-model_len // page_size) + 1))
+        per_page = KVStorage.bytes_per_page(args.num_layers, page_size, args.num_kv_heads,
+                                            args.head_dim, self.dtype)
+        plan = plan_kv_pool(page_size=page_size, num_pages=config.num_pages,
+                            kv_cache_memory=config.kv_cache_memory, bytes_per_page=per_page,
+                            max_num_seqs=config.max_num_seqs,
+                            model_max_len=args.max_position_embeddings,
+                            max_model_len=config.max_model_len)
+        num_pages = plan.num_pages
         self.num_pages = num_pages
-        self.max_model_len = int(min(model_len, (num_pages - 1) * page_size))
+        self.max_model_len = plan.max_model_len
+        model_len = config.max_model_len or args.max_position_embeddings
         inv_freq, rope_scale = rope_inv_freq(hf_config, args.head_dim)
         self.kernels = select_cpu_kernels(config.attention_backend, self.device, self.dtype)
+        #: "cpu" (radixserve's decode kernel) or "torch" (SDPA)
         self.attention_backend = "cpu" if self.kernels is not None else "torch"
         model = CausalLM(args, inv_freq, rope_scale, max(model_len, self.max_model_len) + 1,
                          self.kernels)
@@ -180,7 +151,7 @@ class ModelRunner:
             # tuned for decode-sized batches: prefill-sized calls lose only a few %
             and self.model.pack_linears(batch_hint=min(config.max_num_seqs, 64)))
         self.model.move_rope_tables(self.device)
-        self.kv = KVCache(args.num_layers, num_pages, page_size, args.num_kv_heads,
+        self.kv = KVStorage(args.num_layers, num_pages, page_size, args.num_kv_heads,
                           args.head_dim, self.dtype, self.device)
         self.page_size = page_size
         self.generator = torch.Generator(device=self.device)
@@ -194,7 +165,7 @@ class ModelRunner:
                  num_pages * per_page / 2**20, self.attention_backend,
                  "packed" if self.packed_weights else "dense")
 
-    def _metadata(self, batch: ScheduledBatch) -> AttentionMetadata:
+    def _metadata(self, batch: ForwardBatch) -> AttentionMetadata:
         dev, ps = self.device, self.page_size
         d = batch.num_decodes
         pt, pd_lens, pd_mask = None, None, None
@@ -210,7 +181,7 @@ class ModelRunner:
         prefill = []
         ends = np.cumsum(batch.num_new)
         pt_np = batch.page_table
-        for i in range(d, len(batch.requests)):
+        for i in range(d, batch.num_requests):
             ctx = int(batch.seq_lens[i])
             pages = torch.from_numpy(pt_np[i, :-(-ctx // ps)].astype(np.int64)).to(dev)
             end = int(ends[i])
@@ -221,7 +192,10 @@ class ModelRunner:
             prefill=prefill)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> SampleResult:
+    def execute(self, batch: ForwardBatch) -> SampleResult:
+        """Run the step's forward and sample one token per sampling row.
+
+        Returns: int64 [S] tokens (S = ``batch.logits_indices`` length) and logprob rows."""
         meta = self._metadata(batch)
         ids = torch.from_numpy(batch.input_ids).to(self.device)
         pos = torch.from_numpy(batch.positions).to(self.device)
@@ -230,7 +204,20 @@ class ModelRunner:
             return SampleResult(np.empty(0, np.int64), None)
         idx = torch.from_numpy(batch.logits_indices).to(self.device)
         logits = self.model.compute_logits(hidden[idx])
-        reqs = [r for r, s in zip(batch.requests, batch.sample.tolist(), strict=True) if s]
-        return sample(logits, reqs, self.generator, batch.num_outputs, batch.penalty_tokens)
+        return sample(logits, batch.sampling, self.generator)
 
 
+def build_runner(config: EngineConfig, null_model: bool = False,
+                 null_step_s: float = 0.0) -> StepRunner:
+    """The runner for ``config``: the model loaded into a ``ModelRunner`` (seconds), or with
+    ``null_model`` a ``NullRunner`` with the model's facts and no weights (overhead
+    measurements; each step sleeps ``null_step_s`` seconds).
+
+    Raises:
+        ValueError: unreadable model, unsupported architecture, bad dtype/device/sizes.
+    """
+    if not null_model:
+        return ModelRunner(config)
+    from radixserve.model_executor.null_runner import NullRunner
+
+    return NullRunner.for_model(config, null_step_s)

@@ -8,63 +8,44 @@ sampling from ``probs``; vLLM's and SGLang's samplers use it too). A seeded requ
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
-from radixserve.core.request import Request
+from radixserve.model_executor.forward_batch import SampleResult, SamplingBatch
 
 
-@dataclass
-class SampleResult:
-    """token_ids int64 [S]; logprobs per row (``[[token, logprob], ...]``, chosen first) or
-    None for rows that did not ask."""
-
-    token_ids: np.ndarray
-    logprobs: list[list[list[float]] | None] | None
-
-
-def _apply_penalties(logits: torch.Tensor, reqs: Sequence[Request],
-                     outputs: dict[int, list[int]]) -> None:
-    """In place on float32 logits [S, V]; ``outputs[i]`` is row i's generated ids."""
-    for i, r in enumerate(reqs):
-        p = r.params
-        if not r.needs_penalty_tokens:
-            continue
-        generated = outputs[i]
-        if p.repetition_penalty != 1.0:
+def _apply_penalties(logits: torch.Tensor, sp: SamplingBatch) -> None:
+    """In place on float32 logits [S, V], for the rows with a penalty."""
+    assert sp.penalty_outputs is not None
+    rep, pres, freq = sp.repetition_penalty, sp.presence_penalty, sp.frequency_penalty
+    assert rep is not None and pres is not None and freq is not None
+    prompts = sp.penalty_prompts or {}
+    for i, generated in sp.penalty_outputs.items():
+        r = float(rep[i])
+        if r != 1.0:
             # CTRL (Keskar et al. 2019) as in HF's RepetitionPenaltyLogitsProcessor: over prompt
             # and output, divide positive logits and multiply negative ones.
-            seen = np.unique(np.concatenate([r.prompt_token_ids,
+            seen = np.unique(np.concatenate([prompts[i],
                                              np.asarray(generated, dtype=np.int32)]))
             ids = torch.from_numpy(seen.astype(np.int64)).to(logits.device)
             sel = logits[i, ids]
-            logits[i, ids] = torch.where(sel > 0, sel / p.repetition_penalty,
-                                         sel * p.repetition_penalty)
-        if (p.presence_penalty or p.frequency_penalty) and generated:
+            logits[i, ids] = torch.where(sel > 0, sel / r, sel * r)
+        p, f = float(pres[i]), float(freq[i])
+        if (p or f) and generated:
             # OpenAI's definition: over generated tokens only.
             out = torch.tensor(generated, dtype=torch.int64, device=logits.device)
             counts = torch.zeros(logits.shape[1], device=logits.device)
             counts.index_add_(0, out, torch.ones_like(out, dtype=counts.dtype))
-            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+            logits[i] -= f * counts + p * (counts > 0)
 
 
-def _block_stops(logits: torch.Tensor, reqs: Sequence[Request],
-                 num_outputs: dict[int, int]) -> None:
-    """Below ``min_tokens`` the request may not stop: mask EOS and stop token ids."""
-    for i, n in num_outputs.items():
-        r = reqs[i]
-        if n < r.params.min_tokens:
-            ids = set(r.stop_ids)
-            if not r.params.ignore_eos:
-                ids |= r.eos_token_ids
-            ids = [t for t in ids if t < logits.shape[1]]
-            if ids:
-                logits[i, ids] = float("-inf")
-
-
+def _block_tokens(logits: torch.Tensor, blocked: dict[int, list[int]]) -> None:
+    """Below ``min_tokens`` a row may not stop: its EOS and stop ids get -inf."""
+    vocab = logits.shape[1]
+    for i, ids in blocked.items():
+        ids = [t for t in ids if t < vocab]
+        if ids:
+            logits[i, ids] = float("-inf")
 def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
             min_p: torch.Tensor) -> torch.Tensor:
     """Probabilities [R, V] after top-k, top-p (nucleus, Holtzman et al. 2019) and min-p."""
@@ -90,71 +71,101 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     return probs
 
 
-def sample(logits: torch.Tensor, reqs: Sequence[Request], generator: torch.Generator | None,
-           num_outputs: dict[int, int] | None = None,
-           penalty_tokens: dict[int, list[int]] | None = None) -> SampleResult:
+def sample(logits: torch.Tensor, sp: SamplingBatch,
+           generator: torch.Generator | None) -> SampleResult:
     """Pick one token per row.
 
-    Request state is read only where it is immutable (params, prompt, generator): what changes
-    between steps comes as snapshots taken when the step was scheduled, because with overlap
-    scheduling the engine mutates requests while this runs.
+    Everything here comes from ``sp``, a snapshot taken when the step was scheduled: with
+    overlap scheduling the engine mutates its requests while this runs.
 
     Args:
-        logits: float32 [S, V], one row per sampling request (in ``reqs`` order).
-        reqs: the requests, for their ``SamplingParams``, prompt and generators.
+        logits: float32 [S, V], one row per sampling request.
+        sp: the rows' sampling parameters (``SamplingBatch``).
         generator: engine-wide generator for unseeded random rows.
-        num_outputs: row -> tokens it had generated before this one, for rows with
-            ``min_tokens``.
-        penalty_tokens: row -> generated ids, for rows with penalties.
+
+    Returns:
+        int64 [S] tokens, and logprob rows for the rows that asked (``top_logprobs`` ordered
+        by value, the sampled token first among equal values: bf16 logits tie often).
     """
-    want_lp = [r.params.logprobs for r in reqs]
-    any_lp = any(n is not None for n in want_lp)
-    raw_logprobs = torch.log_softmax(logits, dim=-1) if any_lp else None
-    if penalty_tokens:
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if sp.logprobs is not None else None
+    if sp.penalty_outputs:
         logits = logits.clone()
-        _apply_penalties(logits, reqs, penalty_tokens)
-    if num_outputs and any(n < reqs[i].params.min_tokens for i, n in num_outputs.items()):
+        _apply_penalties(logits, sp)
+    if sp.blocked_tokens:
         logits = logits.clone()
-        _block_stops(logits, reqs, num_outputs)
+        _block_tokens(logits, sp.blocked_tokens)
     tokens = logits.argmax(dim=-1)
-    rand = [i for i, r in enumerate(reqs) if not r.params.greedy]
-    if rand:
-        ridx = torch.tensor(rand, dtype=torch.int64, device=logits.device)
-        ps = [reqs[i].params for i in rand]
-        temp = torch.tensor([p.temperature for p in ps], device=logits.device)
-        top_k = torch.tensor([p.top_k for p in ps], device=logits.device)
-        top_p = torch.tensor([p.top_p for p in ps], device=logits.device)
-        min_p = torch.tensor([p.min_p for p in ps], device=logits.device)
-        probs = _filter(logits[ridx] / temp[:, None], top_k, top_p, min_p)
+    if sp.greedy is not None:
+        rand = np.flatnonzero(~sp.greedy)
+        dev = logits.device
+        ridx = torch.from_numpy(rand).to(dev)
+        assert sp.temperature is not None and sp.top_k is not None
+        assert sp.top_p is not None and sp.min_p is not None
+        temp = torch.from_numpy(sp.temperature[rand]).to(dev)
+        probs = _filter(logits[ridx] / temp[:, None], torch.from_numpy(sp.top_k[rand]).to(dev),
+                        torch.from_numpy(sp.top_p[rand]).to(dev),
+                        torch.from_numpy(sp.min_p[rand]).to(dev))
         q = torch.empty_like(probs)
+        gens = sp.generators
         unseeded = []
-        for j, i in enumerate(rand):
-            g = reqs[i].generator
+        for j, i in enumerate(rand.tolist()):
+            g = None if gens is None else gens[i]
             if g is not None:
                 q[j].exponential_(generator=g)
             else:
                 unseeded.append(j)
         if unseeded:
-            u = torch.tensor(unseeded, dtype=torch.int64, device=logits.device)
-            q[u] = torch.empty(len(unseeded), probs.shape[1], device=logits.device
+            u = torch.tensor(unseeded, dtype=torch.int64, device=dev)
+            q[u] = torch.empty(len(unseeded), probs.shape[1], device=dev
                                ).exponential_(generator=generator)
         tokens[ridx] = (probs / q).argmax(dim=-1)
     token_ids = tokens.cpu().numpy().astype(np.int64)
-    if not any_lp:
+    if raw_logprobs is None:
         return SampleResult(token_ids, None)
-    assert raw_logprobs is not None
-    max_n = max(n or 0 for n in want_lp)
-    top_v, top_i = raw_logprobs.topk(max_n, dim=-1) if max_n else (None, None)
-    chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1).cpu().tolist()
-    top_v_l = top_v.cpu().tolist() if top_v is not None else None
-    top_i_l = top_i.cpu().tolist() if top_i is not None else None
+    assert sp.logprobs is not None
+    return SampleResult(token_ids, logprob_rows(raw_logprobs, tokens, token_ids, sp.logprobs))
+
+
+def logprob_rows(logprobs: torch.Tensor, tokens: torch.Tensor, token_ids: np.ndarray,
+                 want: np.ndarray) -> list[list[list[float]] | None]:
+    """Per row ``[[sampled, its logprob], [top1, lp], ...]`` with ``want[i]`` top entries
+    (None where ``want[i] < 0``).
+
+    Among top entries of equal value the sampled token comes first, and when it ties with
+    the last kept value it is kept: a client reading ``top_logprobs[0]`` after a greedy step
+    sees the token it got, whatever order ``topk`` returned ties in.
+
+    Args:
+        logprobs: float32 [S, V] log-softmax of the raw logits.
+        tokens: int64 [S] sampled tokens (device tensor); token_ids: the same, numpy.
+        want: int64 [S] top logprobs per row, -1 for none.
+    """
+    max_n = int(want.max())
+    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).cpu().tolist()
+    top_v_l = top_i_l = None
+    if max_n > 0:
+        top_v, top_i = logprobs.topk(max_n, dim=-1)
+        top_v_l, top_i_l = top_v.cpu().tolist(), top_i.cpu().tolist()
     out: list[list[list[float]] | None] = []
-    for i, n in enumerate(want_lp):
-        if n is None:
+    for i, n in enumerate(want.tolist()):
+        if n < 0:
             out.append(None)
             continue
-        row = [[float(token_ids[i]), chosen[i]]]
+        tok, lp = int(token_ids[i]), chosen[i]
+        row = [[float(tok), lp]]
         if n and top_i_l is not None and top_v_l is not None:
-            row += [[float(t), v] for t, v in zip(top_i_l[i][:n], top_v_l[i][:n], strict=True)]
+            ids, vals = top_i_l[i][:n], top_v_l[i][:n]
+            if tok in ids:
+                j = ids.index(tok)
+                first = vals.index(vals[j])  # first entry of the run equal to its value
+                ids.insert(first, ids.pop(j))
+                vals.insert(first, vals.pop(j))
+            elif lp >= vals[-1]:
+                first = vals.index(vals[-1]) if lp == vals[-1] else len(vals) - 1
+                ids.insert(first, tok)
+                vals.insert(first, lp)
+                ids.pop()
+                vals.pop()
+            row += [[float(t), v] for t, v in zip(ids, vals, strict=True)]
         out.append(row)
-    return SampleResult(token_ids, out)
+    return out

@@ -167,6 +167,7 @@ class CpuKernels:
 
         Raises:
             ValueError: wrong dtype, shape or layout.
+            RuntimeError: the kernel reported an error (its non-zero return code).
         """
         m, n = residual.shape
         if (residual.dtype != torch.float32 or weight.dtype != torch.float32
@@ -177,6 +178,8 @@ class CpuKernels:
             raise ValueError("add_rms_norm needs contiguous float32 x/residual [M, N] and "
                              "weight [N]")
         out = torch.empty_like(residual)
-        self._norm(None if x is None else x.data_ptr(), residual.data_ptr(), weight.data_ptr(),
-                   out.data_ptr(), m, n, eps, torch.get_num_threads())
+        rc = self._norm(None if x is None else x.data_ptr(), residual.data_ptr(),
+                        weight.data_ptr(), out.data_ptr(), m, n, eps, torch.get_num_threads())
+        if rc:
+            raise RuntimeError(f"fused add + RMSNorm kernel failed with code {rc}")
         return out

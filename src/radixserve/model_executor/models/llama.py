@@ -17,7 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixserve.model_executor.attention.torch_backend import AttentionMetadata, TorchAttention
+from radixserve.model_executor.attention.paged_attention import (
+    AttentionMetadata,
+    CpuKernelPagedAttention,
+    SdpaPagedAttention,
+)
 from radixserve.model_executor.kernels.cpu import CpuKernels
 from radixserve.model_executor.layers.linear import LinearFn, dense_linear, packed_linear
 
@@ -126,8 +130,11 @@ class DecoderLayer(nn.Module):
         self.k_norm = nn.Parameter(torch.ones(a.head_dim)) if a.qk_norm else None
         self.gate_up = nn.Parameter(torch.empty(2 * a.intermediate_size, a.hidden_size))
         self.down = nn.Parameter(torch.empty(a.hidden_size, a.intermediate_size))
-        self.attn = TorchAttention(a.num_heads, a.num_kv_heads, a.head_dim, a.head_dim ** -0.5,
-                                   kernels)
+        scale = a.head_dim ** -0.5
+        self.attn = (SdpaPagedAttention(a.num_heads, a.num_kv_heads, a.head_dim, scale)
+                     if kernels is None else
+                     CpuKernelPagedAttention(a.num_heads, a.num_kv_heads, a.head_dim, scale,
+                                             kernels))
         self.kernels = kernels
         self.qkv_proj: LinearFn = dense_linear(self.qkv, self.qkv_bias)
         self.o_proj: LinearFn = dense_linear(self.o)

@@ -1,10 +1,16 @@
-"""Paged attention over the KV pool.
+"""Paged attention over the KV pool: writes a step's K/V into its slots and attends over each
+sequence's pages.
 
-Decodes (one query token each) use the CPU kernel (``kernels/cpu.py``: keys and values read in
-place from their pages) when one is given, else one batched
-``torch.nn.functional.scaled_dot_product_attention`` call over their gathered pages, padded to
-the longest context and masked (CPU and CUDA). Prefill chunks run one SDPA call per sequence
-over its own pages, so no row's reduction depends on what else is in the batch.
+Two backends, picked once when the model is built:
+
+* ``SdpaPagedAttention`` (``--attention-backend torch``, the reference; CPU and CUDA): decodes
+  (one query token each) in one batched ``scaled_dot_product_attention`` call over their
+  gathered pages, padded to the longest context and masked;
+* ``CpuKernelPagedAttention`` (``--attention-backend cpu``): decodes through radixserve's C
+  kernel (``kernels/cpu.py``: keys and values read in place from their pages).
+
+Both run prefill chunks as one SDPA call per sequence over its own pages, so no row's reduction
+depends on what else is in the batch.
 """
 
 from __future__ import annotations
@@ -39,28 +45,6 @@ class AttentionMetadata:
     prefill: list[tuple[int, int, int, torch.Tensor]]
 
 
-class KVCache:
-    """Per-layer KV tensors ``[2, num_pages, page_size, kv_heads, head_dim]`` (DESIGN §4).
-
-    Args:
-        num_layers, num_pages, page_size, num_kv_heads, head_dim: sizes.
-        dtype, device: storage.
-    """
-
-    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.page_size = page_size
-        self.layers = [torch.zeros(2, num_pages, page_size, num_kv_heads, head_dim, dtype=dtype,
-                                   device=device) for _ in range(num_layers)]
-
-    @staticmethod
-    def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
-                       dtype: torch.dtype) -> int:
-        """Bytes of K and V for one page across all layers."""
-        elem = torch.empty(0, dtype=dtype).element_size()
-        return 2 * num_layers * page_size * num_kv_heads * head_dim * elem
-
-
 def gather_pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
     """Rows of ``pages`` from one of K or V, as one contiguous copy.
 
@@ -74,22 +58,23 @@ def gather_pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
     return torch.index_select(cache.view(n, -1), 0, pages).view(-1, hkv, d)
 
 
-class TorchAttention:
-    """Writes this step's K/V into the pool and attends over each sequence's pages.
+class SdpaPagedAttention:
+    """Writes this step's K/V into the pool and attends over each sequence's pages with
+    torch's SDPA (decodes batched over gathered pages).
 
     Args:
         num_heads, num_kv_heads, head_dim: attention sizes (GQA when num_kv_heads < num_heads).
         scale: softmax scale.
-        kernels: the CPU kernel library (paged decode attention), or None for the SDPA path.
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 kernels: CpuKernels | None = None) -> None:
+    #: the value of ``ModelRunner.attention_backend`` for this class
+    backend = "torch"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
-        self.kernels = kernels
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -101,22 +86,29 @@ class TorchAttention:
         flat_k.index_copy_(0, meta.slot_mapping, k)
         flat_v.index_copy_(0, meta.slot_mapping, v)
         out = q.new_empty(q.shape)  # contiguous, whatever q's strides
+        if meta.num_decodes:
+            self._decode(q, k_cache, v_cache, meta, out)
+        self._prefill(q, k_cache, v_cache, meta, out)
+        return out.view(q.shape[0], -1)
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, out: torch.Tensor) -> None:
+        """Attention of the ``meta.num_decodes`` leading one-token queries into ``out``."""
         d = meta.num_decodes
         pt = meta.decode_page_table
-        if d and self.kernels is not None and meta.decode_seq_lens is not None:
-            assert pt is not None
-            self.kernels.paged_decode_attention(q[:d], k_cache, v_cache, pt,
-                                                meta.decode_seq_lens, out[:d], self.scale)
-        elif d:
-            assert pt is not None and meta.decode_mask is not None
-            flat = pt.view(-1)
-            shape = (d, -1, self.num_kv_heads, self.head_dim)
-            kd = gather_pages(k_cache, flat).view(shape).transpose(1, 2)
-            vd = gather_pages(v_cache, flat).view(shape).transpose(1, 2)
-            o = F.scaled_dot_product_attention(
-                q[:d].unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, scale=self.scale,
-                enable_gqa=True)
-            out[:d] = o.squeeze(2)
+        assert pt is not None and meta.decode_mask is not None
+        flat = pt.view(-1)
+        shape = (d, -1, self.num_kv_heads, self.head_dim)
+        kd = gather_pages(k_cache, flat).view(shape).transpose(1, 2)
+        vd = gather_pages(v_cache, flat).view(shape).transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            q[:d].unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, scale=self.scale,
+            enable_gqa=True)
+        out[:d] = o.squeeze(2)
+
+    def _prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 meta: AttentionMetadata, out: torch.Tensor) -> None:
+        """Causal attention of each prefill chunk over its own pages, into ``out``."""
         for start, end, ctx, pages in meta.prefill:
             n = end - start
             kp = gather_pages(k_cache, pages)[:ctx]
@@ -133,4 +125,26 @@ class TorchAttention:
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale,
                                                    enable_gqa=True)
             out[start:end] = o.squeeze(0).transpose(0, 1)
-        return out.view(q.shape[0], -1)
+
+
+class CpuKernelPagedAttention(SdpaPagedAttention):
+    """``SdpaPagedAttention`` with decodes through radixserve's CPU paged decode kernel
+    (reads K/V in place, shares each row across a GQA group); prefill stays SDPA.
+
+    Args:
+        kernels: the loaded CPU kernel library (``CpuKernels.load()``).
+    """
+
+    backend = "cpu"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 kernels: CpuKernels) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+        self.kernels = kernels
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, out: torch.Tensor) -> None:
+        d = meta.num_decodes
+        assert meta.decode_page_table is not None and meta.decode_seq_lens is not None
+        self.kernels.paged_decode_attention(q[:d], k_cache, v_cache, meta.decode_page_table,
+                                            meta.decode_seq_lens, out[:d], self.scale)

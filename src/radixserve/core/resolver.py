@@ -1,0 +1,151 @@
+"""Applying a step's sampled tokens to its requests: ``commit`` (placeholders, before the step
+runs, so the next step can be scheduled meanwhile: overlap scheduling) and ``resolve`` (the real
+tokens, stop and length checks, after it ran).
+
+Requests that can only have got an ordinary token are applied with numpy and one short loop;
+the rest (first tokens, stop/EOS candidates, length limits, rows that changed owner) one by one.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from radixserve.core.batch import ScheduledBatch
+from radixserve.core.live_index import LiveIndex
+from radixserve.core.request import Request, Status
+from radixserve.core.row_tables import RowTables
+from radixserve.engine_types import FINISH_LENGTH, FINISH_STOP
+
+
+@dataclass
+class Resolved:
+    """The tokens one step sampled, applied.
+
+    Attributes:
+        full: (request, token, sample row) for each request whose output needs more than its
+            token: its first token, a finish (``finish_reason`` set), or every request when
+            ``resolve`` was asked for no plain outputs.
+        plain: requests that got one ordinary token: still running, not their first.
+        plain_tokens: int64 [len(plain)] their tokens, in order.
+        finished: the requests of ``full`` that finished this step; the caller hands them to
+            ``Scheduler.finish``.
+    """
+
+    full: list[tuple[Request, int, int]]
+    plain: list[Request]
+    plain_tokens: np.ndarray
+    finished: list[Request] = field(default_factory=list)
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.full) + len(self.plain)
+
+
+class StepResolver:
+    """Commits and resolves steps against the row tables.
+
+    Args:
+        tables: the scheduler's row tables.
+        live: the live-request index (which token ids may stop someone).
+        max_model_len: longest sequence in tokens.
+    """
+
+    def __init__(self, tables: RowTables, live: LiveIndex, max_model_len: int) -> None:
+        self.tables = tables
+        self.live = live
+        self.max_model_len = max_model_len
+
+    def commit(self, batch: ScheduledBatch) -> None:
+        """Advance requests as if ``batch`` already ran: KV counted as computed, a placeholder
+        token (-1) for each sampling request, which ``resolve`` fills in."""
+        fb = batch.forward
+        d = fb.num_decodes
+        for req in batch.requests[:d]:  # one token each, always sampling
+            req.num_computed += 1
+            req.output_token_ids.append(-1)
+            req.num_pending += 1
+        for req, n, smp in zip(batch.requests[d:], fb.num_new[d:].tolist(),
+                               fb.sample[d:].tolist(), strict=True):
+            req.num_computed += n
+            if smp:
+                req.output_token_ids.append(-1)
+                req.num_pending += 1
+        # the placeholder sits right after the step's last position
+        self.tables.token_table[fb.rows[fb.sample], fb.seq_lens[fb.sample]] = -1
+
+    def resolve(self, batch: ScheduledBatch, sampled: np.ndarray, plain: bool = True
+                ) -> Resolved:
+        """Fill in the tokens ``batch`` sampled and apply stop conditions.
+
+        Args:
+            sampled: int64 [S] one token per sampling request, in order.
+            plain: False puts every request in ``Resolved.full`` (outputs with logprobs).
+
+        Returns:
+            the requests that got a token. A request that finished or was aborted meanwhile
+            gets nothing: no extra token, no output.
+        """
+        t = self.tables
+        fb = batch.forward
+        samplers = batch.samplers
+        sampled = np.asarray(sampled, dtype=np.int64)
+        rows = fb.rows[fb.sample]
+        at = fb.seq_lens[fb.sample]  # where each sampled token goes in its sequence
+        n_out = at - t.prompt_len[rows] + 1
+        special = ((t.generation[rows] != batch.row_gens) | (n_out <= 1)
+                   | (n_out >= t.limit[rows]) | self.live.stop_candidates(sampled))
+        if not plain:
+            special[:] = True
+        full: list[tuple[Request, int, int]] = []
+        finished: list[Request] = []
+        if special.any():
+            for k in np.flatnonzero(special).tolist():
+                req, tok = samplers[k], int(sampled[k])
+                if self._resolve_one(req, tok):
+                    full.append((req, tok, k))
+                    if req.finish_reason is not None:
+                        finished.append(req)
+            keep = ~special
+            reqs = list(itertools.compress(samplers, keep.tolist()))
+            rows, at, toks = rows[keep], at[keep], sampled[keep]
+        else:
+            reqs, toks = samplers, sampled
+        # plain tokens: their requests still hold the rows they were scheduled with
+        t.token_table[rows, at] = toks
+        for req, tok in zip(reqs, toks.tolist(), strict=True):
+            req.output_token_ids[-req.num_pending] = tok
+            req.num_pending -= 1
+        return Resolved(full, reqs, toks, finished)
+
+    def _resolve_one(self, req: Request, tok: int) -> bool:
+        """Apply one sampled token to ``req`` (any case); False if it gets no output."""
+        if req.status == Status.FINISHED:
+            return False
+        idx = len(req.output_token_ids) - req.num_pending
+        req.output_token_ids[idx] = tok
+        req.num_pending -= 1
+        if req.row >= 0:
+            self.tables.token_table[req.row, req.num_prompt_tokens + idx] = tok
+        reason = self._stop_reason(req, tok, idx + 1)
+        if reason is not None:
+            req.finish_reason = reason
+            # drop the placeholder of a step scheduled before we knew it would stop
+            del req.output_token_ids[idx + 1:]
+            req.num_pending = 0
+            req.num_computed = min(req.num_computed, req.num_tokens)
+        return True
+
+    def _stop_reason(self, req: Request, tok: int, n_out: int) -> str | None:
+        """Why the ``n_out``-th generated token ``tok`` ends ``req`` (None: it goes on)."""
+        if n_out >= req.params.min_tokens:
+            if tok in req.stop_ids:
+                req.stop_reason = tok
+                return FINISH_STOP
+            if tok in req.eos_token_ids and not req.params.ignore_eos:
+                return FINISH_STOP
+        if n_out >= req.max_tokens or req.num_prompt_tokens + n_out >= self.max_model_len:
+            return FINISH_LENGTH
+        return None

@@ -1,0 +1,122 @@
+"""What the model runner gets for one step: token arrays, KV addressing and per-row sampling
+parameters, all as numpy arrays.
+
+Defined here, below the engine core, so the runner and the sampler never see a scheduler
+``Request`` (whose state the engine mutates while an overlapped step runs): the core builds a
+``ForwardBatch`` from its tables when it schedules the step and hands it over.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class SamplingBatch:
+    """Sampling parameters of the step's S sampling rows (requests that reach their last
+    token this step), in row order. Optional parts are None when no row needs them, so an
+    all-greedy step pays for nothing.
+
+    Attributes:
+        temperature: float32 [S]; 0 for greedy rows.
+        top_k: int64 [S]; -1 or 0 disables.
+        top_p: float32 [S] in (0, 1].
+        min_p: float32 [S] in [0, 1].
+        greedy: bool [S]; None when every row is greedy.
+        generators: per row its own ``torch.Generator`` (seeded requests) or None; None
+            when no row is seeded.
+        logprobs: int64 [S] top logprobs wanted per row, -1 for none; None when no row
+            wants logprobs.
+        repetition_penalty / presence_penalty / frequency_penalty: float32 [S]; None when
+            no row has a penalty.
+        penalty_prompts: row -> int32 prompt ids, for rows with a repetition penalty.
+        penalty_outputs: row -> the request's generated ids when the step was scheduled; a
+            trailing -1 is a token the previous (overlapped) step is still sampling, filled in
+            by the engine before the forward runs.
+        blocked_tokens: row -> token ids that may not be sampled this step (EOS and stop ids
+            below ``min_tokens``); None when no row is below its ``min_tokens``.
+    """
+
+    temperature: np.ndarray | None = None
+    top_k: np.ndarray | None = None
+    top_p: np.ndarray | None = None
+    min_p: np.ndarray | None = None
+    greedy: np.ndarray | None = None
+    generators: list[Any] | None = None
+    logprobs: np.ndarray | None = None
+    repetition_penalty: np.ndarray | None = None
+    presence_penalty: np.ndarray | None = None
+    frequency_penalty: np.ndarray | None = None
+    penalty_prompts: dict[int, np.ndarray] | None = None
+    penalty_outputs: dict[int, list[int]] | None = None
+    blocked_tokens: dict[int, list[int]] | None = None
+
+
+#: The sampling parameters of a step whose rows are all greedy and plain.
+ALL_GREEDY = SamplingBatch()
+
+
+@dataclass
+class ForwardBatch:
+    """One step's model inputs. Requests are ordered decodes first, then prefill chunks; for
+    request i the step computes ``num_new[i]`` tokens at positions
+    ``[seq_lens[i] - num_new[i], seq_lens[i])``.
+
+    Attributes:
+        num_decodes: the first ``num_decodes`` requests compute exactly one token each.
+        rows: int64 [B] the requests' rows in the engine's tables (the overlap token buffer
+            is indexed by row).
+        num_new: int64 [B] tokens computed this step per request.
+        seq_lens: int64 [B] context length after this step.
+        sample: bool [B] whether the request reaches its last token (and samples).
+        input_ids: int64 [T] token ids, T = num_new.sum(); a decode's id is -1 while the
+            previous (overlapped) step is still sampling it.
+        positions: int64 [T].
+        slot_mapping: int64 [T] KV slot written per token (page * page_size + offset).
+        page_table: int32 [B, P] pages per request, P = the most pages among them, padded
+            with the null page 0.
+        logits_indices: int64 [S] index of the token whose hidden state gives each sampling
+            row's logits.
+        sampling: the S sampling rows' parameters.
+    """
+
+    num_decodes: int
+    rows: np.ndarray
+    num_new: np.ndarray
+    seq_lens: np.ndarray
+    sample: np.ndarray
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    page_table: np.ndarray
+    logits_indices: np.ndarray
+    sampling: SamplingBatch
+
+    @property
+    def num_requests(self) -> int:
+        return int(self.rows.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.num_tokens - self.num_decodes
+
+
+@dataclass
+class SampleResult:
+    """What a step sampled.
+
+    Attributes:
+        token_ids: int64 [S] one token per sampling row.
+        logprobs: per row a ``LogprobRow`` (``[[token, logprob], ...]``, the sampled token
+            first, then the top N) or None for rows that did not ask; None when no row asked.
+    """
+
+    token_ids: np.ndarray
+    logprobs: list[list[list[float]] | None] | None = None
