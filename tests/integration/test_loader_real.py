@@ -1,0 +1,134 @@
+"""Model loader on the real default model (SmolLM2-135M-Instruct Q4_1): its GGUF conversion (into
+the normal cache, so `radixserve serve` and the other integration tests reuse it) against
+transformers' own GGUF load of the weights and of the tokenizer. The mechanics of conversion on
+tiny random GGUF files are unit tests (tests/unit/test_loader.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from radixserve.model_executor.loader import (
+    ModelFiles,
+    default_model_path,
+    eos_token_ids,
+    gguf_loader,
+    gguf_to_hf_folder,
+    iter_safetensors,
+    load_hf_config,
+    load_tokenizer,
+    resolve_model,
+)
+
+pytestmark = pytest.mark.slow
+
+TEXTS = [
+    "Hello, world! The quick brown fox jumps over the lazy dog.",
+    "  leading spaces, tabs\tand\nnew lines\n\n",
+    "Emoji: 🙂🚀👩‍💻 and accents: naïve café résumé",
+    "中文：你好，世界。日本語：こんにちは。한국어: 안녕하세요",
+    "def f(x):\n    return x ** 2  # code 12345 3.14159",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    "",
+]
+
+
+@pytest.fixture(scope="session")
+def default_gguf() -> Path:
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def converted(default_gguf) -> Path:
+    """The default model converted into the normal cache (a no-op once it is there)."""
+    return gguf_to_hf_folder(default_gguf)
+
+
+@pytest.fixture(scope="session")
+def gguf_tokenizer(hf_reference):
+    """transformers' tokenizer read from the GGUF file (shared with the parity reference)."""
+    return hf_reference[1]
+
+
+def test_conversion_is_cached(default_gguf, converted, monkeypatch):
+    files = {p.name for p in converted.iterdir()}
+    assert set(gguf_loader.REQUIRED_FILES) <= files
+    assert "special_tokens_map.json" in files
+    marker = json.loads((converted / gguf_loader.MARKER_FILE).read_text())
+    assert marker["source"] == str(default_gguf)
+    # cached: the second call converts nothing and rewrites nothing (the property; its speed is
+    # a benchmark's business)
+    mtimes = {p.name: p.stat().st_mtime_ns for p in converted.iterdir()}
+
+    def no_conversion(path, out):
+        raise AssertionError(f"{path} was converted again although it is cached")
+
+    monkeypatch.setattr(gguf_loader, "_convert", no_conversion)
+    again = gguf_to_hf_folder(default_gguf)
+    assert again == converted
+    assert {p.name: p.stat().st_mtime_ns for p in converted.iterdir()} == mtimes
+
+    mf = resolve_model(None)
+    assert mf == ModelFiles(converted, str(default_gguf), "SmolLM2-135M-Instruct")
+    # the same file named explicitly keeps the default model's name
+    assert resolve_model(str(default_gguf)).name == "SmolLM2-135M-Instruct"
+
+
+def test_weights_equal_transformers_gguf_load(converted, hf_reference):
+    ref_model = hf_reference[0]  # transformers' float32 load of the same GGUF file
+    ours = dict(iter_safetensors(converted))
+    ref = ref_model.state_dict()
+    assert ref_model.config.tie_word_embeddings
+    # tied: transformers' state dict repeats the embedding as lm_head.weight; the file omits it
+    assert "lm_head.weight" not in ours
+    assert set(ours) == set(ref) - {"lm_head.weight"}
+    assert len(ours) == 272
+    for name, tensor in ours.items():
+        assert tensor.dtype == torch.float32, name
+        assert torch.equal(tensor, ref[name]), name
+
+
+def test_config_and_eos(converted):
+    config = load_hf_config(converted)
+    assert config.model_type == "llama"
+    assert config.architectures == ["LlamaForCausalLM"]
+    assert (config.hidden_size, config.intermediate_size, config.num_hidden_layers) == (
+        576, 1536, 30)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (9, 3, 64)
+    assert config.rope_parameters["rope_theta"] == 100000.0
+    assert config.max_position_embeddings == 8192
+    assert config.vocab_size == 49152
+    assert config.tie_word_embeddings is True
+    assert math.isclose(config.rms_norm_eps, 1e-5, rel_tol=1e-6)
+    raw = json.loads((converted / "config.json").read_text())
+    assert raw["torch_dtype"] == "float32"
+    assert eos_token_ids(converted, config) == [2]
+
+
+def test_tokenizer_matches_gguf_tokenizer(converted, gguf_tokenizer):
+    tok = load_tokenizer(converted)
+    assert tok.is_fast
+    assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == 2
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert ids == gguf_tokenizer.encode(text), text
+        assert tok.decode(ids) == text
+    assert tok("<|im_end|>")["input_ids"] == [2]  # special tokens are single ids, no BOS added
+
+
+def test_chat_template(converted, gguf_tokenizer):
+    tok = load_tokenizer(converted)
+    tc = json.loads((converted / "tokenizer_config.json").read_text())
+    assert "<|im_start|>" in tc["chat_template"]
+    messages = [{"role": "user", "content": "Hello 🙂"}]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+        "Face<|im_end|>\n<|im_start|>user\nHello 🙂<|im_end|>\n<|im_start|>assistant\n")
+    assert text == gguf_tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True)
+    assert tok.encode(text) == gguf_tokenizer.encode(text)
