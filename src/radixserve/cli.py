@@ -7,60 +7,12 @@ import argparse
 import dataclasses
 import json
 import os
-import re
 import sys
 import time
-import types
 import typing
 from collections.abc import Callable
 
-from radixserve.config import ATTENTION_BACKENDS, DTYPES, SCHEDULE_POLICIES, EngineConfig
-
-_SIZE = re.compile(r"^\s*([\d.]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
-          "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4,
-          "tb": 1000**4, "tib": 1024**4}
-
-
-def parse_bytes(text: str) -> int:
-    """"4GiB", "512MB", "1000000" -> bytes. Raises argparse.ArgumentTypeError."""
-    m = _SIZE.match(text)
-    if not m or (m.group(2) or "").lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 4GiB, 512MB)")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
-
-
-_CHOICES = {"dtype": DTYPES, "schedule_policy": SCHEDULE_POLICIES,
-            "attention_backend": ATTENTION_BACKENDS}
-_ALIASES = {"enable_prefix_caching": ["--no-prefix-caching", "--no-prefix-cache"]}
-
-
-def add_engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    """One flag per ``EngineConfig`` field (``page_size`` -> ``--page-size``)."""
-    hints = typing.get_type_hints(EngineConfig)
-    g = p.add_argument_group("engine")
-    for f in dataclasses.fields(EngineConfig):
-        if f.name in skip:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        t = hints[f.name]
-        args = typing.get_args(t)
-        base = next((a for a in args if a is not type(None)), t) if (
-            typing.get_origin(t) in (typing.Union, types.UnionType)) else t
-        if base is bool:
-            g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
-                           default=f.default)
-            for alias in _ALIASES.get(f.name, []):
-                g.add_argument(alias, dest=f.name, action="store_false", help=argparse.SUPPRESS)
-            continue
-        conv: Callable[[str], object] = parse_bytes if f.name == "kv_cache_memory" else base
-        g.add_argument(flag, dest=f.name, type=conv, default=f.default,
-                       choices=_CHOICES.get(f.name))
-
-
-def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
-    kw = {n: getattr(ns, n) for n in EngineConfig.field_names() if hasattr(ns, n)}
-    return EngineConfig(**kw)
+from radixserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
 
 
 def _fail(msg: str) -> typing.NoReturn:

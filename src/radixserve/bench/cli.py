@@ -39,7 +39,7 @@ def _err(msg: str) -> int:
 def cmd_offline(ns: argparse.Namespace) -> int:
     from radixserve.bench import offline
     from radixserve.bench.datasets import random_prompts, sharegpt_prompts
-    from radixserve.cli import engine_config_from_args
+    from radixserve.entrypoints.engine_args import engine_config_from_args
     from radixserve.model_executor.loader import load_tokenizer, resolve_model
 
     cfg = engine_config_from_args(ns)
@@ -81,7 +81,7 @@ def cmd_offline(ns: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------- overhead
 def cmd_prefix(ns: argparse.Namespace) -> int:
     from radixserve.bench.prefix import run_prefix_ttft
-    from radixserve.cli import engine_config_from_args
+    from radixserve.entrypoints.engine_args import engine_config_from_args
 
     cfg = engine_config_from_args(ns)
     kwargs = {k: v for k, v in vars(cfg).items() if k != "extra"}
@@ -212,7 +212,7 @@ def cmd_compare(ns: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------- parser
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``bench`` and its subcommands to the top-level parser."""
-    from radixserve.cli import add_engine_args
+    from radixserve.entrypoints.engine_args import add_engine_args
 
     b = sub.add_parser("bench", help="benchmarks (JSON output, PNG charts)")
     bsub = b.add_subparsers(dest="bench_cmd", required=True)

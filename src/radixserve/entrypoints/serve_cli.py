@@ -23,7 +23,7 @@ log = logging.getLogger("radixserve.serve")
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``serve`` subcommand to the ``radixserve`` parser."""
-    from radixserve.cli import add_engine_args, parse_bytes
+    from radixserve.entrypoints.engine_args import add_engine_args, parse_bytes
 
     p = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -49,7 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
-    from radixserve.cli import engine_config_from_args
+    from radixserve.entrypoints.engine_args import engine_config_from_args
 
     try:
         engine_config = engine_config_from_args(ns)
