@@ -25,6 +25,7 @@ from radixserve.entrypoints.openai.protocol import (
     TokenizeRequest,
     UsageInfo,
 )
+from radixserve.sampling_params import SamplingParams
 
 MSGS = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
 
@@ -104,6 +105,11 @@ def test_completion_mapping_and_prompt_forms():
     ("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("n", 0), ("max_tokens", 0),
     ("presence_penalty", 3.0), ("repetition_penalty", 0.0), ("min_p", 2.0), ("top_k", -5),
     ("stop", [""]), ("stop_token_ids", [-1]),
+    # ints the engine cannot represent (64-bit MessagePack ints, int32 token ids and counts)
+    ("seed", -2**63 - 1), ("seed", 2**64), ("n", 129), ("top_k", 2**31), ("top_k", 2**63),
+    ("max_tokens", 2**31), ("min_tokens", 2**31), ("stop_token_ids", [2**31]),
+    ("stop_token_ids", [2**64]), ("temperature", float("inf")),
+    ("repetition_penalty", float("inf")),
 ])
 def test_bad_values_raise_value_error_naming_field(field, value):
     completion = CompletionRequest.model_validate({"prompt": "x", field: value})
@@ -112,6 +118,28 @@ def test_bad_values_raise_value_error_naming_field(field, value):
             req.to_sampling_params(16)
         err = error_from_value_error(info.value)
         assert err.status_code == 400 and err.param == field
+
+
+def test_extreme_representable_values_encode():
+    import msgspec
+
+    sp = SamplingParams(seed=-2**63, n=128, top_k=2**31 - 1, max_tokens=2**31 - 1,
+                        stop_token_ids=[2**31 - 1])
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(sp), type=SamplingParams) == sp
+    assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1
+
+
+def test_children_split_n_and_keep_seeds_in_range():
+    sp = SamplingParams(n=3, seed=10, temperature=1.0, max_tokens=5)
+    kids = sp.children()
+    assert [k.seed for k in kids] == [10, 11, 12]
+    assert all(k.n == 1 and k.max_tokens == 5 and k.temperature == 1.0 for k in kids)
+    assert SamplingParams(n=2).children() == [SamplingParams()] * 2  # unseeded stay unseeded
+    one = SamplingParams(seed=4)
+    assert one.children() == [one]
+    # seed + i past 2**64 - 1 wraps (the same torch generator state), so it still encodes
+    top = SamplingParams(n=3, seed=2**64 - 2).children()
+    assert [k.seed for k in top] == [2**64 - 2, 2**64 - 1, 0]
 
 
 def test_logprob_limits():

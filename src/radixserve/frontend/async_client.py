@@ -33,6 +33,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+import msgspec
+
 from radixserve.config import EngineConfig
 from radixserve.sampling_params import SamplingParams
 from radixserve.transport.messages import (
@@ -60,6 +62,11 @@ MAX_TIMER_SAMPLES = 100_000
 
 class EngineDeadError(RuntimeError):
     """The engine core is gone (crashed, killed, or shutting down)."""
+
+
+class RequestEncodeError(ValueError):
+    """A request cannot be put on the wire (a value MessagePack cannot carry); only that
+    request fails, the engine link is untouched."""
 
 
 @dataclass(frozen=True)
@@ -217,6 +224,7 @@ class AsyncEngineClient:
         self._sockets: AsyncClientSockets | None = None
         self._streams: dict[str, RequestStream] = {}
         self._send_q: asyncio.Queue = asyncio.Queue()
+        self._encoder = msgspec.msgpack.Encoder()
         self._tasks: list[asyncio.Task] = []
         self._closing = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -358,6 +366,7 @@ class AsyncEngineClient:
 
         Raises:
             EngineDeadError: the engine is not running.
+            RequestEncodeError: a request cannot be encoded (nothing was sent).
         """
         if not self.healthy:
             raise EngineDeadError(self.dead_reason or "the engine core is not ready")
@@ -367,10 +376,18 @@ class AsyncEngineClient:
         for rid, _, _ in requests:
             if rid in self._streams:
                 raise ValueError(f"request id {rid!r} is already in flight")
+        # encoded here, not in the sender task: a value that cannot go on the wire fails this
+        # API request alone instead of breaking the link every other request shares
+        bufs = []
         for rid, ids, sp in requests:
+            try:
+                bufs.append(self._encoder.encode(EngineRequest(
+                    rid, pack_ids(ids), sp, self.info.eos_token_ids, now)))
+            except (OverflowError, TypeError, msgspec.EncodeError) as e:
+                raise RequestEncodeError(f"request cannot be sent to the engine: {e}") from None
+        for (rid, _, _), buf in zip(requests, bufs, strict=True):
             self._streams[rid] = stream
-            self._send_nowait(EngineRequest(rid, pack_ids(ids), sp, self.info.eos_token_ids,
-                                            now))
+            self._send_nowait(buf)
         return stream
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
@@ -407,7 +424,10 @@ class AsyncEngineClient:
         while True:
             msg = await self._send_q.get()
             try:
-                await sockets.send(msg)
+                if isinstance(msg, bytes):
+                    await sockets.send_encoded(msg)
+                else:
+                    await sockets.send(msg)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - the link is broken: nothing can go on

@@ -257,6 +257,10 @@ class AsyncClientSockets:
         """Queue one message for the core; returns at once (unbounded high-water mark)."""
         await self._in.send(self._enc.encode(msg))
 
+    async def send_encoded(self, buf: bytes) -> None:
+        """Queue one already encoded ``ClientMessage`` (see ``send``)."""
+        await self._in.send(buf)
+
     async def recv(self) -> CoreMessage:
         """Wait (without blocking the event loop) for the next message from the core."""
         return self._dec.decode(await self._out.recv())

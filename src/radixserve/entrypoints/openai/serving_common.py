@@ -22,6 +22,7 @@ from radixserve.frontend.async_client import (
     AsyncEngineClient,
     EngineDeadError,
     EngineInfo,
+    RequestEncodeError,
     RequestStream,
 )
 from radixserve.frontend.detokenizer import IncrementalDetokenizer
@@ -209,14 +210,15 @@ def make_choices(tokenizer: FrontendTokenizer, prompts: list[list[int]], sp: Sam
     """``n`` choices per prompt (index = prompt * n + i) and the engine requests for them."""
     choices, requests = [], []
     base = new_request_id(prefix)
+    children = sp.children()
     for p, ids in enumerate(prompts):
-        for i in range(sp.n):
+        for i, child in enumerate(children):
             index = p * sp.n + i
             rid = f"{base}-{index}"
             detok = IncrementalDetokenizer(tokenizer.hf, ids, sp.skip_special_tokens, sp.stop,
                                            sp.include_stop_str_in_output)
             choices.append(Choice(index, rid, ids, detok, sp.logprobs is not None))
-            requests.append((rid, ids, child_params(sp, i) if sp.n > 1 else sp))
+            requests.append((rid, ids, child))
     return choices, requests
 
 
@@ -500,6 +502,9 @@ async def run_choices(raw: Request, state: ServingState, fmt: ResponseFormatter,
     except EngineDeadError as e:
         slot.release()
         raise OpenAIError(f"The engine is not available: {e}", 503) from None
+    except RequestEncodeError as e:
+        slot.release()
+        raise OpenAIError(str(e)) from None
     it = iterate_choices(rstream, choices)
 
     finished = False
