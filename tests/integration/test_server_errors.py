@@ -148,3 +148,22 @@ def test_unrepresentable_ints_are_400_and_server_stays_up(server) -> None:
         assert ok.json()["usage"]["completion_tokens"] == 4
     assert httpx.get(base + "/health").status_code == 200
     wait_idle(base, timeout_s=10)
+
+
+@pytest.mark.timeout(120)
+def test_prompt_without_room_is_the_engines_rejection_relayed(server) -> None:
+    """The engine core alone decides that a prompt leaves no room; its rejection comes back as
+    a plain 400 naming the API's prompt field, streamed or not."""
+    base = server.base_url
+    max_len = httpx.post(base + "/tokenize", json={"prompt": "x"}).json()["max_model_len"]
+    for stream in (False, True):
+        r = httpx.post(base + COMP, json={"prompt": [1] * max_len, "max_tokens": 1,
+                                          "stream": stream}, timeout=60)
+        err = _check_error(r, 400, "prompt")
+        assert err["code"] == "context_length_exceeded" and str(max_len) in err["message"]
+    words = "hello " * (max_len + 10)
+    r = httpx.post(base + CHAT, json={"messages": [{"role": "user", "content": words}],
+                                      "stream": True}, timeout=60)
+    err = _check_error(r, 400, "messages")
+    assert err["code"] == "context_length_exceeded"
+    wait_idle(base, timeout_s=10)
