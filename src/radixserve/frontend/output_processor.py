@@ -249,7 +249,7 @@ class OutputProcessor:
         new = out.new_token_ids
         detok = state.detok
         text = ""
-        if len(new):
+        if new:
             if state.first_token_time is None:
                 state.first_token_time = now
             text = detok.add(new)
