@@ -16,7 +16,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from radixserve.transport.messages import SchedulerStats
+from radixserve.engine_types import SchedulerStats
 
 PREFIX = "radixserve:"
 

@@ -6,38 +6,53 @@ Field names and meanings follow vLLM's ``SamplingParams`` so users can switch en
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 
 #: Largest number of top logprobs a request may ask for (OpenAI's chat API allows 20).
 MAX_LOGPROBS = 20
+#: Most completions per prompt (OpenAI's limit).
+MAX_N = 128
+#: Seeds ``torch.Generator.manual_seed`` accepts (and MessagePack can carry): [-2**63, 2**64-1].
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
+#: Token ids and token counts travel and are stored as int32.
+MAX_INT32 = 2**31 - 1
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """How to pick each next token and when to stop.
 
     Attributes:
-        n: completions per prompt (>= 1).
+        n: completions per prompt, in [1, 128].
         temperature: softmax temperature (>= 0); 0 means greedy.
         top_p: nucleus mass in (0, 1].
-        top_k: keep the k most likely tokens; -1 (or 0) disables.
+        top_k: keep the k most likely tokens; -1 (or 0) disables; at most 2**31-1.
         min_p: drop tokens whose probability is below ``min_p`` times the top one, in [0, 1].
-        seed: per-request generator seed; the same seed gives the same tokens alone or batched.
+        seed: per-request generator seed in [-2**63, 2**64-1] (what ``torch.Generator``
+            accepts); the same seed gives the same tokens alone or batched.
         presence_penalty / frequency_penalty: OpenAI-style additive penalties over generated
             tokens, in [-2, 2].
         repetition_penalty: multiplicative penalty (CTRL paper, as in HF ``generate``) over prompt
             and generated tokens, > 0; 1 disables.
-        max_tokens: generated tokens at most (>= 1); ``None`` means up to ``max_model_len``.
-        min_tokens: EOS and ``stop_token_ids`` are suppressed until this many tokens exist.
+        max_tokens: generated tokens at most, in [1, 2**31-1]; ``None`` means all the room
+            ``max_model_len`` leaves after the prompt (the engine core fills it in).
+        min_tokens: EOS and ``stop_token_ids`` are suppressed until this many tokens exist
+            (at most ``max_tokens``).
         stop: strings that end the output (checked on detokenized text, trimmed from it).
-        stop_token_ids: token ids that end the output (kept in ``token_ids``).
+        stop_token_ids: token ids in [0, 2**31-1] that end the output (kept in ``token_ids``).
         ignore_eos: keep generating after EOS.
         logprobs: return the chosen token's logprob and the top ``logprobs`` (0..20) per step.
         prompt_logprobs: accepted for vLLM compatibility; not computed (must be None).
         skip_special_tokens: drop special tokens when detokenizing.
         include_stop_str_in_output: keep the matched stop string in the text.
 
+    Every int is bounded so that the struct always encodes on the engine socket (MessagePack
+    ints are at most 64 bits) and fits the engine's int32/int64 arrays.
+
     Raises:
-        ValueError: from ``__post_init__`` naming the field and the allowed range.
+        ValueError: from ``__post_init__``: the message starts with ``field=value`` and names the
+            allowed range (the server turns it into a 400 whose ``param`` is the field).
     """
 
     n: int = 1
@@ -62,20 +77,27 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        _check(self.n >= 1, "n", self.n, "must be >= 1")
-        _check(self.temperature >= 0.0, "temperature", self.temperature, "must be >= 0")
+        _check(1 <= self.n <= MAX_N, "n", self.n, f"must be in [1, {MAX_N}]")
+        _check(math.isfinite(self.temperature) and self.temperature >= 0.0, "temperature",
+               self.temperature, "must be finite and >= 0")
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]")
-        _check(self.top_k >= -1, "top_k", self.top_k, "must be -1 (disabled) or >= 0")
+        _check(-1 <= self.top_k <= MAX_INT32, "top_k", self.top_k,
+               f"must be -1 (disabled) or in [0, {MAX_INT32}]")
         _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must be in [0, 1]")
+        if self.seed is not None:
+            _check(MIN_SEED <= self.seed <= MAX_SEED, "seed", self.seed,
+                   "must be in [-2**63, 2**64-1]")
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty,
                "must be in [-2, 2]")
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
                self.frequency_penalty, "must be in [-2, 2]")
-        _check(self.repetition_penalty > 0.0, "repetition_penalty", self.repetition_penalty,
-               "must be > 0")
+        _check(math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0,
+               "repetition_penalty", self.repetition_penalty, "must be finite and > 0")
         if self.max_tokens is not None:
-            _check(self.max_tokens >= 1, "max_tokens", self.max_tokens, "must be >= 1")
-        _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, "must be >= 0")
+            _check(1 <= self.max_tokens <= MAX_INT32, "max_tokens", self.max_tokens,
+                   f"must be in [1, {MAX_INT32}]")
+        _check(0 <= self.min_tokens <= MAX_INT32, "min_tokens", self.min_tokens,
+               f"must be in [0, {MAX_INT32}]")
         if self.max_tokens is not None:
             _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
                    f"must be <= max_tokens ({self.max_tokens})")
@@ -86,10 +108,27 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                "is not supported (must be None)")
         if self.stop_token_ids is not None:
             for t in self.stop_token_ids:
-                _check(t >= 0, "stop_token_ids", t, "must be non-negative token ids")
+                _check(0 <= t <= MAX_INT32, "stop_token_ids", t,
+                       f"must be token ids in [0, {MAX_INT32}]")
         if self.stop is not None:
             for s in self.stop:
                 _check(isinstance(s, str) and len(s) > 0, "stop", s, "must be non-empty strings")
+
+    def children(self) -> list[SamplingParams]:
+        """The ``n`` single-sample requests of these params: ``n=1`` each and, when seeded,
+        seed ``seed + i`` (wrapped into the seed range), so samples differ but stay
+        reproducible. ``[self]`` when ``n`` is 1."""
+        if self.n == 1:
+            return [self]
+        out = []
+        for i in range(self.n):
+            seed = self.seed
+            if seed is not None:
+                seed += i
+                if seed > MAX_SEED:
+                    seed -= 2**64  # same generator state modulo 2**64, still encodable
+            out.append(msgspec.structs.replace(self, n=1, seed=seed))
+        return out
 
     @property
     def greedy(self) -> bool:

@@ -119,3 +119,51 @@ def test_still_serving_and_no_pages_leaked_after_bad_input(server) -> None:
                    timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
     wait_idle(server.base_url, timeout_s=10)
+
+
+#: Values the engine cannot represent (MessagePack ints are 64-bit; token ids and counts are
+#: int32): each must be a 400 naming the field, never an engine-link failure.
+UNREPRESENTABLE = [
+    (CHAT, {"messages": MSGS, "seed": -2**63 - 1}, "seed"),
+    (CHAT, {"messages": MSGS, "seed": -2**63 - 1, "stream": True}, "seed"),
+    (COMP, {"prompt": "x", "seed": 2**64}, "seed"),
+    (CHAT, {"messages": MSGS, "n": 129}, "n"),
+    (COMP, {"prompt": "x", "top_k": 2**63}, "top_k"),
+    (COMP, {"prompt": "x", "stop_token_ids": [2**64]}, "stop_token_ids"),
+    (COMP, {"prompt": "x", "min_tokens": 2**40, "max_tokens": 2}, "min_tokens"),
+]
+
+
+@pytest.mark.timeout(120)
+def test_unrepresentable_ints_are_400_and_server_stays_up(server) -> None:
+    base = server.base_url
+    for path, body, param in UNREPRESENTABLE:
+        r = httpx.post(base + path, json={**body, "max_tokens": body.get("max_tokens", 2)},
+                       timeout=60)
+        _check_error(r, 400, param)
+        # the very next request is served: the engine link survived
+        ok = httpx.post(base + CHAT, json={"messages": MSGS, "max_tokens": 2, "seed": 2**64 - 1,
+                                           "n": 2, "ignore_eos": True}, timeout=60)
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["usage"]["completion_tokens"] == 4
+    assert httpx.get(base + "/health").status_code == 200
+    wait_idle(base, timeout_s=10)
+
+
+@pytest.mark.timeout(120)
+def test_prompt_without_room_is_the_engines_rejection_relayed(server) -> None:
+    """The engine core alone decides that a prompt leaves no room; its rejection comes back as
+    a plain 400 naming the API's prompt field, streamed or not."""
+    base = server.base_url
+    max_len = httpx.post(base + "/tokenize", json={"prompt": "x"}).json()["max_model_len"]
+    for stream in (False, True):
+        r = httpx.post(base + COMP, json={"prompt": [1] * max_len, "max_tokens": 1,
+                                          "stream": stream}, timeout=60)
+        err = _check_error(r, 400, "prompt")
+        assert err["code"] == "context_length_exceeded" and str(max_len) in err["message"]
+    words = "hello " * (max_len + 10)
+    r = httpx.post(base + CHAT, json={"messages": [{"role": "user", "content": words}],
+                                      "stream": True}, timeout=60)
+    err = _check_error(r, 400, "messages")
+    assert err["code"] == "context_length_exceeded"
+    wait_idle(base, timeout_s=10)

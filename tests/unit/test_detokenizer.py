@@ -185,3 +185,11 @@ def test_stop_checker_matches_reference(pieces, stops, include):
         expected = full
         assert not checker.stopped
     assert "".join(sent) == checker.released == expected
+
+
+def test_add_token_equals_add_of_one(tok):
+    ids = tok.encode(" Here are emojis 😀😃 and 中文 text.", add_special_tokens=False)
+    a = IncrementalDetokenizer(tok, tok.encode(PROMPT), stop=["中文"])
+    b = IncrementalDetokenizer(tok, tok.encode(PROMPT), stop=["中文"])
+    assert [a.add([t]) for t in ids] == [b.add_token(t) for t in ids]
+    assert a.token_ids == b.token_ids and a.text == b.text and b.stopped

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
@@ -18,13 +16,10 @@ from radixserve.entrypoints.openai.errors import (
 )
 from radixserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatCompletionStreamResponse,
     CompletionRequest,
-    CompletionResponse,
     TokenizeRequest,
-    UsageInfo,
 )
+from radixserve.sampling_params import SamplingParams
 
 MSGS = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
 
@@ -104,6 +99,11 @@ def test_completion_mapping_and_prompt_forms():
     ("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("n", 0), ("max_tokens", 0),
     ("presence_penalty", 3.0), ("repetition_penalty", 0.0), ("min_p", 2.0), ("top_k", -5),
     ("stop", [""]), ("stop_token_ids", [-1]),
+    # ints the engine cannot represent (64-bit MessagePack ints, int32 token ids and counts)
+    ("seed", -2**63 - 1), ("seed", 2**64), ("n", 129), ("top_k", 2**31), ("top_k", 2**63),
+    ("max_tokens", 2**31), ("min_tokens", 2**31), ("stop_token_ids", [2**31]),
+    ("stop_token_ids", [2**64]), ("temperature", float("inf")),
+    ("repetition_penalty", float("inf")),
 ])
 def test_bad_values_raise_value_error_naming_field(field, value):
     completion = CompletionRequest.model_validate({"prompt": "x", field: value})
@@ -112,6 +112,28 @@ def test_bad_values_raise_value_error_naming_field(field, value):
             req.to_sampling_params(16)
         err = error_from_value_error(info.value)
         assert err.status_code == 400 and err.param == field
+
+
+def test_extreme_representable_values_encode():
+    import msgspec
+
+    sp = SamplingParams(seed=-2**63, n=128, top_k=2**31 - 1, max_tokens=2**31 - 1,
+                        stop_token_ids=[2**31 - 1])
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(sp), type=SamplingParams) == sp
+    assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1
+
+
+def test_children_split_n_and_keep_seeds_in_range():
+    sp = SamplingParams(n=3, seed=10, temperature=1.0, max_tokens=5)
+    kids = sp.children()
+    assert [k.seed for k in kids] == [10, 11, 12]
+    assert all(k.n == 1 and k.max_tokens == 5 and k.temperature == 1.0 for k in kids)
+    assert SamplingParams(n=2).children() == [SamplingParams()] * 2  # unseeded stay unseeded
+    one = SamplingParams(seed=4)
+    assert one.children() == [one]
+    # seed + i past 2**64 - 1 wraps (the same torch generator state), so it still encodes
+    top = SamplingParams(n=3, seed=2**64 - 2).children()
+    assert [k.seed for k in top] == [2**64 - 2, 2**64 - 1, 0]
 
 
 def test_logprob_limits():
@@ -140,28 +162,6 @@ def test_tokenize_request_needs_one_input():
     for body in ({}, {"prompt": "x", "messages": MSGS}):
         with pytest.raises(ValidationError):
             TokenizeRequest.model_validate(body)
-
-
-def test_response_shapes():
-    usage = UsageInfo(prompt_tokens=3, completion_tokens=2, total_tokens=5,
-                      prompt_tokens_details={"cached_tokens": 2})
-    r = ChatCompletionResponse(model="m", usage=usage, choices=[
-        {"index": 0, "message": {"content": "hi"}, "finish_reason": "length",
-         "logprobs": {"content": [{"token": "hi", "logprob": -0.1, "bytes": [104, 105],
-                                   "top_logprobs": [{"token": "hi", "logprob": -0.1}]}]}}])
-    d = json.loads(r.model_dump_json())
-    assert d["object"] == "chat.completion" and d["id"].startswith("chatcmpl-")
-    assert d["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
-    assert d["usage"]["prompt_tokens_details"]["cached_tokens"] == 2
-    chunk = ChatCompletionStreamResponse(
-        model="m", choices=[{"index": 0, "delta": {"content": "x"}}]
-    )
-    assert json.loads(chunk.model_dump_json())["object"] == "chat.completion.chunk"
-    c = CompletionResponse(model="m", usage=usage, choices=[
-        {"index": 0, "text": "x", "finish_reason": "stop",
-         "logprobs": {"tokens": ["x"], "token_logprobs": [-1.0], "top_logprobs": [{"x": -1.0}],
-                      "text_offset": [0]}}])
-    assert json.loads(c.model_dump_json())["object"] == "text_completion"
 
 
 def test_error_bodies_through_fastapi():

@@ -1,22 +1,21 @@
-"""Server building blocks without a model: middlewares, the context-length check, logprob and
-usage shapes, the byte-level token bytes table."""
+"""Server building blocks without a model: middlewares, the frontend's part of the
+context-length rule, engine requests for n > 1, logprob and usage shapes, the byte-level token
+bytes table."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 
 from radixserve.entrypoints.openai.errors import OpenAIError, add_exception_handlers
+from radixserve.entrypoints.openai.logprobs import completion_logprobs
 from radixserve.entrypoints.openai.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
 from radixserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from radixserve.entrypoints.openai.serving_common import (
-    Choice,
-    child_params,
-    completion_logprobs,
-    sampling_params_for,
-    usage_dict,
-)
+from radixserve.entrypoints.openai.serving_request import engine_requests, sampling_params_for
+from radixserve.entrypoints.openai.usage import usage_dict
+from radixserve.frontend.output_processor import RequestState
 from radixserve.frontend.tokenizer import _BYTE_DECODER, bytes_to_unicode
 from radixserve.sampling_params import SamplingParams
 
@@ -70,11 +69,15 @@ def test_context_length_check_names_the_numbers() -> None:
         sampling_params_for(req, 60, 100, 16, "prompt")
     assert e.value.status_code == 400 and e.value.param == "max_tokens"
     assert all(str(n) in e.value.message for n in (100, 110, 60, 50))
-    with pytest.raises(OpenAIError) as e:
-        sampling_params_for(req, 100, 100, 16, "prompt")
-    assert e.value.param == "prompt" and "100" in e.value.message
+    # a prompt that leaves no room is the engine core's to reject (one authority; relayed as
+    # a 400 naming the prompt: tests/integration/test_server_errors.py): not checked here, and
+    # the default max_tokens is left alone for it
+    assert sampling_params_for(req.model_copy(update={"max_tokens": None}), 100, 100, 16,
+                               "prompt").max_tokens == 16
     chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}])
-    assert sampling_params_for(chat, 30, 100, None, "messages").max_tokens == 70
+    # no max_tokens in a chat: all the room left, which the engine core fills in (see
+    # test_output_processor.py::test_engine_fills_in_max_tokens_none)
+    assert sampling_params_for(chat, 30, 100, None, "messages").max_tokens is None
     assert sampling_params_for(req.model_copy(update={"max_tokens": None}), 90, 100, 16,
                                "prompt").max_tokens == 10
     with pytest.raises(OpenAIError) as e:
@@ -83,24 +86,30 @@ def test_context_length_check_names_the_numbers() -> None:
     assert e.value.param == "temperature"
 
 
-def test_child_params_and_usage() -> None:
+def test_engine_requests_split_n_and_usage() -> None:
     sp = SamplingParams(n=3, seed=10, temperature=1.0)
-    assert [child_params(sp, i).seed for i in range(3)] == [10, 11, 12]
-    assert child_params(sp, 2).n == 1
-    choices = []
-    for i, (prompt, cached, out) in enumerate([([1, 2, 3], 2, 4), ([1, 2, 3], 3, 5),
-                                               ([7], 0, 1), ([7], 0, 2)]):
-        c = Choice(i, f"r{i}", prompt, detok=None)  # type: ignore[arg-type]
-        c.num_cached_tokens = cached
-        choices.append((c, out))
+    reqs = engine_requests([[1, 2], [7]], sp, "cmpl", arrival_time=5.0)
+    assert [r.sampling_params.seed for r in reqs] == [10, 11, 12] * 2
+    assert all(r.sampling_params.n == 1 and r.arrival_time == 5.0 for r in reqs)
+    assert [r.prompt_token_ids.tolist() for r in reqs] == [[1, 2]] * 3 + [[7]] * 3
+    assert all(r.prompt_token_ids.dtype == np.int32 for r in reqs)
+    assert all(r.eos_token_ids is None for r in reqs)  # the core knows the model's EOS
+    ids = [r.request_id for r in reqs]
+    assert len(set(ids)) == 6 and all(i.startswith("cmpl-") for i in ids)
+    assert [i.rsplit("-", 1)[1] for i in ids] == [str(k) for k in range(6)]  # choice index
 
     class FakeDetok:
         def __init__(self, n: int) -> None:
             self.token_ids = [0] * n
 
-    for c, out in choices:
-        c.detok = FakeDetok(out)  # type: ignore[assignment]
-    u = usage_dict([c for c, _ in choices], n=2)
+    states = []
+    for i, (prompt, cached, out) in enumerate([([1, 2, 3], 2, 4), ([1, 2, 3], 3, 5),
+                                               ([7], 0, 1), ([7], 0, 2)]):
+        st = RequestState(f"r{i}", i, prompt, SamplingParams(), 0.0,
+                          FakeDetok(out))  # type: ignore[arg-type]
+        st.num_cached_tokens = cached
+        states.append(st)
+    u = usage_dict(states, n=2)
     assert u == {"prompt_tokens": 4, "completion_tokens": 12, "total_tokens": 16,
                  "prompt_tokens_details": {"cached_tokens": 2}}
 

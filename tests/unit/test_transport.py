@@ -11,42 +11,50 @@ import numpy as np
 import pytest
 import zmq
 
+from radixserve import engine_types as et
 from radixserve.metrics import ServerMetrics
 from radixserve.sampling_params import SamplingParams
+from radixserve.transport import messages
 from radixserve.transport.messages import (
     SCHEMA_VERSION,
     AbortRequests,
     EngineError,
-    EngineOutputs,
-    EngineRequest,
     Hello,
-    RequestOutput,
     SchedulerStats,
     Shutdown,
-    StatsRequest,
+    WireOutput,
+    WireRequest,
+    WireStepOutputs,
     pack_ids,
+    request_from_wire,
+    request_to_wire,
+    step_from_wire,
+    step_to_wire,
     unpack_ids,
 )
 from radixserve.transport.zmq_io import (
     AsyncClientSockets,
     CoreSockets,
-    Encoder,
     cleanup_ipc,
     make_ipc_paths,
 )
 
+encode = msgspec.msgpack.encode
+
+INFO = et.EngineInfo(model_name="SmolLM2", folder="/m", max_model_len=8192, vocab_size=49152,
+                     eos_token_ids=[2, 0], dtype="float32", device="cpu", num_pages=640,
+                     page_size=16, pid=4242)
+
 CLIENT_MESSAGES = [
-    EngineRequest(
+    WireRequest(
         request_id="r1",
         prompt_token_ids=pack_ids([1, 2, 3, 49151]),
         sampling_params=SamplingParams(temperature=0.0, max_tokens=8, stop=["\n"], seed=7),
-        eos_token_ids=[2],
         arrival_time=123.5,
     ),
-    EngineRequest("r2", pack_ids([]), SamplingParams(), [], 0.0),
+    WireRequest("r2", pack_ids([]), SamplingParams(seed=-2**63, max_tokens=None), 0.0),
     AbortRequests(request_ids=["r1", "r2"]),
-    Hello(schema_version=SCHEMA_VERSION, info={"pid": 1, "name": "x", "t": 1.5}),
-    StatsRequest(),
+    Hello(schema_version=SCHEMA_VERSION),
     Shutdown(),
 ]
 
@@ -56,23 +64,23 @@ STATS = SchedulerStats(num_running=3, num_waiting=1, kv_pages_used=5, kv_pages_t
                        step_timings={"schedule": [1e-4, 2e-4], "forward": [0.01]})
 
 CORE_MESSAGES = [
-    EngineOutputs(
+    WireStepOutputs(
         step=4,
         outputs=[
-            RequestOutput("r1", pack_ids([42]), logprobs=[[[42.0, -0.5], [7.0, -1.5]]],
-                          num_prompt_tokens=4, num_cached_tokens=2),
-            RequestOutput("r2", pack_ids([2]), finish_reason="stop", stop_reason=2),
-            RequestOutput("r3", pack_ids([]), finish_reason="abort", error="too long"),
+            WireOutput("r1", pack_ids([42]), logprobs=[[[42.0, -0.5], [7.0, -1.5]]],
+                       num_prompt_tokens=4, num_cached_tokens=2),
+            WireOutput("r2", pack_ids([2]), finish_reason="stop", stop_reason=2,
+                       queue_time=0.25),
+            WireOutput("r3", pack_ids([]), finish_reason="abort", error="too long",
+                       error_param="prompt", error_code="context_length_exceeded"),
         ],
-        timestamp=1.25,
         stats=STATS,
     ),
-    EngineOutputs(step=5, outputs=[], timestamp=2.0),
+    WireStepOutputs(step=5, outputs=[]),
     # column-wise decodes next to a full output
-    EngineOutputs(step=6, outputs=[RequestOutput("r4", pack_ids([9]), num_prompt_tokens=3)],
-                  timestamp=3.0, decode_request_ids=["r5", "r6"],
-                  decode_token_ids=pack_ids([11, 49151])),
-    Hello(schema_version=SCHEMA_VERSION),
+    WireStepOutputs(step=6, outputs=[WireOutput("r4", pack_ids([9]), num_prompt_tokens=3)],
+                    decode_request_ids=["r5", "r6"], decode_token_ids=pack_ids([11, 49151])),
+    Hello(schema_version=SCHEMA_VERSION, info=INFO),
     EngineError(message="boom"),
 ]
 
@@ -102,9 +110,9 @@ def test_round_trip_every_message(addrs):
         core = CoreSockets(*addrs)
         client = AsyncClientSockets(*addrs)
         try:
-            core_hs = asyncio.create_task(asyncio.to_thread(core.handshake, 10.0, {"role": "core"}))
+            core_hs = asyncio.create_task(asyncio.to_thread(core.handshake, 10.0, INFO))
             hello = await client.handshake(10.0)
-            assert hello.info == {"role": "core"}
+            assert hello.info == INFO and isinstance(hello.info, et.EngineInfo)
             assert (await core_hs).schema_version == SCHEMA_VERSION
             assert all(Path(a[len("ipc://"):]).exists() for a in addrs)
 
@@ -115,9 +123,9 @@ def test_round_trip_every_message(addrs):
             assert core.recv(timeout_ms=0) is None and core.recv_nowait() == []
 
             await client.send(Shutdown())
-            await client.send(StatsRequest())
+            await client.send_encoded(encode(AbortRequests(["x"])))
             await asyncio.sleep(0.05)
-            assert core.recv_nowait() == [Shutdown(), StatsRequest()]
+            assert core.recv_nowait() == [Shutdown(), AbortRequests(["x"])]
 
             for msg in CORE_MESSAGES:
                 core.send(msg)
@@ -132,7 +140,7 @@ def test_round_trip_every_message(addrs):
 
 def test_int32_ids_bytes_round_trip(addrs):
     ids = np.array([0, 1, 2, 151_935, 2**31 - 1, 7], dtype=np.int64)
-    req = EngineRequest("ids", pack_ids(ids), SamplingParams(), [0], 0.0)
+    req = WireRequest("ids", pack_ids(ids), SamplingParams(), 0.0)
     assert len(req.prompt_token_ids) == 4 * len(ids)
     assert req.prompt_token_ids == ids.astype("<i4").tobytes()
     big = np.arange(100_000) % 50_000  # large message (zero-copy send path)
@@ -145,7 +153,7 @@ def test_int32_ids_bytes_round_trip(addrs):
             got = await asyncio.to_thread(core.recv, 5000)
             arr = unpack_ids(got.prompt_token_ids)
             assert arr.dtype == np.dtype("<i4") and arr.tolist() == ids.tolist()
-            core.send(EngineOutputs(0, [RequestOutput("ids", pack_ids(big))], 0.0))
+            core.send(WireStepOutputs(0, [WireOutput("ids", pack_ids(big))]))
             out = await asyncio.wait_for(client.recv(), 5)
             assert np.array_equal(unpack_ids(out.outputs[0].new_token_ids), big)
         finally:
@@ -155,20 +163,44 @@ def test_int32_ids_bytes_round_trip(addrs):
     asyncio.run(main())
 
 
-def test_column_wise_decodes_expand_to_outputs():
-    msg = EngineOutputs(7, [RequestOutput("a", pack_ids([5]), finish_reason="length",
-                                          num_prompt_tokens=2, num_cached_tokens=1)], 0.0,
-                        decode_request_ids=["b", "c", "d"],
-                        decode_token_ids=np.array([0, 2**31 - 1, 1000]).astype("<i4").tobytes())
-    assert msg.num_outputs == 4
-    outs = msg.all_outputs()
-    assert [o.request_id for o in outs] == ["a", "b", "c", "d"]
-    assert outs[0] is msg.outputs[0]
-    assert [unpack_ids(o.new_token_ids).tolist() for o in outs[1:]] == [[0], [2**31 - 1], [1000]]
-    # a column-wise decode carries nothing else (the consumer keeps its prompt info)
-    assert all(o.finish_reason is None and o.logprobs is None and o.num_prompt_tokens == 0
-               and o.num_cached_tokens == 0 and o.queue_time is None for o in outs[1:])
-    assert EngineOutputs(1, [], 0.0).all_outputs() == []
+def test_request_conversions_round_trip():
+    er = et.EngineRequest(request_id="a", prompt_token_ids=np.array([5, 0, 49151], np.int32),
+                          sampling_params=SamplingParams(seed=3), arrival_time=7.5,
+                          eos_token_ids=[9])
+    wire = request_to_wire(er)
+    assert wire.prompt_token_ids == np.array([5, 0, 49151], "<i4").tobytes()
+    assert "eos_token_ids" not in WireRequest.__struct_fields__  # the core knows the model's
+    back = request_from_wire(msgspec.msgpack.decode(encode(wire), type=WireRequest))
+    assert back.request_id == "a" and back.arrival_time == 7.5 and back.eos_token_ids is None
+    assert back.sampling_params == er.sampling_params
+    assert back.prompt_token_ids.dtype == np.int32
+    assert back.prompt_token_ids.tolist() == [5, 0, 49151]
+
+
+def test_step_conversions_keep_columns_and_rejections():
+    step = et.StepOutputs(
+        step=7,
+        outputs=[et.TokenOutput(request_id="a", new_token_ids=[5], finish_reason="length",
+                                num_prompt_tokens=2, num_cached_tokens=1, queue_time=0.5,
+                                logprobs=[[[5.0, -0.1], [6.0, -2.0]]]),
+                 et.TokenOutput(request_id="z", finish_reason="abort", error="too long",
+                                error_param="prompt", error_code="context_length_exceeded")],
+        decode_request_ids=["b", "c", "d"],
+        decode_token_ids=np.array([0, 2**31 - 1, 1000], dtype=np.int32))
+    wire = step_to_wire(step, STATS)
+    assert wire.stats == STATS and wire.decode_token_ids == step.decode_token_ids.tobytes()
+    got = step_from_wire(msgspec.msgpack.decode(encode(wire), type=WireStepOutputs))
+    assert got.step == 7 and got.num_outputs == 5
+    assert got.outputs == step.outputs  # full outputs: every field, error_param/code included
+    # the decode column stays one int32 array: no per-token structs on the frontend side
+    assert got.decode_request_ids == ["b", "c", "d"]
+    assert got.decode_token_ids.dtype == np.int32
+    assert got.decode_token_ids.tolist() == [0, 2**31 - 1, 1000]
+    assert not hasattr(messages, "expand_decodes") and not hasattr(WireStepOutputs,
+                                                                    "all_outputs")
+    assert not hasattr(messages, "RequestOutput")  # the public one is radixserve.outputs'
+    empty = step_from_wire(step_to_wire(et.StepOutputs(step=1)))
+    assert empty.num_outputs == 0 and empty.decode_token_ids.shape == (0,)
 
 
 def _raw(kind: int, addr: str, bind: bool, ctx: zmq.Context) -> zmq.Socket:
@@ -183,7 +215,7 @@ def test_core_refuses_schema_mismatch(addrs):
     ctx = zmq.Context()
     push, pull = _raw(zmq.PUSH, addrs[0], False, ctx), _raw(zmq.PULL, addrs[1], False, ctx)
     try:
-        push.send(Encoder().encode(Hello(schema_version=SCHEMA_VERSION + 1)))
+        push.send(encode(Hello(schema_version=SCHEMA_VERSION + 1)))
         with pytest.raises(RuntimeError, match="schema"):
             core.handshake(5.0)
         # The core still answered with its own Hello, so the peer can report the mismatch too.
@@ -193,7 +225,7 @@ def test_core_refuses_schema_mismatch(addrs):
         push.send(msgspec.msgpack.encode(["hello", 99, {}, "new field"]))
         with pytest.raises(RuntimeError, match="schema_version=99"):
             core.handshake(5.0)
-        push.send(Encoder().encode(Shutdown()))
+        push.send(encode(Shutdown()))
         with pytest.raises(RuntimeError, match="before Hello"):
             core.handshake(5.0)
         with pytest.raises(RuntimeError, match="no Hello"):
@@ -209,10 +241,10 @@ def test_client_refuses_schema_mismatch_and_reports_engine_error(addrs):
         pull, push = _raw(zmq.PULL, addrs[0], True, ctx), _raw(zmq.PUSH, addrs[1], True, ctx)
         client = AsyncClientSockets(*addrs)
         try:
-            push.send(Encoder().encode(Hello(schema_version=SCHEMA_VERSION + 1)))
+            push.send(encode(Hello(schema_version=SCHEMA_VERSION + 1)))
             with pytest.raises(RuntimeError, match="schema"):
                 await client.handshake(5.0)
-            push.send(Encoder().encode(EngineError("CUDA out of memory")))
+            push.send(encode(EngineError("CUDA out of memory")))
             with pytest.raises(RuntimeError, match="CUDA out of memory"):
                 await client.handshake(5.0)
             with pytest.raises(RuntimeError, match="no Hello"):

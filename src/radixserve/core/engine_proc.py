@@ -8,17 +8,20 @@ Started by the frontend (``AsyncEngineClient``) as a fresh interpreter::
 so no fork ever happens after torch has started threads. The process
 
 1. binds its sockets, loads the model (the slow part), and only then answers the frontend's
-   ``Hello`` with the model's facts in ``Hello.info`` (see ``hello_info``): the frontend is
-   ready exactly when the model is;
+   ``Hello`` with the engine's ``EngineInfo`` (its ``pid`` set): the frontend is ready exactly
+   when the model is;
 2. loops: drain the input socket (blocking with a short timeout when idle, non-blocking when
-   busy), add requests and aborts, run one ``step()``, send one ``EngineOutputs`` per step with
-   the scheduler's stats attached;
+   busy), add requests and aborts, run one ``step()``, send one ``WireStepOutputs`` per step
+   with the scheduler's stats attached;
 3. exits 0 on ``Shutdown``, SIGTERM or SIGINT, or when its parent is gone (checked every
    ``PARENT_CHECK_S``), so no orphan survives a killed frontend; on any other exception it sends
    ``EngineError`` and exits 1.
 
-A request the core rejects (``EngineCore.add_request`` raises ValueError) becomes one
-``RequestOutput`` with ``error`` set and ``finish_reason="abort"``; other requests carry on.
+The wire format stops at the socket: received ``WireRequest``s become
+``engine_types.EngineRequest``s and each step's ``StepOutputs`` becomes one ``WireStepOutputs``
+(``transport.messages``). A request the core rejects (``EngineCore.add_request`` raises
+``RequestRejected``, or any ValueError) becomes one output with ``error``, ``error_param`` and
+``error_code`` set and ``finish_reason="abort"``; other requests carry on.
 """
 
 from __future__ import annotations
@@ -34,17 +37,15 @@ import time
 import traceback
 from typing import Any
 
+import msgspec
+
 from radixserve.config import EngineConfig
-from radixserve.engine_types import RequestRejected
+from radixserve.engine_types import FINISH_ABORT, StepOutputs, TokenOutput
 from radixserve.transport.messages import (
-    FINISH_ABORT,
     AbortRequests,
     EngineError,
-    EngineOutputs,
-    EngineRequest,
-    RequestOutput,
     Shutdown,
-    StatsRequest,
+    WireRequest,
     request_from_wire,
     step_to_wire,
 )
@@ -80,28 +81,6 @@ def build_engine(config: EngineConfig, null_model: bool = False,
     return EngineCore(config, build_runner(config, null_model, null_step_s))
 
 
-def hello_info(engine: Any) -> dict[str, str | int | float]:
-    """The facts the frontend needs, as ``Hello.info`` (lists as comma-separated strings).
-
-    Keys: ``model_name``, ``folder`` (the Hugging Face folder holding the tokenizer),
-    ``max_model_len``, ``vocab_size``, ``eos_token_ids`` ("2" or "2,0"), ``dtype``, ``device``,
-    ``num_pages``, ``page_size``, ``pid``.
-    """
-    info = engine.runner.info
-    return {
-        "model_name": str(info.name),
-        "folder": str(info.folder),
-        "max_model_len": int(engine.max_model_len),
-        "vocab_size": int(info.vocab_size),
-        "eos_token_ids": ",".join(str(int(t)) for t in info.eos_token_ids),
-        "dtype": str(info.dtype),
-        "device": str(info.device),
-        "num_pages": int(engine.runner.num_pages),
-        "page_size": int(engine.config.page_size),
-        "pid": os.getpid(),
-    }
-
-
 class EngineLoop:
     """Drives one ``EngineCore`` from a ``CoreSockets`` until shutdown.
 
@@ -116,7 +95,7 @@ class EngineLoop:
         self.sockets = sockets
         self.parent_pid = parent_pid
         self.stop_reason: str | None = None
-        self._rejected: list[RequestOutput] = []
+        self._rejected: list[TokenOutput] = []
         self._dirty = False
         self._next_parent_check = 0.0
 
@@ -139,35 +118,34 @@ class EngineLoop:
             if self.stop_reason is not None:
                 break
             step = engine.step() if engine.has_unfinished_requests() else None
-            out = None if step is None else step_to_wire(step)
             if self._rejected:
                 rejected, self._rejected = self._rejected, []
-                if out is None:
-                    out = EngineOutputs(engine.step_count, rejected, time.time())
+                if step is None:
+                    step = StepOutputs(step=engine.step_count, outputs=rejected)
                 else:
-                    out.outputs.extend(rejected)
-            if out is None and self._dirty:
+                    step.outputs.extend(rejected)
+            if step is None and self._dirty:
                 # aborts without notification still change the stats the frontend shows
-                out = EngineOutputs(engine.step_count, [], time.time())
-            if out is not None:
-                out.stats = engine.get_stats()
-                out.stats.step_timings = engine.drain_step_timings()
-                self.sockets.send(out)
+                step = StepOutputs(step=engine.step_count)
+            if step is not None:
+                stats = msgspec.structs.replace(engine.get_stats(),
+                                                step_timings=engine.drain_step_timings())
+                self.sockets.send(step_to_wire(step, stats))
                 self._dirty = False
         return self.stop_reason
 
     def _handle(self, msg: Any) -> None:
-        if isinstance(msg, EngineRequest):
+        if isinstance(msg, WireRequest):
             try:
                 self.engine.add_request(request_from_wire(msg))
-            except RequestRejected as e:
-                self._rejected.append(RequestOutput(
-                    request_id=msg.request_id, new_token_ids=b"", finish_reason=FINISH_ABORT,
-                    error=str(e)))
+            except ValueError as e:
+                # RequestRejected names the field; any other ValueError from admission is still
+                # this request's fault alone, never a reason to take the engine down
+                self._rejected.append(TokenOutput(
+                    request_id=msg.request_id, finish_reason=FINISH_ABORT, error=str(e),
+                    error_param=getattr(e, "param", None), error_code=getattr(e, "code", None)))
         elif isinstance(msg, AbortRequests):
             self.engine.abort_requests(msg.request_ids, notify=False)
-            self._dirty = True
-        elif isinstance(msg, StatsRequest):
             self._dirty = True
         elif isinstance(msg, Shutdown):
             self.request_stop("shutdown requested")
@@ -209,7 +187,8 @@ def run_engine_process(input_addr: str, output_addr: str, config: EngineConfig,
             # rescanning it on every collection during serving
             gc.collect()
             gc.freeze()
-            sockets.handshake(timeout_s=HANDSHAKE_TIMEOUT_S, info=hello_info(engine))
+            sockets.handshake(timeout_s=HANDSHAKE_TIMEOUT_S,
+                              info=msgspec.structs.replace(engine.info, pid=os.getpid()))
         except KeyboardInterrupt:
             log.info("engine core: %s during start-up, exiting", pending_signal or "interrupt")
             return 0

@@ -1,7 +1,8 @@
 """Offline inference API, shaped like vLLM's ``LLM`` so users can switch.
 
 Drives the same ``EngineCore`` the server uses, in-process (no ZMQ); tokenization, the chat
-template, incremental detokenization and stop strings are the frontend's own classes.
+template and output processing (detokenization, stop strings, logprobs: ``OutputProcessor``)
+are the frontend's own classes, called synchronously after each engine step.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from tqdm.auto import tqdm
 
 from radixserve.config import EngineConfig
 from radixserve.core.engine_core import EngineCore
-from radixserve.engine_types import FINISH_STOP, EngineRequest
-from radixserve.frontend.detokenizer import IncrementalDetokenizer
+from radixserve.engine_types import EngineRequest
+from radixserve.frontend.output_processor import OutputProcessor, RequestState
 from radixserve.frontend.tokenizer import FrontendTokenizer
 from radixserve.model_executor.runner import build_runner
 from radixserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -67,6 +68,7 @@ class LLM:
         self._tok = FrontendTokenizer(self.tokenizer)
         self.eos_token_ids = list(info.eos_token_ids)
         self._ids = itertools.count()
+        self._processor = OutputProcessor(self.tokenizer)
 
     def get_tokenizer(self):  # noqa: ANN201 - a transformers tokenizer
         return self.tokenizer
@@ -134,91 +136,77 @@ class LLM:
 
     def _run(self, encoded: list[tuple[str | None, list[int]]], params: list[SamplingParams],
              use_tqdm: bool) -> list[RequestOutput]:
+        """Add every request, step the engine until all finished, build the results.
+
+        Raises:
+            ValueError: the engine rejected a request; nothing of this call stays queued.
+        """
+        processor, engine = self._processor, self.engine
         results: list[RequestOutput] = []
-        track: dict[str, tuple[RequestOutput, CompletionOutput, IncrementalDetokenizer]] = {}
-        added: list[str] = []
+        # engine request id -> (its RequestOutput, the states of all that output's requests)
+        owner: dict[str, tuple[RequestOutput, list[RequestState]]] = {}
         now = time.time()
         try:
             for (text, ids), sp in zip(encoded, params, strict=True):
                 rid = str(next(self._ids))
                 out = RequestOutput(rid, text, ids, [], metrics=RequestMetrics(now))
                 results.append(out)
-                for i in range(sp.n):
-                    child = sp if sp.n == 1 else _child_params(sp, i)
+                prompt = np.asarray(ids, dtype=np.int32)
+                group: list[RequestState] = []
+                for i, child in enumerate(sp.children()):
                     cid = rid if sp.n == 1 else f"{rid}-{i}"
-                    comp = CompletionOutput(index=i, logprobs=[] if sp.logprobs is not None
-                                            else None)
-                    comp.cumulative_logprob = 0.0 if sp.logprobs is not None else None
-                    out.outputs.append(comp)
-                    detok = IncrementalDetokenizer(
-                        self.tokenizer, ids, sp.skip_special_tokens, sp.stop,
-                        sp.include_stop_str_in_output)
-                    self.engine.add_request(EngineRequest(
-                        request_id=cid, prompt_token_ids=np.asarray(ids, dtype=np.int32),
-                        sampling_params=child, arrival_time=now))
-                    added.append(cid)
-                    track[cid] = (out, comp, detok)
+                    out.outputs.append(CompletionOutput(index=i))
+                    group.append(processor.add_request(cid, ids, child, now, index=i))
+                    owner[cid] = (out, group)
+                    engine.add_request(EngineRequest(request_id=cid, prompt_token_ids=prompt,
+                                                     sampling_params=child, arrival_time=now))
         except Exception:
-            self.engine.abort_requests(added, notify=False)
+            engine.abort_requests(list(owner), notify=False)
+            processor.abort_requests(list(owner))
             raise
         bar = tqdm(total=len(results), desc="Processed prompts", disable=not use_tqdm
                    or len(results) < 2, dynamic_ncols=True)
-        remaining = {id(r): len(r.outputs) for r in results}
         try:
-            while track and self.engine.has_unfinished_requests():
-                step = self.engine.step()
+            while owner and engine.has_unfinished_requests():
+                step = engine.step()
                 if step is None:
                     continue
-                stopped: list[str] = []
-                for o in step.all_outputs():
-                    entry = track.get(o.request_id)
-                    if entry is None:
+                processed = processor.process(step)
+                if processed.abort_ids:
+                    engine.abort_requests(processed.abort_ids, notify=False)
+                for d in processed.deltas:
+                    if d.finish_reason is None:
                         continue
-                    out, comp, detok = entry
-                    new = o.new_token_ids
-                    if new and out.metrics and out.metrics.first_token_time is None:
-                        out.metrics.first_token_time = time.time()
-                    if o.num_prompt_tokens:  # 0: a column-wise decode, which carries none
-                        out.num_cached_tokens = o.num_cached_tokens
-                    if new:
-                        comp.token_ids.extend(new)
-                        detok.add(new)
-                        if o.logprobs and comp.logprobs is not None:
-                            for row in o.logprobs:
-                                comp.logprobs.append({int(t): lp for t, lp in row})
-                                comp.cumulative_logprob += row[0][1]  # type: ignore[operator]
-                    finish = o.finish_reason
-                    if detok.stopped and finish is None:
-                        finish = FINISH_STOP
-                        stopped.append(o.request_id)
-                    if finish is None:
-                        continue
-                    if detok.stopped:
-                        comp.stop_reason = detok.stop_str
-                    else:
-                        detok.finish()
-                        comp.stop_reason = o.stop_reason
-                    comp.finish_reason = finish
-                    comp.text = detok.text
-                    del track[o.request_id]
-                    remaining[id(out)] -= 1
-                    if remaining[id(out)] == 0:
-                        out.finished = True
-                        if out.metrics:
-                            out.metrics.finished_time = time.time()
+                    out, group = owner.pop(d.request_id)
+                    out.outputs[d.state.index] = _completion(d.state)
+                    if all(st.finished for st in group):
+                        _finish(out, group)
                         bar.update(1)
-                if stopped:
-                    self.engine.abort_requests(stopped, notify=False)
         except BaseException:
-            self.engine.abort_requests(list(track), notify=False)
+            engine.abort_requests(list(owner), notify=False)
+            processor.abort_requests(list(owner))
             raise
         finally:
             bar.close()
         return results
 
-def _child_params(sp: SamplingParams, i: int) -> SamplingParams:
-    """The i-th of ``n`` samples: its own seed so samples differ but stay reproducible."""
-    import msgspec
 
-    seed = None if sp.seed is None else sp.seed + i
-    return msgspec.structs.replace(sp, n=1, seed=seed)
+def _completion(state: RequestState) -> CompletionOutput:
+    """A finished request's ``CompletionOutput`` (logprob rows as vLLM's dicts)."""
+    comp = CompletionOutput(index=state.index, text=state.text, token_ids=list(state.token_ids),
+                            finish_reason=state.finish_reason, stop_reason=state.stop_reason)
+    if state.want_logprobs:
+        comp.logprobs = [{int(t): lp for t, lp in row} for row in state.logprob_rows]
+        comp.cumulative_logprob = sum(row[0][1] for row in state.logprob_rows)
+    return comp
+
+
+def _finish(out: RequestOutput, group: list[RequestState]) -> None:
+    """Mark a prompt's output finished once all its ``n`` requests are: cached tokens from the
+    first (as the server's usage counts them), first token time from the earliest."""
+    out.finished = True
+    out.num_cached_tokens = group[0].num_cached_tokens
+    if out.metrics is not None:
+        firsts = [st.first_token_time for st in group if st.first_token_time is not None]
+        out.metrics.first_token_time = min(firsts) if firsts else None
+        out.metrics.finished_time = time.time()

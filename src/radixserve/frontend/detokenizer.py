@@ -30,7 +30,8 @@ class IncrementalDetokenizer:
     Args:
         tokenizer: a transformers tokenizer; fast tokenizers are decoded through their Rust
             ``backend_tokenizer`` (no ``clean_up_tokenization_spaces``, like vLLM).
-        prompt_token_ids: the prompt; its last few ids give the decoder context.
+        prompt_token_ids: the prompt (a list or an int array); its last few ids give the
+            decoder context.
         skip_special_tokens: drop special tokens from the text.
         stop: strings that end the output; the text is cut at the earliest match.
         include_stop_str_in_output: keep the matched stop string in the text.
@@ -63,7 +64,8 @@ class IncrementalDetokenizer:
         self.token_ids: list[int] = []
         self._stop = StopChecker(stop or [], include_stop_str_in_output)
 
-        context = [int(t) for t in list(prompt_token_ids)[-INITIAL_CONTEXT_TOKENS:]]
+        # slice before converting: the prompt may be a long list or an int32 array
+        context = [int(t) for t in prompt_token_ids[-INITIAL_CONTEXT_TOKENS:]]
         context_text = self._decode_fn(context) if context else ""
         if context_text.endswith(_REPLACEMENT):
             # The prompt ends mid-character: decode the output on its own instead.
@@ -100,6 +102,14 @@ class IncrementalDetokenizer:
             return ""
         self.token_ids.extend(new)
         self._ids.extend(new)
+        return self._stop.feed(self._decode_new(final=False), final=False)
+
+    def add_token(self, token_id: int) -> str:
+        """``add([token_id])`` for one int: the per-step hot case, without the list."""
+        if self._stop.stopped:
+            return ""
+        self.token_ids.append(token_id)
+        self._ids.append(token_id)
         return self._stop.feed(self._decode_new(final=False), final=False)
 
     def finish(self) -> str:

@@ -44,7 +44,7 @@ class FrontendTokenizer:
 
     def __init__(self, tokenizer: Any) -> None:
         self.hf = tokenizer
-        # prompts longer than the model are rejected by our own check, not with a warning
+        # prompts longer than the model are rejected by the engine core, not with a warning
         tokenizer.model_max_length = 1 << 62
         backend = getattr(tokenizer, "backend_tokenizer", None)
         decoder = getattr(backend, "decoder", None) if backend is not None else None

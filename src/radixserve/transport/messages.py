@@ -1,8 +1,13 @@
-"""Wire schema between the frontend and the engine core (DESIGN §1).
+"""Wire schema between the frontend and the engine core (DESIGN §1), and the conversions
+between it and the engine's own types (``engine_types``).
 
 MessagePack via ``msgspec`` structs, tagged unions, no pickle. Token-id arrays travel as raw
 little-endian int32 bytes (``numpy.frombuffer``), never as per-token Python objects. A peer in
 another language can speak this protocol from these definitions alone.
+
+Wire structs are named ``Wire*`` where the engine has a type of the same concept, so the two
+never mix: the engine-core process converts at its socket (``request_from_wire``,
+``step_to_wire``), the frontend's client at its own (``request_to_wire``, ``step_from_wire``).
 """
 
 from __future__ import annotations
@@ -13,11 +18,13 @@ import msgspec
 import numpy as np
 
 from radixserve import engine_types as et
-from radixserve.engine_types import SchedulerStats
+from radixserve.engine_types import EngineInfo, SchedulerStats
 from radixserve.sampling_params import SamplingParams
 
 #: Bumped on any incompatible change; checked by the Hello handshake at connect.
-SCHEMA_VERSION = 2
+#: 3: Wire* names, no eos_token_ids in requests, rejections carry error_param/error_code,
+#: Hello carries a typed EngineInfo, no timestamp in step outputs, no StatsRequest.
+SCHEMA_VERSION = 3
 
 
 _I32 = struct.Struct("<i")
@@ -35,57 +42,59 @@ def unpack_ids(buf: bytes) -> np.ndarray:
     return np.frombuffer(buf, dtype="<i4")
 
 
-class EngineRequest(msgspec.Struct, tag="req", array_like=True):
-    """A new request for the engine core: prompt ids as int32 bytes."""
+def _ids_list(buf: bytes) -> list[int]:
+    if len(buf) == 4:
+        return [_I32.unpack(buf)[0]]  # a first token or a logprobs step: the common case
+    return np.frombuffer(buf, dtype="<i4").tolist()
+
+
+# -- frontend -> engine core ---------------------------------------------------------------------
+
+
+class WireRequest(msgspec.Struct, tag="req", array_like=True):
+    """A new request for the engine core (``engine_types.EngineRequest`` on the wire).
+
+    Attributes:
+        request_id: unique among live requests.
+        prompt_token_ids: int32 [P] as raw little-endian bytes.
+        sampling_params: with ``n`` 1 (see ``SamplingParams.children``).
+        arrival_time: ``time.time()`` when the API request arrived, seconds.
+    """
 
     request_id: str
     prompt_token_ids: bytes
     sampling_params: SamplingParams
-    eos_token_ids: list[int]
     arrival_time: float
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
+    """Remove these requests from the engine; no output reports them (unknown ids ignored)."""
+
     request_ids: list[str]
 
 
 class Hello(msgspec.Struct, tag="hello", array_like=True):
-    """First message each way; the receiver refuses a different ``schema_version``."""
+    """First message each way; the receiver refuses a different ``schema_version``. The engine
+    core's carries its ``EngineInfo`` (``pid`` set); the frontend's carries none."""
 
     schema_version: int
-    info: dict[str, str | int | float] = {}
+    info: EngineInfo | None = None
 
 
 class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
-    pass
-
-
-class StatsRequest(msgspec.Struct, tag="stats_req", array_like=True):
-    pass
+    """Ask the engine core to finish its step and exit 0."""
 
 
 #: Everything the frontend sends to the engine core.
-ClientMessage = EngineRequest | AbortRequests | Hello | Shutdown | StatsRequest
-
-from radixserve.engine_types import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP  # noqa: E402,F401
+ClientMessage = WireRequest | AbortRequests | Hello | Shutdown
 
 
-class RequestOutput(msgspec.Struct, array_like=True):
-    """One request's new tokens from one engine step.
+# -- engine core -> frontend ---------------------------------------------------------------------
 
-    Attributes:
-        new_token_ids: int32 bytes, usually one token.
-        finish_reason: None while running; "stop" (EOS / stop token), "length", or "abort".
-        stop_reason: the stop token id that ended it, if any.
-        logprobs: per new token, ``[[token_id, logprob], ...]`` chosen token first, then top-N.
-        num_prompt_tokens / num_cached_tokens: prompt size and prompt tokens served from the
-            radix cache. Set in every output sent as a struct (a request's first output always
-            is); 0 in those expanded from ``EngineOutputs``' decode columns, which carry no
-            prompt information: a consumer keeps the values it got (``num_prompt_tokens > 0``).
-        error: set when the core rejected the request (finish_reason is then "abort").
-        queue_time: seconds from arrival in the core to first being scheduled; set on the
-            output that finishes the request (None when it never ran).
-    """
+
+class WireOutput(msgspec.Struct, array_like=True):
+    """One request's full output from one engine step (``engine_types.TokenOutput`` on the
+    wire; see it for the fields). ``new_token_ids`` are int32 bytes, usually one token."""
 
     request_id: str
     new_token_ids: bytes
@@ -95,45 +104,32 @@ class RequestOutput(msgspec.Struct, array_like=True):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    error_param: str | None = None
+    error_code: str | None = None
     queue_time: float | None = None
 
 
-class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True):
-    """Everything one engine step produced, for all requests: one message per step.
+class WireStepOutputs(msgspec.Struct, tag="outputs", array_like=True):
+    """Everything one engine step produced, for all requests: one message per step
+    (``engine_types.StepOutputs`` on the wire, plus the scheduler's stats).
 
-    The common case, a running request that got exactly one new token and nothing else (no
-    finish, no logprobs, not its first token), travels column-wise: its id in
-    ``decode_request_ids`` and its token at the same index of ``decode_token_ids`` (int32
-    bytes, 4 per request). Every other output is a full ``RequestOutput`` in ``outputs``. A
-    request appears at most once per message. ``all_outputs()`` gives both as structs.
+    Plain decodes stay column-wise: ``decode_request_ids`` and, at the same index of
+    ``decode_token_ids`` (int32 bytes, 4 per request), their one new token. A request appears
+    at most once per message.
 
     Attributes:
+        step: the engine's step counter.
         outputs: full per-request outputs.
+        stats: the scheduler's snapshot after this step (with the step timer samples).
         decode_request_ids: ids of the column-wise outputs, length D.
-        decode_token_ids: int32 [D] as raw little-endian bytes, one token per id.
+        decode_token_ids: int32 [D] as raw little-endian bytes.
     """
 
     step: int
-    outputs: list[RequestOutput]
-    timestamp: float
+    outputs: list[WireOutput]
     stats: SchedulerStats | None = None
     decode_request_ids: list[str] = []
     decode_token_ids: bytes = b""
-
-    @property
-    def num_outputs(self) -> int:
-        """Requests with an output in this message (both forms)."""
-        return len(self.outputs) + len(self.decode_request_ids)
-
-    def all_outputs(self) -> list[RequestOutput]:
-        """``outputs`` then one ``RequestOutput`` per column-wise decode (``num_prompt_tokens``
-        and ``num_cached_tokens`` 0 in those: see ``RequestOutput``)."""
-        return self.outputs + expand_decodes(self.decode_request_ids, self.decode_token_ids)
-
-
-def expand_decodes(request_ids: list[str], token_ids: bytes) -> list[RequestOutput]:
-    """Column-wise decodes -> one ``RequestOutput`` per request, its token as int32 bytes."""
-    return list(map(RequestOutput, request_ids, map(_I32.pack, unpack_ids(token_ids).tolist())))
 
 
 class EngineError(msgspec.Struct, tag="error", array_like=True):
@@ -143,10 +139,20 @@ class EngineError(msgspec.Struct, tag="error", array_like=True):
 
 
 #: Everything the engine core sends to the frontend.
-CoreMessage = EngineOutputs | Hello | EngineError
+CoreMessage = WireStepOutputs | Hello | EngineError
 
 
-def request_from_wire(msg: EngineRequest) -> et.EngineRequest:
+# -- conversions ---------------------------------------------------------------------------------
+
+
+def request_to_wire(req: et.EngineRequest) -> WireRequest:
+    """The wire form of an engine request (prompt ids -> int32 bytes). ``eos_token_ids`` does
+    not travel: the core knows the model's own."""
+    return WireRequest(req.request_id, pack_ids(req.prompt_token_ids), req.sampling_params,
+                       req.arrival_time)
+
+
+def request_from_wire(msg: WireRequest) -> et.EngineRequest:
     """The engine's own request for a wire request (prompt bytes -> int32 array)."""
     return et.EngineRequest(request_id=msg.request_id,
                             prompt_token_ids=unpack_ids(msg.prompt_token_ids),
@@ -154,15 +160,27 @@ def request_from_wire(msg: EngineRequest) -> et.EngineRequest:
                             arrival_time=msg.arrival_time)
 
 
-def output_to_wire(o: et.TokenOutput) -> RequestOutput:
-    """One full engine output as its wire struct (token ids -> int32 bytes)."""
-    return RequestOutput(o.request_id, pack_ids(o.new_token_ids), o.finish_reason,
-                         o.stop_reason, o.logprobs, o.num_prompt_tokens, o.num_cached_tokens,
-                         o.error, o.queue_time)
-
-
-def step_to_wire(step: et.StepOutputs, stats: SchedulerStats | None = None) -> EngineOutputs:
+def step_to_wire(step: et.StepOutputs, stats: SchedulerStats | None = None) -> WireStepOutputs:
     """One engine step's outputs as the wire message (columns stay columns)."""
-    return EngineOutputs(step.step, [output_to_wire(o) for o in step.outputs], 0.0, stats,
-                         step.decode_request_ids,
-                         step.decode_token_ids.astype("<i4", copy=False).tobytes())
+    return WireStepOutputs(
+        step.step,
+        [WireOutput(o.request_id, pack_ids(o.new_token_ids), o.finish_reason, o.stop_reason,
+                    o.logprobs, o.num_prompt_tokens, o.num_cached_tokens, o.error,
+                    o.error_param, o.error_code, o.queue_time) for o in step.outputs],
+        stats, step.decode_request_ids,
+        step.decode_token_ids.astype("<i4", copy=False).tobytes())
+
+
+def step_from_wire(msg: WireStepOutputs) -> et.StepOutputs:
+    """The engine's ``StepOutputs`` for a received message. The decode column becomes an int32
+    [D] view of the message's bytes (no per-token objects); full outputs get token-id lists."""
+    return et.StepOutputs(
+        step=msg.step,
+        outputs=[et.TokenOutput(
+            request_id=o.request_id, new_token_ids=_ids_list(o.new_token_ids),
+            finish_reason=o.finish_reason, stop_reason=o.stop_reason, logprobs=o.logprobs,
+            num_prompt_tokens=o.num_prompt_tokens, num_cached_tokens=o.num_cached_tokens,
+            error=o.error, error_param=o.error_param, error_code=o.error_code,
+            queue_time=o.queue_time) for o in msg.outputs],
+        decode_request_ids=msg.decode_request_ids,
+        decode_token_ids=unpack_ids(msg.decode_token_ids))

@@ -18,12 +18,12 @@ import contextlib
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import zmq
 import zmq.asyncio
 
+from radixserve.engine_types import EngineInfo
 from radixserve.transport.messages import (
     SCHEMA_VERSION,
     ClientMessage,
@@ -80,33 +80,7 @@ def cleanup_ipc(*addresses: str) -> None:
             d.rmdir()
 
 
-# -- encoding ------------------------------------------------------------------------------------
-
-
-class Encoder:
-    """msgspec MessagePack encoder for ``ClientMessage`` / ``CoreMessage`` structs."""
-
-    def __init__(self) -> None:
-        self._enc = msgspec.msgpack.Encoder()
-
-    def encode(self, msg: Any) -> bytes:
-        """Encode one message struct to bytes."""
-        return self._enc.encode(msg)
-
-
-class Decoder:
-    """msgspec MessagePack decoder for one direction's tagged union.
-
-    Args:
-        union: ``ClientMessage`` (core side) or ``CoreMessage`` (frontend side).
-    """
-
-    def __init__(self, union: Any) -> None:
-        self._dec = msgspec.msgpack.Decoder(union)
-
-    def decode(self, buf: bytes | memoryview) -> Any:
-        """Decode one message; raises ``msgspec.DecodeError`` / ``ValidationError`` if invalid."""
-        return self._dec.decode(buf)
+# -- handshake -----------------------------------------------------------------------------------
 
 
 def check_hello(msg: object, peer: str) -> Hello:
@@ -123,7 +97,7 @@ def check_hello(msg: object, peer: str) -> Hello:
     return msg
 
 
-def _decode_first(decoder: Decoder, buf: bytes, peer: str) -> Hello:
+def _decode_first(decoder: msgspec.msgpack.Decoder, buf: bytes, peer: str) -> Hello:
     """Decode the first message of a connection, explaining a version mismatch clearly even when
     the peer's Hello does not fit our schema."""
     try:
@@ -175,8 +149,8 @@ class CoreSockets:
         for sock, addr in ((self._in, input_addr), (self._out, output_addr)):
             _configure(sock, linger_ms)
             _open(sock, addr, bind)
-        self._enc = Encoder()
-        self._dec = Decoder(ClientMessage)
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder(ClientMessage)
 
     def recv(self, timeout_ms: int | None = None) -> ClientMessage | None:
         """Next message from the frontend.
@@ -203,8 +177,9 @@ class CoreSockets:
         buf = self._enc.encode(msg)
         self._out.send(buf, copy=len(buf) < 65536)
 
-    def handshake(self, timeout_s: float = 60.0, info: dict[str, Any] | None = None) -> Hello:
-        """Wait for the frontend's Hello, check its schema version, answer with ours.
+    def handshake(self, timeout_s: float = 60.0, info: EngineInfo | None = None) -> Hello:
+        """Wait for the frontend's Hello, check its schema version, answer with ours (carrying
+        ``info``, the engine's facts).
 
         Blocks up to ``timeout_s``. On a version mismatch our Hello is still sent (so the frontend
         can report it too) before raising.
@@ -215,7 +190,7 @@ class CoreSockets:
         if not self._in.poll(int(timeout_s * 1000), zmq.POLLIN):
             raise RuntimeError(f"no Hello from the frontend within {timeout_s:.0f} s")
         buf = self._in.recv()
-        self.send(Hello(schema_version=SCHEMA_VERSION, info=info or {}))
+        self.send(Hello(schema_version=SCHEMA_VERSION, info=info))
         return _decode_first(self._dec, buf, "frontend")
 
     def close(self) -> None:
@@ -250,24 +225,29 @@ class AsyncClientSockets:
         for sock, addr in ((self._in, input_addr), (self._out, output_addr)):
             _configure(sock, linger_ms)
             _open(sock, addr, bind)
-        self._enc = Encoder()
-        self._dec = Decoder(CoreMessage)
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder(CoreMessage)
 
     async def send(self, msg: ClientMessage) -> None:
         """Queue one message for the core; returns at once (unbounded high-water mark)."""
         await self._in.send(self._enc.encode(msg))
 
+    async def send_encoded(self, buf: bytes) -> None:
+        """Queue one ``ClientMessage`` already encoded with a ``msgspec.msgpack.Encoder`` (see
+        ``send``)."""
+        await self._in.send(buf)
+
     async def recv(self) -> CoreMessage:
         """Wait (without blocking the event loop) for the next message from the core."""
         return self._dec.decode(await self._out.recv())
 
-    async def handshake(self, timeout_s: float = 60.0, info: dict[str, Any] | None = None) -> Hello:
+    async def handshake(self, timeout_s: float = 60.0) -> Hello:
         """Send our Hello and wait up to ``timeout_s`` for the core's, checking its version.
 
         Raises:
             RuntimeError: timeout, the core reported an EngineError, or a schema mismatch.
         """
-        await self.send(Hello(schema_version=SCHEMA_VERSION, info=info or {}))
+        await self.send(Hello(schema_version=SCHEMA_VERSION))
         try:
             buf = await asyncio.wait_for(self._out.recv(), timeout_s)
         except asyncio.TimeoutError:

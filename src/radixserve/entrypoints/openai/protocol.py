@@ -1,4 +1,5 @@
-"""Pydantic models of the OpenAI API bodies (chat completions, completions, models, tokenize).
+"""Pydantic models of the OpenAI API request bodies (chat completions, completions, tokenize)
+and of ``GET /v1/models``; responses are built as plain dicts by the formatters.
 
 Field names, defaults and shapes follow the OpenAI API, with vLLM's extra sampling fields
 (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ...). Unknown fields are ignored,
@@ -10,17 +11,11 @@ shapes (a ``ValidationError`` becomes a 400 through ``errors.error_from_validati
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from radixserve.sampling_params import SamplingParams
-
-
-def random_id(prefix: str) -> str:
-    """A fresh response id such as ``chatcmpl-3f2a...``."""
-    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 class OpenAIBaseModel(BaseModel):
@@ -115,7 +110,7 @@ class _SamplingRequest(OpenAIBaseModel):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     def _sampling_params(
-        self, max_tokens: int | None, default_max_tokens: int, logprobs: int | None
+        self, max_tokens: int | None, default_max_tokens: int | None, logprobs: int | None
     ) -> SamplingParams:
         return SamplingParams(
             n=self.n,
@@ -148,8 +143,9 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """Engine sampling params; ``default_max_tokens`` applies when no max is given.
+    def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
+        """Engine sampling params; ``default_max_tokens`` applies when no max is given (None:
+        all the room the prompt leaves).
 
         ``max_completion_tokens`` wins over the deprecated ``max_tokens``; ``logprobs=true``
         asks for ``top_logprobs`` alternatives (0 when unset).
@@ -190,158 +186,13 @@ class CompletionRequest(_SamplingRequest):
             return [list(p)]  # type: ignore[arg-type]
         return list(p)  # type: ignore[arg-type]
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
         """Engine sampling params; ``default_max_tokens`` applies when ``max_tokens`` is None.
 
         Raises:
             ValueError: a value out of range (the message starts with ``field=value``).
         """
         return self._sampling_params(self.max_tokens, default_max_tokens, self.logprobs)
-
-
-# -- responses ---------------------------------------------------------------------------------
-
-
-class PromptTokenUsageInfo(OpenAIBaseModel):
-    """``usage.prompt_tokens_details``: prompt tokens served from the prefix cache."""
-
-    cached_tokens: int | None = None
-
-
-class UsageInfo(OpenAIBaseModel):
-    """Token counts of a response."""
-
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-    prompt_tokens_details: PromptTokenUsageInfo | None = None
-
-
-class ChatLogProb(OpenAIBaseModel):
-    """One token with its logprob and UTF-8 bytes."""
-
-    token: str
-    logprob: float = -9999.0
-    bytes: list[int] | None = None
-
-
-class ChatLogProbsContent(ChatLogProb):
-    """A chosen token with its ``top_logprobs`` alternatives."""
-
-    top_logprobs: list[ChatLogProb] = Field(default_factory=list)
-
-
-class ChatCompletionLogProbs(OpenAIBaseModel):
-    """``choices[i].logprobs`` of a chat completion."""
-
-    content: list[ChatLogProbsContent] | None = None
-
-
-class CompletionLogProbs(OpenAIBaseModel):
-    """``choices[i].logprobs`` of a text completion (legacy shape)."""
-
-    text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-
-
-class ChatResponseMessage(OpenAIBaseModel):
-    """The assistant message of a non-streamed chat choice."""
-
-    role: str = "assistant"
-    content: str | None = None
-
-
-class ChatCompletionResponseChoice(OpenAIBaseModel):
-    index: int
-    message: ChatResponseMessage
-    logprobs: ChatCompletionLogProbs | None = None
-    finish_reason: str | None = "stop"
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionResponse(OpenAIBaseModel):
-    """Non-streamed chat completion."""
-
-    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatCompletionResponseChoice]
-    usage: UsageInfo
-    system_fingerprint: str | None = None
-
-
-class DeltaMessage(OpenAIBaseModel):
-    """The incremental part of a streamed chat choice."""
-
-    role: str | None = None
-    content: str | None = None
-
-
-class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatCompletionLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionStreamResponse(OpenAIBaseModel):
-    """One ``chat.completion.chunk`` of a streamed chat completion (``usage`` only at the end)."""
-
-    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatCompletionResponseStreamChoice]
-    usage: UsageInfo | None = None
-    system_fingerprint: str | None = None
-
-
-#: Alias matching the OpenAI client's name for a streamed chat chunk.
-ChatCompletionChunk = ChatCompletionStreamResponse
-
-
-class CompletionResponseChoice(OpenAIBaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class CompletionResponse(OpenAIBaseModel):
-    """Non-streamed text completion."""
-
-    id: str = Field(default_factory=lambda: random_id("cmpl"))
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionResponseChoice]
-    usage: UsageInfo
-    system_fingerprint: str | None = None
-
-
-class CompletionResponseStreamChoice(OpenAIBaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class CompletionStreamResponse(OpenAIBaseModel):
-    """One chunk of a streamed text completion (``usage`` only at the end)."""
-
-    id: str = Field(default_factory=lambda: random_id("cmpl"))
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionResponseStreamChoice]
-    usage: UsageInfo | None = None
-    system_fingerprint: str | None = None
 
 
 # -- models, tokenize ----------------------------------------------------------------------------
@@ -383,19 +234,8 @@ class TokenizeRequest(OpenAIBaseModel):
         return self
 
 
-class TokenizeResponse(OpenAIBaseModel):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-    token_strs: list[str] | None = None
-
-
 class DetokenizeRequest(OpenAIBaseModel):
     """``POST /detokenize``."""
 
     model: str | None = None
     tokens: list[int]
-
-
-class DetokenizeResponse(OpenAIBaseModel):
-    prompt: str

@@ -33,13 +33,10 @@ from radixserve.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from radixserve.entrypoints.openai.serving_chat import create_chat_completion
-from radixserve.entrypoints.openai.serving_common import (
-    ClientDisconnected,
-    ServingState,
-    check_token_ids,
-    parse_body,
-)
 from radixserve.entrypoints.openai.serving_completion import create_completion
+from radixserve.entrypoints.openai.serving_driver import ClientDisconnected
+from radixserve.entrypoints.openai.serving_request import check_token_ids, parse_body
+from radixserve.entrypoints.openai.serving_state import ServingState
 from radixserve.frontend.async_client import AsyncEngineClient
 from radixserve.frontend.tokenizer import FrontendTokenizer
 from radixserve.metrics import ServerMetrics
@@ -85,6 +82,7 @@ class AppState:
             from radixserve.model_executor.loader import load_tokenizer
 
             hf_tok = await asyncio.to_thread(load_tokenizer, info.folder)
+            client.set_tokenizer(hf_tok)
             name = self.config.served_model_name or info.model_name
             aliases = {info.model_name, info.folder}
             if client.config.model:

@@ -4,25 +4,24 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import Request
 
 from radixserve.entrypoints.openai.errors import OpenAIError
+from radixserve.entrypoints.openai.logprobs import chat_logprobs
 from radixserve.entrypoints.openai.protocol import ChatCompletionRequest
-from radixserve.entrypoints.openai.serving_common import (
-    Choice,
-    ChoiceDelta,
-    ResponseFormatter,
-    ServingState,
-    chat_logprobs,
-    make_choices,
+from radixserve.entrypoints.openai.serving_driver import ResponseFormatter, run_requests
+from radixserve.entrypoints.openai.serving_request import (
+    engine_requests,
     new_request_id,
     parse_body,
-    run_choices,
     sampling_params_for,
-    usage_dict,
 )
+from radixserve.entrypoints.openai.serving_state import ServingState
+from radixserve.entrypoints.openai.usage import usage_dict
+from radixserve.frontend.output_processor import RequestDelta, RequestState
 
 
 class ChatFormatter(ResponseFormatter):
@@ -30,34 +29,35 @@ class ChatFormatter(ResponseFormatter):
 
     object_chunk = "chat.completion.chunk"
 
-    def prelude(self, choices: list[Choice]) -> list[dict[str, Any]]:
-        return [{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                 "logprobs": None, "finish_reason": None} for c in choices]
+    def prelude(self, states: Sequence[RequestState]) -> list[dict[str, Any]]:
+        return [{"index": s.index, "delta": {"role": "assistant", "content": ""},
+                 "logprobs": None, "finish_reason": None} for s in states]
 
-    def delta(self, d: ChoiceDelta) -> dict[str, Any] | None:
-        if not d.text and not d.logprob_rows and not d.finished:
+    def delta(self, d: RequestDelta) -> dict[str, Any] | None:
+        finish = d.finish_reason
+        if not d.text and not d.logprob_rows and finish is None:
             return None
-        c = d.choice
-        out: dict[str, Any] = {"index": c.index, "delta": {"content": d.text} if d.text else {},
-                               "logprobs": None, "finish_reason": c.finish_reason}
+        out: dict[str, Any] = {"index": d.state.index,
+                               "delta": {"content": d.text} if d.text else {},
+                               "logprobs": None, "finish_reason": finish}
         if d.logprob_rows:
             out["logprobs"] = chat_logprobs(self.state.tokenizer, d.logprob_rows)
-        if d.finished:
-            out["stop_reason"] = c.stop_reason
+        if finish is not None:
+            out["stop_reason"] = d.stop_reason
         return out
 
-    def response(self, choices: list[Choice]) -> dict[str, Any]:
+    def response(self, states: Sequence[RequestState]) -> dict[str, Any]:
         tok = self.state.tokenizer
         return {
             "id": self.response_id, "object": "chat.completion", "created": self.created,
             "model": self.model,
             "choices": [{
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": chat_logprobs(tok, c.logprob_rows) if c.want_logprobs else None,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-            } for c in choices],
-            "usage": usage_dict(choices, self.n),
+                "index": s.index,
+                "message": {"role": "assistant", "content": s.text},
+                "logprobs": chat_logprobs(tok, s.logprob_rows) if s.want_logprobs else None,
+                "finish_reason": s.finish_reason, "stop_reason": s.stop_reason,
+            } for s in states],
+            "usage": usage_dict(states, self.n),
         }
 
 
@@ -66,7 +66,7 @@ async def create_chat_completion(raw: Request, state: ServingState) -> Any:
 
     Raises:
         OpenAIError: 400 (bad input, context too long, template failure), 404 (unknown model),
-            429 (too many requests), 500 (engine failure).
+            429 (too many requests), 500 (engine failure), 503 (engine gone).
     """
     arrival = time.time()
     req = await parse_body(raw, ChatCompletionRequest)
@@ -81,7 +81,7 @@ async def create_chat_completion(raw: Request, state: ServingState) -> Any:
     if not ids:
         raise OpenAIError("messages produce an empty prompt", param="messages")
     sp = sampling_params_for(req, len(ids), state.info.max_model_len, None, "messages")
-    choices, requests = make_choices(state.tokenizer, [ids], sp, "chatcmpl")
+    requests = engine_requests([ids], sp, "chatcmpl", arrival)
     fmt = ChatFormatter(state, new_request_id("chatcmpl"), sp.n)
-    return await run_choices(raw, state, fmt, choices, requests, req.stream, req.include_usage,
-                             arrival)
+    return await run_requests(raw, state, fmt, requests, req.stream, req.include_usage,
+                              arrival, "messages")

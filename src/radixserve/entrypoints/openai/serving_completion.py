@@ -4,25 +4,24 @@ completion (or SSE stream). Choice ``i * n + j`` is the j-th sample of prompt i.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import Request
 
+from radixserve.entrypoints.openai.logprobs import completion_logprobs
 from radixserve.entrypoints.openai.protocol import CompletionRequest
-from radixserve.entrypoints.openai.serving_common import (
-    Choice,
-    ChoiceDelta,
-    ResponseFormatter,
-    ServingState,
+from radixserve.entrypoints.openai.serving_driver import ResponseFormatter, run_requests
+from radixserve.entrypoints.openai.serving_request import (
     check_token_ids,
-    completion_logprobs,
-    make_choices,
+    engine_requests,
     new_request_id,
     parse_body,
-    run_choices,
     sampling_params_for,
-    usage_dict,
 )
+from radixserve.entrypoints.openai.serving_state import ServingState
+from radixserve.entrypoints.openai.usage import usage_dict
+from radixserve.frontend.output_processor import RequestDelta, RequestState
 
 #: ``max_tokens`` of a text completion that gives none (OpenAI's and vLLM's default).
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -41,48 +40,49 @@ class CompletionFormatter(ResponseFormatter):
         self.prompt_texts = prompt_texts
         self._offsets: dict[int, int] = {}
 
-    def _prompt_text(self, c: Choice) -> str:
-        return self.prompt_texts[c.index // self.n] if self.echo else ""
+    def _prompt_text(self, s: RequestState) -> str:
+        return self.prompt_texts[s.index // self.n] if self.echo else ""
 
-    def prelude(self, choices: list[Choice]) -> list[dict[str, Any]]:
+    def prelude(self, states: Sequence[RequestState]) -> list[dict[str, Any]]:
         if not self.echo:
             return []
         out = []
-        for c in choices:
+        for s in states:
             lp = None
-            if c.want_logprobs:
-                lp, self._offsets[c.index] = completion_logprobs(
-                    self.state.tokenizer, [], 0, c.prompt_ids)
-            out.append({"index": c.index, "text": self._prompt_text(c), "logprobs": lp,
+            if s.want_logprobs:
+                lp, self._offsets[s.index] = completion_logprobs(
+                    self.state.tokenizer, [], 0, s.prompt_token_ids)
+            out.append({"index": s.index, "text": self._prompt_text(s), "logprobs": lp,
                         "finish_reason": None})
         return out
 
-    def delta(self, d: ChoiceDelta) -> dict[str, Any] | None:
-        if not d.text and not d.logprob_rows and not d.finished:
+    def delta(self, d: RequestDelta) -> dict[str, Any] | None:
+        finish = d.finish_reason
+        if not d.text and not d.logprob_rows and finish is None:
             return None
-        c = d.choice
+        s = d.state
         lp = None
-        if c.want_logprobs:
-            lp, self._offsets[c.index] = completion_logprobs(
-                self.state.tokenizer, d.logprob_rows, self._offsets.get(c.index, 0))
-        out: dict[str, Any] = {"index": c.index, "text": d.text, "logprobs": lp,
-                               "finish_reason": c.finish_reason}
-        if d.finished:
-            out["stop_reason"] = c.stop_reason
+        if s.want_logprobs:
+            lp, self._offsets[s.index] = completion_logprobs(
+                self.state.tokenizer, d.logprob_rows or [], self._offsets.get(s.index, 0))
+        out: dict[str, Any] = {"index": s.index, "text": d.text, "logprobs": lp,
+                               "finish_reason": finish}
+        if finish is not None:
+            out["stop_reason"] = d.stop_reason
         return out
 
-    def response(self, choices: list[Choice]) -> dict[str, Any]:
+    def response(self, states: Sequence[RequestState]) -> dict[str, Any]:
         tok = self.state.tokenizer
         out = []
-        for c in choices:
+        for s in states:
             lp = None
-            if c.want_logprobs:
-                lp, _ = completion_logprobs(tok, c.logprob_rows, 0,
-                                            c.prompt_ids if self.echo else None)
-            out.append({"index": c.index, "text": self._prompt_text(c) + c.text, "logprobs": lp,
-                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            if s.want_logprobs:
+                lp, _ = completion_logprobs(tok, s.logprob_rows, 0,
+                                            s.prompt_token_ids if self.echo else None)
+            out.append({"index": s.index, "text": self._prompt_text(s) + s.text, "logprobs": lp,
+                        "finish_reason": s.finish_reason, "stop_reason": s.stop_reason})
         return {"id": self.response_id, "object": "text_completion", "created": self.created,
-                "model": self.model, "choices": out, "usage": usage_dict(choices, self.n)}
+                "model": self.model, "choices": out, "usage": usage_dict(states, self.n)}
 
 
 async def create_completion(raw: Request, state: ServingState) -> Any:
@@ -90,7 +90,7 @@ async def create_completion(raw: Request, state: ServingState) -> Any:
 
     Raises:
         OpenAIError: 400 (bad input, empty prompt, bad token ids, context too long), 404
-            (unknown model), 429 (too many requests), 500 (engine failure).
+            (unknown model), 429 (too many requests), 500 (engine failure), 503 (engine gone).
     """
     arrival = time.time()
     req = await parse_body(raw, CompletionRequest)
@@ -104,14 +104,15 @@ async def create_completion(raw: Request, state: ServingState) -> Any:
             texts.append(p)
         else:
             ids = [int(t) for t in p]
-            texts.append(tok.decode(ids, skip_special_tokens=False) if req.echo else "")
         check_token_ids(ids, state.info.vocab_size, "prompt")
+        if not isinstance(p, str):
+            texts.append(tok.decode(ids, skip_special_tokens=False) if req.echo else "")
         prompts.append(ids)
     # one SamplingParams for all prompts: max_tokens must fit the longest one
     longest = max(len(ids) for ids in prompts)
     sp = sampling_params_for(req, longest, state.info.max_model_len,
                              DEFAULT_COMPLETION_MAX_TOKENS, "prompt")
-    choices, requests = make_choices(tok, prompts, sp, "cmpl")
+    requests = engine_requests(prompts, sp, "cmpl", arrival)
     fmt = CompletionFormatter(state, new_request_id("cmpl"), sp.n, req.echo, texts)
-    return await run_choices(raw, state, fmt, choices, requests, req.stream, req.include_usage,
-                             arrival)
+    return await run_requests(raw, state, fmt, requests, req.stream, req.include_usage,
+                              arrival, "prompt")

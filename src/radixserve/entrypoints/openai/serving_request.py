@@ -1,0 +1,110 @@
+"""From a parsed API body to engine requests: JSON body parsing, sampling params (with the
+frontend's part of the context-length rule), prompt token-id checks, request ids."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, TypeVar
+
+import numpy as np
+from fastapi import Request
+from pydantic import BaseModel
+
+from radixserve.engine_types import EngineRequest
+from radixserve.entrypoints.openai.errors import OpenAIError, error_from_value_error
+from radixserve.sampling_params import SamplingParams
+
+M = TypeVar("M", bound=BaseModel)
+
+
+async def parse_body(raw: Request, model: type[M]) -> M:
+    """Read and validate a JSON body.
+
+    Raises:
+        OpenAIError: 400 for a body that is not JSON (or not an object); pydantic's
+            ``ValidationError`` (the app turns it into a 400 naming the field) for wrong types or
+            missing fields.
+    """
+    body = await raw.body()
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise OpenAIError(f"Invalid JSON body: {e}") from None
+    if not isinstance(data, dict):
+        raise OpenAIError("The request body must be a JSON object.")
+    return model.model_validate(data)
+
+
+def sampling_params_for(req: Any, prompt_len: int, max_model_len: int,
+                        default_max_tokens: int | None, prompt_field: str) -> SamplingParams:
+    """Build the engine's SamplingParams.
+
+    A prompt too long on its own is the engine core's to reject (``EngineCore.add_request``
+    is the one authority; its rejection is relayed as the 400): here ``max_tokens`` is only
+    defaulted, never checked against a prompt that leaves no room.
+
+    Args:
+        req: a ChatCompletionRequest or CompletionRequest.
+        prompt_len: prompt tokens (the longest prompt of the request).
+        max_model_len: the engine's longest sequence.
+        default_max_tokens: max_tokens when the request gives none, lowered to the room the
+            prompt leaves; None: all the room left (the engine core fills it in).
+        prompt_field: "messages" or "prompt", named in errors about the prompt.
+
+    Raises:
+        OpenAIError: 400 naming the numbers when prompt + max_tokens exceeds the context, or a
+            parameter out of range (``param`` names the field).
+    """
+    room = max_model_len - prompt_len
+    default = default_max_tokens
+    if default is not None and room >= 1:
+        default = min(default, room)
+    try:
+        sp = req.to_sampling_params(default)
+    except ValueError as e:
+        raise error_from_value_error(e) from None
+    # TODO(core): remove once EngineCore.add_request rejects prompt + max_tokens >
+    # max_model_len itself (today it silently lowers max_tokens): RequestRejected(<this
+    # message>, param="max_tokens", code="context_length_exceeded").
+    if room >= 1 and sp.max_tokens is not None and prompt_len + sp.max_tokens > max_model_len:
+        raise OpenAIError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_len + sp.max_tokens} tokens ({prompt_len} in the "
+            f"{prompt_field}, {sp.max_tokens} for the completion). Please reduce the length of "
+            f"the {prompt_field} or max_tokens.", param="max_tokens",
+            code="context_length_exceeded")
+    return sp
+
+
+def check_token_ids(ids: list[int], vocab_size: int, field_name: str) -> None:
+    """Raises OpenAIError 400 for an empty prompt or an id outside ``[0, vocab_size)`` (before
+    anything decodes them: the tokenizer would fail on such ids)."""
+    if not ids:
+        raise OpenAIError(f"{field_name} is empty: at least one token is required",
+                          param=field_name)
+    lo, hi = min(ids), max(ids)
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise OpenAIError(f"{field_name} has token id {bad}; token ids must be in "
+                          f"[0, {vocab_size})", param=field_name)
+
+
+def new_request_id(prefix: str) -> str:
+    """A fresh id such as ``chatcmpl-3f2a...``."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def engine_requests(prompts: list[list[int]], sp: SamplingParams, prefix: str,
+                    arrival_time: float) -> list[EngineRequest]:
+    """``sp.n`` engine requests per prompt (``SamplingParams.children``); request ``p * n + i``
+    is the i-th sample of prompt p, which is also its choice index."""
+    base = new_request_id(prefix)
+    children = sp.children()
+    out = []
+    for ids in prompts:
+        prompt = np.asarray(ids, dtype=np.int32)
+        for child in children:
+            out.append(EngineRequest(request_id=f"{base}-{len(out)}", prompt_token_ids=prompt,
+                                     sampling_params=child, arrival_time=arrival_time))
+    return out

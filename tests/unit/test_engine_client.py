@@ -1,0 +1,161 @@
+"""AsyncEngineClient against the real engine-core loop (``EngineLoop`` over an ``EngineCore``
+with the null runner, no weights) in a thread of the test process, over real ZMQ IPC sockets:
+deltas reach their streams, stop strings abort in the engine, rejections keep their field, and
+a request that cannot be encoded fails alone while the link keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+
+import msgspec
+import numpy as np
+import pytest
+
+from radixserve.config import EngineConfig
+from radixserve.engine_types import EngineRequest
+from radixserve.frontend.async_client import AsyncEngineClient, RequestEncodeError
+from radixserve.frontend.engine_process import EngineProcess
+from radixserve.sampling_params import SamplingParams
+from radixserve.transport.zmq_io import CoreSockets, cleanup_ipc, make_ipc_paths
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+MAX_MODEL_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from radixserve.model_executor.loader import load_tokenizer, resolve_model
+
+    return load_tokenizer(resolve_model(None).folder)
+
+
+class InThreadEngine(EngineProcess):
+    """``EngineProcess`` whose "process" is the engine-core loop in a thread: the client's
+    supervision hooks (start, exited, alive, terminate, wait, cleanup) without a model load."""
+
+    def __init__(self) -> None:
+        super().__init__(EngineConfig())
+        self.thread: threading.Thread | None = None
+        self.loop = None
+        self.token_id = 0
+
+    @property
+    def alive(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self.alive else 0
+
+    def start(self, on_exit):  # noqa: ANN001, ANN201 - EngineProcess.start's signature
+        from radixserve.core.engine_core import EngineCore
+        from radixserve.core.engine_proc import EngineLoop
+        from radixserve.model_executor.null_runner import NullRunner
+
+        aio = asyncio.get_running_loop()
+        self.addrs = make_ipc_paths()
+        ready = threading.Event()
+
+        def run() -> None:
+            sockets = CoreSockets(*self.addrs)
+            runner = NullRunner(num_pages=16, max_model_len=MAX_MODEL_LEN, vocab_size=49152)
+            self.token_id = runner.token_id
+            engine = EngineCore(EngineConfig(page_size=16, num_pages=16, max_num_seqs=8,
+                                             disable_overlap=True), runner=runner,
+                                vocab_size=49152)
+            self.loop = EngineLoop(engine, sockets, parent_pid=None)
+            ready.set()
+            try:
+                sockets.handshake(10.0, info=msgspec.structs.replace(engine.info, pid=1))
+                self.loop.run()
+            finally:
+                engine.shutdown()
+                sockets.close()
+
+                def exited() -> None:
+                    self.exited.set()
+                    on_exit(0)
+
+                aio.call_soon_threadsafe(exited)
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+        ready.wait(30)
+        return self.addrs
+
+    def terminate(self) -> None:
+        if self.loop is not None:
+            self.loop.request_stop("terminated")
+
+    async def wait(self, timeout_s: float) -> None:
+        if self.thread is not None:
+            await asyncio.to_thread(self.thread.join, timeout_s)
+
+    def cleanup(self) -> None:
+        cleanup_ipc(*self.addrs)
+
+
+def _req(rid: str, prompt: list[int], sp: SamplingParams) -> EngineRequest:
+    return EngineRequest(request_id=rid, prompt_token_ids=np.asarray(prompt, dtype=np.int32),
+                         sampling_params=sp, arrival_time=1.0)
+
+
+async def _collect(stream) -> list:  # noqa: ANN001
+    deltas = []
+    while not stream.finished:
+        deltas += await asyncio.wait_for(stream.next_batch(), 10)
+    stream.close()
+    return deltas
+
+
+def test_client_routes_deltas_and_isolates_bad_requests(tok) -> None:
+    async def main() -> None:
+        fatal: list[str] = []
+        client = AsyncEngineClient(EngineConfig(), on_fatal=fatal.append)
+        engine = InThreadEngine()
+        client.process = engine
+        info = await client.start()
+        assert info.max_model_len == MAX_MODEL_LEN and info.pid == 1 and client.healthy
+        client.set_tokenizer(tok)
+        word = tok.decode([engine.token_id])
+        try:
+            # two choices of one API request, one of them ended by a stop string
+            stream = client.add_requests([
+                _req("a-0", [1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True)),
+                _req("a-1", [1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True,
+                                                      stop=[word * 2]))])
+            deltas = await _collect(stream)
+            a0, a1 = stream.states
+            assert (a0.index, a1.index) == (0, 1)
+            assert a0.finish_reason == "length" and a0.num_tokens == 5
+            assert "".join(d.text for d in deltas if d.request_id == "a-0") == word * 5
+            assert a1.finish_reason == "stop" and a1.stop_reason == word * 2 and a1.text == ""
+            assert a0.first_token_time is not None and a0.num_prompt_tokens == 3
+
+            # the engine's rejection comes back on the request, naming the field
+            (d,) = await _collect(client.add_requests([
+                _req("long", [1] * MAX_MODEL_LEN, SamplingParams(max_tokens=None))]))
+            assert d.finish_reason == "abort" and d.error_param == "prompt"
+            assert d.error_code == "context_length_exceeded" and str(MAX_MODEL_LEN) in d.error
+
+            # a request that cannot be put on the wire fails alone, before anything is sent
+            bad = SamplingParams(seed=1)
+            bad.seed = -2**63 - 1  # past __post_init__'s check: the sender's last line
+            with pytest.raises(RequestEncodeError, match="cannot be sent"):
+                client.add_requests([_req("ok-first", [1, 2], SamplingParams(max_tokens=2)),
+                                     _req("bad", [1, 2], bad)])
+            assert client.num_in_flight == 0 and client.healthy
+            ok = await _collect(client.add_requests([
+                _req("after", [4, 5], SamplingParams(max_tokens=3, ignore_eos=True))]))
+            assert ok[-1].finish_reason == "length" and ok[-1].state.num_tokens == 3
+            assert not fatal and client.dead_reason is None
+            # the engine holds nothing: the stop-string abort reached it
+            assert not engine.loop.engine.has_unfinished_requests()
+        finally:
+            await client.shutdown(5.0)
+        assert not engine.alive and not fatal
+
+    asyncio.run(main())
