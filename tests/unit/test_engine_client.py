@@ -64,8 +64,7 @@ class InThreadEngine(EngineProcess):
             runner = NullRunner(num_pages=16, max_model_len=MAX_MODEL_LEN, vocab_size=49152)
             self.token_id = runner.token_id
             engine = EngineCore(EngineConfig(page_size=16, num_pages=16, max_num_seqs=8,
-                                             disable_overlap=True), runner=runner,
-                                vocab_size=49152)
+                                             disable_overlap=True), runner)
             self.loop = EngineLoop(engine, sockets, parent_pid=None)
             ready.set()
             try:

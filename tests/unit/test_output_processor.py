@@ -156,7 +156,7 @@ def test_engine_fills_in_max_tokens_none(tok) -> None:
 
     runner = NullRunner(num_pages=8, max_model_len=48, vocab_size=49152)
     engine = EngineCore(EngineConfig(page_size=16, num_pages=8, max_num_seqs=4,
-                                     disable_overlap=True), runner=runner, vocab_size=49152)
+                                     disable_overlap=True), runner)
     proc = OutputProcessor(tok)
     prompt = _ids(tok, "one two three four five six seven eight nine ten")
     want = engine.max_model_len - len(prompt)
