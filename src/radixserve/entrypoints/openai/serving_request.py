@@ -64,9 +64,9 @@ def sampling_params_for(req: Any, prompt_len: int, max_model_len: int,
         sp = req.to_sampling_params(default)
     except ValueError as e:
         raise error_from_value_error(e) from None
-    # TODO(core): remove once EngineCore.add_request rejects prompt + max_tokens >
-    # max_model_len itself (today it silently lowers max_tokens): RequestRejected(<this
-    # message>, param="max_tokens", code="context_length_exceeded").
+    # OpenAI's API rule, not an engine limit: the engine can run such a request (it ends with
+    # "length" at max_model_len, as offline LLM.generate does, like vLLM), but the API
+    # promises a 400 instead; what the engine cannot represent it rejects itself.
     if room >= 1 and sp.max_tokens is not None and prompt_len + sp.max_tokens > max_model_len:
         raise OpenAIError(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
