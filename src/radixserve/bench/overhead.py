@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import numpy as np
 import zmq
 
@@ -40,8 +41,8 @@ from radixserve.core.engine_core import EngineCore
 from radixserve.engine_types import EngineRequest
 from radixserve.model_executor.null_runner import NullRunner
 from radixserve.sampling_params import SamplingParams
-from radixserve.transport.messages import CoreMessage, step_to_wire
-from radixserve.transport.zmq_io import CoreSockets, Decoder, cleanup_ipc, make_ipc_paths
+from radixserve.transport.messages import CoreMessage, step_from_wire, step_to_wire
+from radixserve.transport.zmq_io import CoreSockets, cleanup_ipc, make_ipc_paths
 
 PHASES = ("schedule", "prepare", "output", "transport", "total")
 
@@ -74,7 +75,8 @@ class OverheadConfig:
 
 class _Transport:
     """The engine core's real output socket (``CoreSockets``, IPC) and a synchronous PULL
-    socket on the other end decoding ``CoreMessage`` like the frontend does."""
+    socket on the other end decoding ``CoreMessage`` and converting it back to
+    ``StepOutputs`` like the frontend does."""
 
     def __init__(self) -> None:
         self.addrs = make_ipc_paths()
@@ -83,11 +85,11 @@ class _Transport:
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.RCVHWM, 0)
         self.pull.connect(self.addrs[1])
-        self.dec = Decoder(CoreMessage)
+        self.dec = msgspec.msgpack.Decoder(CoreMessage)
 
     def roundtrip(self, msg: Any) -> Any:
         self.core.send(msg)
-        return self.dec.decode(self.pull.recv(copy=False).buffer)
+        return step_from_wire(self.dec.decode(self.pull.recv(copy=False).buffer))
 
     def close(self) -> None:
         self.pull.close(linger=0)
