@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -14,18 +13,6 @@ from radixserve.frontend.stop import StopChecker
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 FFFD = "\ufffd"
-
-
-def _load_default_tokenizer():
-    """The default model's tokenizer through the loader (cached GGUF conversion)."""
-    from radixserve.model_executor.loader import load_tokenizer, resolve_model
-
-    return load_tokenizer(resolve_model(None).folder)
-
-
-@pytest.fixture(scope="session")
-def tok():
-    return _load_default_tokenizer()
 
 
 PROMPT = "The quick brown fox says:"

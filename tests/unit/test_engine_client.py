@@ -25,13 +25,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 MAX_MODEL_LEN = 64
 
 
-@pytest.fixture(scope="module")
-def tok():
-    from radixserve.model_executor.loader import load_tokenizer, resolve_model
-
-    return load_tokenizer(resolve_model(None).folder)
-
-
 class InThreadEngine(EngineProcess):
     """``EngineProcess`` whose "process" is the engine-core loop in a thread: the client's
     supervision hooks (start, exited, alive, terminate, wait, cleanup) without a model load."""

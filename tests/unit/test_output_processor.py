@@ -17,13 +17,6 @@ from radixserve.sampling_params import SamplingParams
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-@pytest.fixture(scope="module")
-def tok():
-    from radixserve.model_executor.loader import load_tokenizer, resolve_model
-
-    return load_tokenizer(resolve_model(None).folder)
-
-
 def _ids(tok, text: str) -> list[int]:
     return tok.encode(text, add_special_tokens=False)
 
