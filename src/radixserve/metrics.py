@@ -29,8 +29,9 @@ _LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.
 _STEP_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2,
                  0.1, 0.25, 0.5, 1.0, 2.5)
 
-#: Step timer names in ``SchedulerStats.step_timings`` -> metric ``radixserve:step_<name>_seconds``.
-STEP_TIMERS = ("schedule", "prepare", "forward", "sample", "output")
+#: Step timer names in ``SchedulerStats.step_timings`` -> metric ``radixserve:step_<name>_seconds``
+#: ("forward" is the model forward and sampling: the runner does both in one call).
+STEP_TIMERS = ("schedule", "prepare", "forward", "output")
 
 #: Cumulative ``SchedulerStats`` counters -> attribute of the matching Counter child.
 _STAT_COUNTERS = {
