@@ -49,17 +49,17 @@ class InThreadEngine(EngineProcess):
         from radixserve.model_executor.null_runner import NullRunner
 
         aio = asyncio.get_running_loop()
+        # built here, not in the thread: a construction error fails the test at once instead
+        # of leaving the client waiting for a Hello that never comes
+        runner = NullRunner(num_pages=16, max_model_len=MAX_MODEL_LEN, vocab_size=49152)
+        self.token_id = runner.token_id
+        engine = EngineCore(EngineConfig(page_size=16, num_pages=16, max_num_seqs=8,
+                                         disable_overlap=True), runner)
         self.addrs = make_ipc_paths()
-        ready = threading.Event()
+        sockets = CoreSockets(*self.addrs)
+        self.loop = EngineLoop(engine, sockets, parent_pid=None)
 
         def run() -> None:
-            sockets = CoreSockets(*self.addrs)
-            runner = NullRunner(num_pages=16, max_model_len=MAX_MODEL_LEN, vocab_size=49152)
-            self.token_id = runner.token_id
-            engine = EngineCore(EngineConfig(page_size=16, num_pages=16, max_num_seqs=8,
-                                             disable_overlap=True), runner)
-            self.loop = EngineLoop(engine, sockets, parent_pid=None)
-            ready.set()
             try:
                 sockets.handshake(10.0, info=msgspec.structs.replace(engine.info, pid=1))
                 self.loop.run()
@@ -75,7 +75,6 @@ class InThreadEngine(EngineProcess):
 
         self.thread = threading.Thread(target=run, daemon=True)
         self.thread.start()
-        ready.wait(30)
         return self.addrs
 
     def terminate(self) -> None:
@@ -106,7 +105,7 @@ async def _collect(stream) -> list:  # noqa: ANN001
 def test_client_routes_deltas_and_isolates_bad_requests(tok) -> None:
     async def main() -> None:
         fatal: list[str] = []
-        client = AsyncEngineClient(EngineConfig(), on_fatal=fatal.append)
+        client = AsyncEngineClient(EngineConfig(), start_timeout_s=30, on_fatal=fatal.append)
         engine = InThreadEngine()
         client.process = engine
         info = await client.start()
