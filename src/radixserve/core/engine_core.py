@@ -118,10 +118,12 @@ class EngineCore:
             raise RequestRejected(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
         if n >= self.max_model_len:
             pool = (self.kv.num_usable_pages * self.config.page_size)
-            why = (f"; the KV pool holds {pool} tokens" if pool == self.max_model_len else "")
+            why = (f" (the KV pool holds {pool} tokens)" if pool == self.max_model_len else "")
+            # OpenAI's wording, so the server relays it as is
             raise RequestRejected(
-                f"prompt has {n} tokens but max_model_len is {self.max_model_len}"
-                f"{why} (the prompt must leave room for at least one new token)", "prompt",
+                f"This model's maximum context length is {self.max_model_len} tokens{why}. "
+                f"However, your prompt has {n} tokens, which leaves no room for the "
+                f"completion. Please reduce the length of the prompt.", "prompt",
                 "context_length_exceeded")
         if er.request_id in self.scheduler.requests:
             raise RequestRejected(f"request_id {er.request_id!r} is already running")
