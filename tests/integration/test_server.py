@@ -65,6 +65,19 @@ def test_models_health_version(server, client: OpenAI) -> None:
     assert "version" in httpx.get(server.base_url + "/version").json()
 
 
+@pytest.mark.timeout(60)
+def test_models_retrieve(server, client: OpenAI) -> None:
+    listed = client.models.list().data[0]
+    m = client.models.retrieve(MODEL)
+    assert (m.id, m.object, m.owned_by) == (listed.id, "model", listed.owned_by)
+    assert m.model_extra["max_model_len"] == listed.model_extra["max_model_len"] > 0
+    r = httpx.get(server.base_url + "/v1/models/gpt-9")
+    assert r.status_code == 404, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["code"] == "model_not_found" and "gpt-9" in err["message"]
+
+
 @pytest.mark.timeout(120)
 def test_chat_stream_equals_non_stream(client: OpenAI) -> None:
     kw = dict(messages=CHAT, max_tokens=24, temperature=0.9, top_p=0.95, seed=1234)
