@@ -167,3 +167,14 @@ def test_prompt_without_room_is_the_engines_rejection_relayed(server) -> None:
     err = _check_error(r, 400, "messages")
     assert err["code"] == "context_length_exceeded"
     wait_idle(base, timeout_s=10)
+
+
+@pytest.mark.timeout(60)
+def test_unknown_route_and_wrong_method_are_openai_errors(server) -> None:
+    base = server.base_url
+    _check_error(httpx.get(base + "/v1/does-not-exist"), 404, None)
+    _check_error(httpx.post(base + "/nope", json={}), 404, None)
+    r = httpx.get(base + CHAT)
+    _check_error(r, 405, None)
+    assert "POST" in r.headers["allow"]
+    _check_error(httpx.delete(base + "/v1/models"), 405, None)
