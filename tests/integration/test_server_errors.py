@@ -43,6 +43,11 @@ CASES = [
     ("stream-bad-input-is-plain-400", CHAT, {"messages": MSGS, "n": 0, "stream": True}, 400,
      "n"),
     ("max-tokens-zero", COMP, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("stream-options-without-stream-chat", CHAT,
+     {"messages": MSGS, "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("stream-options-with-stream-false-completion", COMP,
+     {"prompt": "x", "stream": False, "stream_options": {"include_usage": True}}, 400,
+     "stream_options"),
     ("presence-penalty-range", CHAT, {"messages": MSGS, "presence_penalty": 5}, 400,
      "presence_penalty"),
 ]
