@@ -138,6 +138,27 @@ def test_n2_stream_and_non_stream(client: OpenAI) -> None:
 
 
 @pytest.mark.timeout(120)
+def test_n3_stream_sends_one_choice_per_chunk(client: OpenAI) -> None:
+    usage = {"include_usage": True}
+    texts, finish, chunks = stream_chat(client, messages=CHAT, max_tokens=10, temperature=1.0,
+                                        seed=5, n=3, stream_options=usage)
+    assert sorted(texts) == sorted(finish) == [0, 1, 2]
+    assert [len(ch.choices) for ch in chunks[:-1]] == [1] * (len(chunks) - 1)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    # the role chunk too: one per choice
+    assert sorted(ch.choices[0].index for ch in chunks[:-1]
+                  if ch.choices[0].delta.role) == [0, 1, 2]
+    texts, finish, chunks = stream_completion(client, prompt="Once upon a time", max_tokens=6,
+                                              temperature=1.0, seed=3, n=3, echo=True,
+                                              stream_options=usage,
+                                              extra_body={"ignore_eos": True})
+    assert all(t.startswith("Once upon a time") for t in texts.values())
+    assert finish == {0: "length", 1: "length", 2: "length"}
+    assert [len(ch.choices) for ch in chunks[:-1]] == [1] * (len(chunks) - 1)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 18
+
+
+@pytest.mark.timeout(120)
 def test_stop_strings_trimmed_streaming_and_not(client: OpenAI) -> None:
     prompt = "Count: 1, 2, 3, 4, 5, 6,"
     base = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16,
