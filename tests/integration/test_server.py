@@ -256,6 +256,21 @@ def test_streaming_multibyte_never_replacement_mid_stream(client: OpenAI) -> Non
         assert any(ord(ch) > 0x2000 for ch in full)  # the output really is multi-byte
 
 
+@pytest.mark.timeout(180)
+def test_length_cut_mid_character_drops_the_incomplete_tail(client: OpenAI) -> None:
+    prompt = "Here are some emojis: 😀😃😄"
+    texts, cut_mid_char = [], 0
+    for max_tokens in range(1, 13):
+        kw = dict(prompt=prompt, max_tokens=max_tokens, temperature=0)
+        full = client.completions.create(model=MODEL, **kw).choices[0]
+        streamed, finish, _ = stream_completion(client, **kw)
+        assert not full.text.endswith("\ufffd") and streamed[0] == full.text
+        if full.finish_reason == "length" and texts and full.text == texts[-1]:
+            cut_mid_char += 1  # the last token only began a character: nothing to show
+        texts.append(full.text)
+    assert cut_mid_char > 0  # the greedy output really is cut inside a character somewhere
+
+
 @pytest.mark.timeout(90)
 def test_unknown_fields_ignored_and_sampling_fields_accepted(server, client: OpenAI) -> None:
     r = client.chat.completions.create(
