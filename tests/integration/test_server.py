@@ -297,6 +297,20 @@ def test_tokenize_detokenize(server) -> None:
     assert httpx.post(base + "/detokenize", json={"tokens": [10**9]}).status_code == 400
 
 
+@pytest.mark.timeout(60)
+def test_tokenize_vllm_shape_with_token_strs(server) -> None:
+    base = server.base_url
+    t = httpx.post(base + "/tokenize", json={"prompt": "Hello world"}).json()
+    assert set(t) == {"count", "max_model_len", "tokens"}
+    s = httpx.post(base + "/tokenize", json={"prompt": "Hello world",
+                                             "return_token_strs": True}).json()
+    assert set(s) == {"count", "max_model_len", "tokens", "token_strs"}
+    assert s["tokens"] == t["tokens"] and len(s["token_strs"]) == s["count"]
+    assert all(isinstance(x, str) for x in s["token_strs"])
+    assert httpx.post(base + "/detokenize", json={"tokens": t["tokens"]}).json() == {
+        "prompt": "Hello world"}
+
+
 # -- concurrency -----------------------------------------------------------------------------------
 
 
