@@ -65,6 +65,19 @@ def test_models_health_version(server, client: OpenAI) -> None:
     assert "version" in httpx.get(server.base_url + "/version").json()
 
 
+@pytest.mark.timeout(60)
+def test_models_retrieve(server, client: OpenAI) -> None:
+    listed = client.models.list().data[0]
+    m = client.models.retrieve(MODEL)
+    assert (m.id, m.object, m.owned_by) == (listed.id, "model", listed.owned_by)
+    assert m.model_extra["max_model_len"] == listed.model_extra["max_model_len"] > 0
+    r = httpx.get(server.base_url + "/v1/models/gpt-9")
+    assert r.status_code == 404, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["code"] == "model_not_found" and "gpt-9" in err["message"]
+
+
 @pytest.mark.timeout(120)
 def test_chat_stream_equals_non_stream(client: OpenAI) -> None:
     kw = dict(messages=CHAT, max_tokens=24, temperature=0.9, top_p=0.95, seed=1234)
@@ -122,6 +135,27 @@ def test_n2_stream_and_non_stream(client: OpenAI) -> None:
                                      extra_body={"ignore_eos": True})
     assert [c.index for c in comp.choices] == [0, 1]
     assert comp.usage.completion_tokens == 16
+
+
+@pytest.mark.timeout(120)
+def test_n3_stream_sends_one_choice_per_chunk(client: OpenAI) -> None:
+    usage = {"include_usage": True}
+    texts, finish, chunks = stream_chat(client, messages=CHAT, max_tokens=10, temperature=1.0,
+                                        seed=5, n=3, stream_options=usage)
+    assert sorted(texts) == sorted(finish) == [0, 1, 2]
+    assert [len(ch.choices) for ch in chunks[:-1]] == [1] * (len(chunks) - 1)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    # the role chunk too: one per choice
+    assert sorted(ch.choices[0].index for ch in chunks[:-1]
+                  if ch.choices[0].delta.role) == [0, 1, 2]
+    texts, finish, chunks = stream_completion(client, prompt="Once upon a time", max_tokens=6,
+                                              temperature=1.0, seed=3, n=3, echo=True,
+                                              stream_options=usage,
+                                              extra_body={"ignore_eos": True})
+    assert all(t.startswith("Once upon a time") for t in texts.values())
+    assert finish == {0: "length", 1: "length", 2: "length"}
+    assert [len(ch.choices) for ch in chunks[:-1]] == [1] * (len(chunks) - 1)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 18
 
 
 @pytest.mark.timeout(120)
@@ -222,6 +256,21 @@ def test_streaming_multibyte_never_replacement_mid_stream(client: OpenAI) -> Non
         assert any(ord(ch) > 0x2000 for ch in full)  # the output really is multi-byte
 
 
+@pytest.mark.timeout(180)
+def test_length_cut_mid_character_drops_the_incomplete_tail(client: OpenAI) -> None:
+    prompt = "Here are some emojis: 😀😃😄"
+    texts, cut_mid_char = [], 0
+    for max_tokens in range(1, 13):
+        kw = dict(prompt=prompt, max_tokens=max_tokens, temperature=0)
+        full = client.completions.create(model=MODEL, **kw).choices[0]
+        streamed, finish, _ = stream_completion(client, **kw)
+        assert not full.text.endswith("\ufffd") and streamed[0] == full.text
+        if full.finish_reason == "length" and texts and full.text == texts[-1]:
+            cut_mid_char += 1  # the last token only began a character: nothing to show
+        texts.append(full.text)
+    assert cut_mid_char > 0  # the greedy output really is cut inside a character somewhere
+
+
 @pytest.mark.timeout(90)
 def test_unknown_fields_ignored_and_sampling_fields_accepted(server, client: OpenAI) -> None:
     r = client.chat.completions.create(
@@ -246,6 +295,20 @@ def test_tokenize_detokenize(server) -> None:
     chat = httpx.post(base + "/tokenize", json={"messages": CHAT}).json()
     assert chat["count"] > t["count"]
     assert httpx.post(base + "/detokenize", json={"tokens": [10**9]}).status_code == 400
+
+
+@pytest.mark.timeout(60)
+def test_tokenize_vllm_shape_with_token_strs(server) -> None:
+    base = server.base_url
+    t = httpx.post(base + "/tokenize", json={"prompt": "Hello world"}).json()
+    assert set(t) == {"count", "max_model_len", "tokens"}
+    s = httpx.post(base + "/tokenize", json={"prompt": "Hello world",
+                                             "return_token_strs": True}).json()
+    assert set(s) == {"count", "max_model_len", "tokens", "token_strs"}
+    assert s["tokens"] == t["tokens"] and len(s["token_strs"]) == s["count"]
+    assert all(isinstance(x, str) for x in s["token_strs"])
+    assert httpx.post(base + "/detokenize", json={"tokens": t["tokens"]}).json() == {
+        "prompt": "Hello world"}
 
 
 # -- concurrency -----------------------------------------------------------------------------------

@@ -43,6 +43,11 @@ CASES = [
     ("stream-bad-input-is-plain-400", CHAT, {"messages": MSGS, "n": 0, "stream": True}, 400,
      "n"),
     ("max-tokens-zero", COMP, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("stream-options-without-stream-chat", CHAT,
+     {"messages": MSGS, "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("stream-options-with-stream-false-completion", COMP,
+     {"prompt": "x", "stream": False, "stream_options": {"include_usage": True}}, 400,
+     "stream_options"),
     ("presence-penalty-range", CHAT, {"messages": MSGS, "presence_penalty": 5}, 400,
      "presence_penalty"),
 ]
@@ -167,3 +172,14 @@ def test_prompt_without_room_is_the_engines_rejection_relayed(server) -> None:
     err = _check_error(r, 400, "messages")
     assert err["code"] == "context_length_exceeded"
     wait_idle(base, timeout_s=10)
+
+
+@pytest.mark.timeout(60)
+def test_unknown_route_and_wrong_method_are_openai_errors(server) -> None:
+    base = server.base_url
+    _check_error(httpx.get(base + "/v1/does-not-exist"), 404, None)
+    _check_error(httpx.post(base + "/nope", json={}), 404, None)
+    r = httpx.get(base + CHAT)
+    _check_error(r, 405, None)
+    assert "POST" in r.headers["allow"]
+    _check_error(httpx.delete(base + "/v1/models"), 405, None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -41,7 +42,9 @@ def test_concatenation_equals_decode_random_ids(tok, data, skip):
     chunks = data.draw(st.lists(st.integers(1, 4), max_size=40), label="chunks")
     prompt = data.draw(st.sampled_from(["", PROMPT, "<|im_start|>assistant\n"]), label="prompt")
     deltas, last, d = stream(tok, ids, chunks, prompt=prompt, skip_special_tokens=skip)
-    expected = tok.decode(ids, skip_special_tokens=skip)
+    # the whole decode, less the incomplete character a cut output may end with (dropped at
+    # finish, never sent as U+FFFD, as vLLM)
+    expected = tok.decode(ids, skip_special_tokens=skip).rstrip(FFFD)
     assert "".join(deltas) + last == expected
     assert d.text == expected
     assert d.token_ids == ids
@@ -70,11 +73,22 @@ def test_emoji_split_across_tokens_is_held_back(tok):
     assert d.finish() == ""
 
 
-def test_incomplete_character_at_end_is_released_by_finish(tok):
+def test_incomplete_character_at_end_is_dropped_by_finish(tok):
     ids = tok.encode(" 😀")[:-1]  # half an emoji
+    assert tok.decode(ids) == " " + FFFD
     deltas, last, d = stream(tok, ids)
     assert "".join(deltas) == ""
-    assert last == tok.decode(ids) and last.endswith(FFFD)
+    assert last == " " and d.text == " "  # the space is kept, the half emoji dropped
+
+
+@pytest.mark.parametrize("text", [" Hi 😀", " 你好", " 🎉👍🏽 ok", "中文 and 😀😃"])
+def test_output_cut_mid_character_never_ends_in_replacement(tok, text):
+    ids = tok.encode(text, add_special_tokens=False)
+    for cut in range(1, len(ids) + 1):  # every max_tokens
+        deltas, last, d = stream(tok, ids[:cut])
+        assert FFFD not in "".join(deltas) + last
+        assert "".join(deltas) + last == d.text == tok.decode(ids[:cut]).rstrip(FFFD)
+        assert text.startswith(d.text)
 
 
 def test_window_stays_small(tok):

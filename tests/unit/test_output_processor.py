@@ -175,3 +175,22 @@ def test_engine_fills_in_max_tokens_none(tok) -> None:
     assert stop.finish_reason == "stop" and stop.num_tokens == 3 and stop.text == ""
     assert columns > 0  # the column-wise path was exercised
     engine.shutdown()
+
+
+def test_length_finish_mid_character_drops_the_incomplete_tail(tok) -> None:
+    # " 你好" is [" ", 3 tokens for 你, 2 for 好]: max_tokens=4 cuts 好 after its first byte
+    ids = _ids(tok, " 你好")
+    assert tok.decode(ids[:4]).endswith("\ufffd")
+    proc = OutputProcessor(tok)
+    st = proc.add_request("c", _ids(tok, "Say hello:"), SamplingParams(max_tokens=4), 0.0)
+    texts = []
+    for i, t in enumerate(ids[:3]):
+        out = proc.process(_step(1 + i, [TokenOutput(request_id="c", new_token_ids=[t],
+                                                     num_prompt_tokens=3)]))
+        texts += [d.text for d in out.deltas]
+    out = proc.process(_step(4, [TokenOutput(request_id="c", new_token_ids=[ids[3]],
+                                             finish_reason="length")]))
+    (d,) = out.deltas
+    assert d.finish_reason == "length" and d.token_ids == [ids[3]]
+    texts.append(d.text)
+    assert "".join(texts) == st.text == " 你" and "\ufffd" not in d.text

@@ -38,11 +38,29 @@ def test_defaults_match_openai():
 
 def test_extra_fields_ignored_and_null_means_default():
     r = chat(tools=[{"type": "function"}], response_format={"type": "text"}, temperature=None,
-             top_p=None, n=None, stream_options={"include_usage": True, "whatever": 1})
+             top_p=None, n=None, stream=True,
+             stream_options={"include_usage": True, "whatever": 1})
     assert r.temperature == 1.0 and r.top_p == 1.0 and r.n == 1
     assert not hasattr(r, "tools")
     c = CompletionRequest.model_validate({"prompt": "x", "best_of": 3, "suffix": "ignored"})
     assert c.to_sampling_params(5).max_tokens == 5
+
+
+@pytest.mark.parametrize("model", [ChatCompletionRequest, CompletionRequest])
+@pytest.mark.parametrize("stream", [False, None, "absent"])
+def test_stream_options_need_stream(model, stream):
+    body = {"messages": MSGS, "prompt": "x", "stream_options": {"include_usage": True}}
+    if stream != "absent":
+        body["stream"] = stream
+    with pytest.raises(ValidationError) as e:
+        model.model_validate(body)
+    err = error_from_validation(e.value)
+    assert err.status_code == 400 and err.param == "stream_options"
+    assert "stream" in err.message
+    # null stream_options is "not set", with or without stream
+    assert model.model_validate({**body, "stream_options": None}).stream_options is None
+    ok = model.model_validate({**body, "stream": True})
+    assert ok.include_usage
 
 
 def test_message_content_forms():

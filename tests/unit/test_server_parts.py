@@ -49,6 +49,20 @@ def test_api_key_guards_v1_only() -> None:
     assert c.get("/health").status_code == 200
 
 
+def test_unknown_route_and_wrong_method_are_openai_errors() -> None:
+    c = _app()
+    r = c.get("/v1/nope")
+    assert r.status_code == 404
+    err = r.json()["error"]
+    assert set(r.json()) == {"error"} and set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "not_found_error" and "/v1/nope" in err["message"]
+    r = c.get("/v1/echo")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and "GET" in err["message"]
+    assert err["type"] == "invalid_request_error"
+
+
 def test_body_limit_by_header_and_by_stream() -> None:
     c = _app(max_bytes=100)
     assert c.post("/v1/echo", content=b"x" * 100).json() == {"n": 100}

@@ -7,7 +7,8 @@ scheme), so the cost per token is O(window), not O(output length):
   (so decoders that treat the first token specially, e.g. SentencePiece's leading space, give the
   same result as decoding the whole sequence),
 * ``ids[read_offset:]`` is new; the delta is ``decode(ids[prefix_offset:])`` minus the context
-  text, released only when it does not end in U+FFFD (an incomplete multi-byte character).
+  text, released only when it does not end in U+FFFD (an incomplete multi-byte character); at
+  ``finish`` such an incomplete tail is dropped, never sent as U+FFFD (as in vLLM).
 
 Stop strings are matched on the released text; the longest suffix that could still grow into a
 stop string is held back, so a stop string split across tokens is never partly sent.
@@ -115,8 +116,10 @@ class IncrementalDetokenizer:
     def finish(self) -> str:
         """Release all held-back text (the request ended for another reason than a stop string).
 
-        Incomplete characters are released as U+FFFD, exactly as ``tokenizer.decode`` shows them.
-        Returns "" after a stop string matched.
+        Trailing incomplete characters (an output cut by ``max_tokens`` in the middle of a
+        multi-byte character) are dropped, never sent as U+FFFD, as vLLM's incremental
+        detokenizer does: ``text`` ends as ``decode(token_ids).rstrip("\ufffd")``. Returns ""
+        after a stop string matched.
         """
         if self._stop.stopped:
             return ""
@@ -135,6 +138,12 @@ class IncrementalDetokenizer:
         if not final and (len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT)):
             return ""  # nothing new yet, or an incomplete character at the end: wait
         delta = full_text[len(prefix_text) :]
+        if final:
+            # Incomplete trailing bytes decode to U+FFFD; they can never complete now. (A real
+            # U+FFFD at the very end is dropped too: the decoded text cannot tell them apart,
+            # and vLLM drops it the same way.) The text released before never ends in U+FFFD,
+            # so stripping this delta strips the whole output's tail.
+            delta = delta.rstrip(_REPLACEMENT)
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
         self._prefix_text = None  # decoded lazily for the next window

@@ -9,6 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 #: Default ``type`` for each HTTP status.
 ERROR_TYPES = {
@@ -16,6 +17,7 @@ ERROR_TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    405: "invalid_request_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
@@ -113,8 +115,9 @@ def error_from_value_error(exc: ValueError) -> OpenAIError:
 def add_exception_handlers(app: FastAPI) -> None:
     """Make ``app`` answer with OpenAI error bodies.
 
-    OpenAIError -> its status; request/pydantic validation errors -> 400 naming the field; any
-    other exception -> 500 ``internal_error``. A ``ValueError`` from ``to_sampling_params`` is not
+    OpenAIError -> its status; request/pydantic validation errors -> 400 naming the field;
+    Starlette's own HTTP errors (404 unknown route, 405 wrong method) -> their status and
+    headers (``Allow``) with an OpenAI body; any other exception -> 500 ``internal_error``. A ``ValueError`` from ``to_sampling_params`` is not
     caught globally (a bug elsewhere must not look like a bad request): convert it where it is
     raised with ``error_from_value_error``.
     """
@@ -127,10 +130,29 @@ def add_exception_handlers(app: FastAPI) -> None:
         assert isinstance(exc, (ValidationError, RequestValidationError))
         return error_from_validation(exc).to_response()
 
+    async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        # clients of an OpenAI API parse ``error.message``; FastAPI's ``{"detail": ...}`` would
+        # leave them with no message at all
+        where = f"{request.method} {request.url.path}"
+        if exc.status_code == 404:
+            message = f"Not found: {where} (no such route)"
+        elif exc.status_code == 405:
+            allowed = (exc.headers or {}).get("allow") or (exc.headers or {}).get("Allow")
+            message = f"Method not allowed: {where}" + (f" (allowed: {allowed})" if allowed
+                                                        else "")
+        else:
+            message = f"{exc.detail}: {where}"
+        resp = error_response(message, exc.status_code)
+        if exc.headers:
+            resp.headers.update(exc.headers)
+        return resp
+
     async def on_internal_error(_: Request, exc: Exception) -> JSONResponse:
         return error_response(f"Internal server error: {type(exc).__name__}: {exc}", 500)
 
     app.add_exception_handler(OpenAIError, on_openai_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(ValidationError, on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
     app.add_exception_handler(Exception, on_internal_error)

@@ -13,7 +13,14 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from radixserve.sampling_params import SamplingParams
 
@@ -61,7 +68,8 @@ class _SamplingRequest(OpenAIBaseModel):
     """Fields shared by chat and text completion requests.
 
     An explicit JSON ``null`` for a field with a default means "use the default" (OpenAI accepts
-    ``"temperature": null``).
+    ``"temperature": null``). ``stream_options`` without ``stream=true`` is a validation error
+    (a 400 naming ``stream_options``).
     """
 
     model: str | None = None
@@ -97,6 +105,17 @@ class _SamplingRequest(OpenAIBaseModel):
                 or fields[k].default is None
             }
         return data
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, v: StreamOptions | None,
+                                    info: ValidationInfo) -> StreamOptions | None:
+        # OpenAI and vLLM refuse it too (a 400 naming ``stream_options``) rather than silently
+        # dropping a usage chunk the client asked for; ``stream`` is declared first, so it is
+        # in ``info.data`` when it was valid
+        if v is not None and info.data.get("stream") is not True:
+            raise ValueError("stream_options can only be set when stream=true")
+        return v
 
     def stop_list(self) -> list[str] | None:
         """``stop`` as a list (a single string becomes a one-element list)."""

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP app: ``build_app(server_config, client)``.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+``GET /v1/models/{id}`` (the served name or an alias; 404 ``model_not_found`` otherwise),
 ``GET /health`` (200 once the model is loaded, 503 before and after the engine died),
 ``GET /metrics`` (Prometheus), ``POST /tokenize``, ``POST /detokenize``, ``GET /version``.
 
@@ -149,12 +150,20 @@ def build_app(server_config: ServerConfig, client: AsyncEngineClient) -> FastAPI
     async def completions(raw: Request) -> Any:
         return await create_completion(raw, state.ready())
 
+    def model_card(s: ServingState) -> ModelCard:
+        return ModelCard(id=s.served_model_name, root=s.info.folder,
+                         max_model_len=s.info.max_model_len)
+
     @app.get("/v1/models")
     async def models() -> Any:
+        return JSONResponse(ModelList(data=[model_card(state.ready())]).model_dump())
+
+    # ``:path``: an alias may be a folder or a Hugging Face repo id, slashes included
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Any:
         s = state.ready()
-        card = ModelCard(id=s.served_model_name, root=s.info.folder,
-                         max_model_len=s.info.max_model_len)
-        return JSONResponse(ModelList(data=[card]).model_dump())
+        s.check_model(model_id)  # 404 model_not_found for a name this server does not serve
+        return JSONResponse(model_card(s).model_dump())
 
     @app.get("/health")
     async def health() -> Response:

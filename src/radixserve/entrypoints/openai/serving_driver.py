@@ -186,7 +186,8 @@ async def run_requests(raw: Request, state: ServingState, fmt: ResponseFormatter
                        arrival: float, prompt_field: str) -> Any:
     """Send the engine requests and answer: a JSON body, or an SSE ``StreamingResponse``.
 
-    A disconnect aborts every engine request of this response (within one engine step). For a
+    A streamed chunk carries exactly one choice (the final usage chunk none). A disconnect
+    aborts every engine request of this response (within one engine step). For a
     streamed response the first delta is awaited before the headers go out, so an engine
     rejection is still a 400 rather than an in-stream error.
 
@@ -248,14 +249,14 @@ async def run_requests(raw: Request, state: ServingState, fmt: ResponseFormatter
         extra = {"usage": None} if include_usage else {}
         delta = fmt.delta
         try:
-            pre = fmt.prelude(states)
-            if pre:
-                yield sse(fmt.chunk(pre, **extra))
+            # one choice per chunk, as vLLM sends them: many clients read only choices[0]
+            for part in fmt.prelude(states):
+                yield sse(fmt.chunk([part], **extra))
             batch = first
             while batch is not None:
-                parts = [p for p in map(delta, batch) if p is not None]
-                if parts:
-                    yield sse(fmt.chunk(parts, **extra))
+                for part in map(delta, batch):
+                    if part is not None:
+                        yield sse(fmt.chunk([part], **extra))
                 batch = await anext(it, None)
             if include_usage:
                 yield sse(fmt.chunk([], usage=usage_dict(states, fmt.n)))
