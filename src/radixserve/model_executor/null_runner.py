@@ -10,14 +10,13 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import torch
 
 from radixserve.config import EngineConfig
 from radixserve.kvcache.sizing import plan_kv_pool
+from radixserve.kvcache.storage import KVStorage
 from radixserve.model_executor.forward_batch import ForwardBatch, SampleResult
 from radixserve.model_executor.step_runner import ModelInfo
-
-#: Bytes per float32 element: the null model sizes its (unallocated) pool like a float32 model.
-_F32 = 4
 
 
 class NullRunner:
@@ -59,7 +58,8 @@ class NullRunner:
         heads = int(hf.num_attention_heads)
         kv_heads = int(getattr(hf, "num_key_value_heads", None) or heads)
         head_dim = int(getattr(hf, "head_dim", None) or hf.hidden_size // heads)
-        per_page = 2 * int(hf.num_hidden_layers) * config.page_size * kv_heads * head_dim * _F32
+        per_page = KVStorage.bytes_per_page(int(hf.num_hidden_layers), config.page_size,
+                                            kv_heads, head_dim, torch.float32)
         plan = plan_kv_pool(page_size=config.page_size, num_pages=config.num_pages,
                             kv_cache_memory=config.kv_cache_memory, bytes_per_page=per_page,
                             max_num_seqs=config.max_num_seqs,
