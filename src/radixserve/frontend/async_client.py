@@ -37,6 +37,8 @@ from radixserve.frontend.output_processor import OutputProcessor, RequestDelta, 
 from radixserve.transport.messages import (
     AbortRequests,
     EngineError,
+    FlushCache,
+    FlushCacheDone,
     Shutdown,
     WireStepOutputs,
     request_to_wire,
@@ -116,6 +118,12 @@ class RequestStream:
         self.closed = True
         self._client.abort([s.request_id for s in self.states if s.finish_reason is None])
 
+    def cancel(self, exc: BaseException) -> None:
+        """``close``, and make the consumer's pending (or next) ``next_batch`` raise ``exc``
+        (an out-of-band abort, e.g. the gRPC ``Abort`` RPC, ends the consumer too)."""
+        self.close()
+        self._fail(exc)
+
     def _fail(self, exc: BaseException) -> None:
         self.queue.put_nowait(exc)
 
@@ -159,6 +167,8 @@ class AsyncEngineClient:
         self._encoder = msgspec.msgpack.Encoder()
         self._tasks: list[asyncio.Task] = []
         self._closing = False
+        self._calls: dict[int, asyncio.Future[int]] = {}
+        self._next_call_id = 0
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -262,6 +272,10 @@ class AsyncEngineClient:
             self.on_fatal(reason)
 
     def _fail_all(self, exc: BaseException) -> None:
+        calls, self._calls = self._calls, {}
+        for fut in calls.values():
+            if not fut.done():
+                fut.set_exception(exc)
         streams = {id(s): s for s in self._streams.values()}.values()
         if self._processor is not None:
             self._processor.abort_requests(list(self._streams))
@@ -322,6 +336,25 @@ class AsyncEngineClient:
         for rid in request_ids:
             self._streams.pop(rid, None)
 
+    async def flush_cache(self) -> int:
+        """Evict every radix-cache entry no live request holds, in the engine core; returns
+        the number of KV pages freed. Live requests are not disturbed.
+
+        Raises:
+            EngineDeadError: the engine is not running (or died before answering).
+        """
+        if not self.healthy:
+            raise EngineDeadError(self.dead_reason or "the engine core is not ready")
+        call_id = self._next_call_id
+        self._next_call_id += 1
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = fut
+        self._send_q.put_nowait(FlushCache(call_id))
+        try:
+            return await fut
+        finally:
+            self._calls.pop(call_id, None)
+
     # ------------------------------------------------------------------ background tasks
     async def _send_loop(self) -> None:
         assert self._sockets is not None
@@ -371,6 +404,10 @@ class AsyncEngineClient:
                     stream.queue.put_nowait(d)
                     if d.finish_reason is not None:
                         del streams[d.request_id]
+            elif isinstance(msg, FlushCacheDone):
+                fut = self._calls.pop(msg.call_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg.pages_freed)
             elif isinstance(msg, EngineError):
                 self._die(f"engine core failed: {msg.message}")
                 return
