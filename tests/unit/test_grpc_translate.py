@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
-from radixserve.engine_types import SchedulerStats
+from radixserve.engine_types import EngineInfo, SchedulerStats
 from radixserve.entrypoints.fleet import check_worker_args, core_slices
 from radixserve.entrypoints.grpc_worker import tokenizer_bundle
 from radixserve.entrypoints.grpc_worker.translate import (
@@ -185,10 +185,14 @@ def test_tokenizer_bundle_round_trip(tmp_path) -> None:
 
 def test_load_report_from_scheduler_stats() -> None:
     r = LoadReporter()
-    assert r.load(None, 16, 8)["num_running_reqs"] == 0
+    info = EngineInfo(model_name="m", folder="/m", max_model_len=1600, vocab_size=10,
+                      eos_token_ids=[2], dtype="float32", device="cpu", num_pages=101,
+                      page_size=16)
+    idle = r.load(None, info, 8)
+    assert idle["num_running_reqs"] == 0 and idle["max_total_num_tokens"] == 1600
     s = SchedulerStats(num_running=3, num_waiting=2, kv_pages_used=40, kv_pages_total=100,
                        kv_pages_cached=30, prefix_queried_tokens=200, prefix_hit_tokens=50)
-    load = r.loads_response(s, 16, 8)["loads"][0]
+    load = r.loads_response(s, info, 8)["loads"][0]
     assert load["num_total_reqs"] == 5 and load["max_running_requests"] == 8
     assert load["num_used_tokens"] == 640 and load["max_total_num_tokens"] == 1600
     assert load["token_usage"] == pytest.approx(0.1)  # 10 pages owned outside the cache

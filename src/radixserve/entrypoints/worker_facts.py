@@ -126,13 +126,13 @@ class LoadReporter:
     _last: tuple[float, int] | None = field(default=None, repr=False)
     _rate: float = field(default=0.0, repr=False)
 
-    def load(self, stats: SchedulerStats | None, page_size: int,
+    def load(self, stats: SchedulerStats | None, info: EngineInfo,
              max_running_requests: int) -> dict[str, Any]:
-        """One ``SchedulerLoad`` as a dict (zeros before the engine's first step).
+        """One ``SchedulerLoad`` as a dict (counts 0 before the engine's first step).
 
         Args:
             stats: the engine's latest snapshot (None before its first step).
-            page_size: tokens per KV page.
+            info: the engine's facts (pool size, page size).
             max_running_requests: ``max_num_seqs``.
 
         ``token_usage`` is the fraction of KV pages live requests own outside the radix cache
@@ -152,23 +152,24 @@ class LoadReporter:
             self._last = (now, s.generation_tokens)
         elif self._last is None:
             self._last = (now, s.generation_tokens)
+        total_pages = info.num_pages - 1  # page 0 is the null page
         owned = max(0, s.kv_pages_used - s.kv_pages_cached)
-        usage = owned / s.kv_pages_total if s.kv_pages_total else 0.0
-        total_tokens = s.kv_pages_total * page_size
+        usage = owned / total_pages if total_pages > 0 else 0.0
         return {
             "dp_rank": 0, "num_running_reqs": s.num_running, "num_waiting_reqs": s.num_waiting,
             "num_total_reqs": s.num_running + s.num_waiting,
-            "num_used_tokens": s.kv_pages_used * page_size,
-            "max_total_num_tokens": total_tokens, "token_usage": usage, "utilization": usage,
+            "num_used_tokens": s.kv_pages_used * info.page_size,
+            "max_total_num_tokens": total_pages * info.page_size, "token_usage": usage,
+            "utilization": usage,
             "gen_throughput": self._rate,
             "cache_hit_rate": (s.prefix_hit_tokens / s.prefix_queried_tokens
                                if s.prefix_queried_tokens else 0.0),
             "max_running_requests": max_running_requests,
         }
 
-    def loads_response(self, stats: SchedulerStats | None, page_size: int,
+    def loads_response(self, stats: SchedulerStats | None, info: EngineInfo,
                        max_running_requests: int) -> dict[str, Any]:
         """``GET /v1/loads`` body: ``{"timestamp", "version", "dp_rank_count", "loads"}``."""
         return {"timestamp": datetime.now(timezone.utc).isoformat(),
                 "version": radixserve.__version__, "dp_rank_count": 1,
-                "loads": [self.load(stats, page_size, max_running_requests)]}
+                "loads": [self.load(stats, info, max_running_requests)]}

@@ -50,7 +50,7 @@ def register_worker_routes(app: FastAPI, state: Any) -> None:
         # ``include`` (core, disagg, queues, memory) is accepted and answered with the core
         # section: this engine has no disaggregation, queue or memory sections to report
         s = state.ready()
-        return JSONResponse(reporter.loads_response(state.client.stats, s.info.page_size,
+        return JSONResponse(reporter.loads_response(state.client.stats, s.info,
                                                     state.client.config.max_num_seqs))
 
     @app.post("/flush_cache")
