@@ -127,31 +127,34 @@ class LoadReporter:
     _rate: float = field(default=0.0, repr=False)
 
     def load(self, stats: SchedulerStats | None, info: EngineInfo,
-             max_running_requests: int) -> dict[str, Any]:
+             max_running_requests: int, busy_s: float = 0.0) -> dict[str, Any]:
         """One ``SchedulerLoad`` as a dict (counts 0 before the engine's first step).
 
         Args:
             stats: the engine's latest snapshot (None before its first step).
             info: the engine's facts (pool size, page size).
             max_running_requests: ``max_num_seqs``.
+            busy_s: seconds so far the engine had running requests
+                (``AsyncEngineClient.busy_s``).
 
         ``token_usage`` is the fraction of KV pages live requests own outside the radix cache
         (0..1; cached pages, evictable or shared, do not count: eviction or sharing makes room
         for them, as vLLM counts its cached free blocks as free), ``num_used_tokens`` the pages
         not free (radix cache included) in tokens, ``cache_hit_rate`` the fraction of
         looked-up prompt tokens found in the radix cache since start, ``gen_throughput``
-        output tokens per second since the previous report (0 on the first).
+        output tokens per second of busy time (time with running requests) since the previous
+        report that saw some, so an idle engine is not reported as a slow one (0 until
+        measured: smg then assumes its default). smg's ``least_load`` and cache-aware
+        fallback divide queued work by it.
         ``num_waiting_uncached_tokens`` is left out: the engine does not know it (smg reads a
         missing value as 0).
         """
         s = stats or SchedulerStats()
-        now = time.monotonic()
-        if self._last is not None and now - self._last[0] >= 0.05:
-            dt = now - self._last[0]
-            self._rate = max(0, s.generation_tokens - self._last[1]) / dt
-            self._last = (now, s.generation_tokens)
-        elif self._last is None:
-            self._last = (now, s.generation_tokens)
+        if self._last is None:
+            self._last = (busy_s, s.generation_tokens)
+        elif busy_s - self._last[0] >= 0.05:  # enough busy time for a rate
+            self._rate = max(0, s.generation_tokens - self._last[1]) / (busy_s - self._last[0])
+            self._last = (busy_s, s.generation_tokens)
         total_pages = info.num_pages - 1  # page 0 is the null page
         owned = max(0, s.kv_pages_used - s.kv_pages_cached)
         usage = owned / total_pages if total_pages > 0 else 0.0
@@ -168,8 +171,8 @@ class LoadReporter:
         }
 
     def loads_response(self, stats: SchedulerStats | None, info: EngineInfo,
-                       max_running_requests: int) -> dict[str, Any]:
+                       max_running_requests: int, busy_s: float = 0.0) -> dict[str, Any]:
         """``GET /v1/loads`` body: ``{"timestamp", "version", "dp_rank_count", "loads"}``."""
         return {"timestamp": datetime.now(timezone.utc).isoformat(),
                 "version": radixserve.__version__, "dp_rank_count": 1,
-                "loads": [self.load(stats, info, max_running_requests)]}
+                "loads": [self.load(stats, info, max_running_requests, busy_s)]}

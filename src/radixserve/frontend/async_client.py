@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -145,6 +146,8 @@ class AsyncEngineClient:
         draining: ``begin_shutdown`` was called; new requests are refused.
         dead_reason: why the engine is gone (None while alive).
         stats: the latest ``SchedulerStats`` (None before the first step).
+        busy_s: seconds the engine had running requests (summed between step messages);
+            with ``stats.generation_tokens`` it gives the decode rate a gateway routes by.
     """
 
     def __init__(self, config: EngineConfig, null_model: bool = False,
@@ -167,6 +170,8 @@ class AsyncEngineClient:
         self._encoder = msgspec.msgpack.Encoder()
         self._tasks: list[asyncio.Task] = []
         self._closing = False
+        self.busy_s = 0.0
+        self._stats_at = 0.0
         self._calls: dict[int, asyncio.Future[int]] = {}
         self._next_call_id = 0
 
@@ -413,6 +418,10 @@ class AsyncEngineClient:
                 return
 
     def _keep_stats(self, stats: SchedulerStats) -> None:
+        now = time.monotonic()
+        if self.stats is not None and self.stats.num_running:
+            self.busy_s += now - self._stats_at  # the engine had work since the last step
+        self._stats_at = now
         self.stats = stats
         for k, v in stats.step_timings.items():
             samples = self.step_timings.setdefault(k, [])

@@ -216,7 +216,8 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
                        ) -> pb.GetLoadsResponse:
         # ``include`` and ``dp_rank`` are accepted: there is one rank and only the core section
         s = self.s
-        fields = self.loads.load(s.client.stats, s.info, s.client.config.max_num_seqs)
+        c = s.client
+        fields = self.loads.load(c.stats, s.info, c.config.max_num_seqs, c.busy_s)
         return pb.GetLoadsResponse(
             timestamp=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             version=radixserve.__version__, dp_rank_count=1,

@@ -50,8 +50,9 @@ def register_worker_routes(app: FastAPI, state: Any) -> None:
         # ``include`` (core, disagg, queues, memory) is accepted and answered with the core
         # section: this engine has no disaggregation, queue or memory sections to report
         s = state.ready()
-        return JSONResponse(reporter.loads_response(state.client.stats, s.info,
-                                                    state.client.config.max_num_seqs))
+        c = state.client
+        return JSONResponse(reporter.loads_response(c.stats, s.info, c.config.max_num_seqs,
+                                                    c.busy_s))
 
     @app.post("/flush_cache")
     async def flush_cache(raw: Request) -> JSONResponse:
