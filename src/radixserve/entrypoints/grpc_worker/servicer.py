@@ -174,9 +174,12 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
         for rid in request.request_ids:
             stream = self.active.pop(rid, None)
             if stream is not None and not stream.finished:
-                log.info("Abort: request %s aborted", rid)
                 # frees its KV pages in the engine within one step; ends its Generate
                 stream.cancel(AbortedByClient(rid))
+                log.info("Abort %s: aborted", rid)
+            else:
+                # the gateway also drops the Generate call, which aborts it the same way
+                log.info("Abort %s: not in flight (finished or already cancelled)", rid)
         return pb.AbortResponse()
 
     # ------------------------------------------------------------------ facts
