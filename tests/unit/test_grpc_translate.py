@@ -9,6 +9,7 @@ import io
 import json
 import zipfile
 
+import msgspec
 import numpy as np
 import pytest
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
@@ -198,6 +199,11 @@ def test_load_report_from_scheduler_stats() -> None:
     assert load["token_usage"] == pytest.approx(0.1)  # 10 pages owned outside the cache
     assert load["cache_hit_rate"] == pytest.approx(0.25)
     pb.SchedulerLoad(**load)  # every key is a proto field
+    # the rate is per second of busy time: an idle stretch does not make the engine look slow
+    r.load(msgspec.structs.replace(s, generation_tokens=100), info, 8, busy_s=10.0)
+    later = msgspec.structs.replace(s, generation_tokens=300)
+    assert r.load(later, info, 8, busy_s=12.0)["gen_throughput"] == pytest.approx(100.0)
+    assert r.load(later, info, 8, busy_s=12.0)["gen_throughput"] == pytest.approx(100.0)
 
 
 def test_fleet_core_split_and_worker_args() -> None:
