@@ -9,7 +9,7 @@ finish reasons and aborts behave the same), and the core is the same engine-core
 RPCs: ``Generate`` (server streaming; n > 1 choices as separate indices), ``Abort``,
 ``HealthCheck``, ``GetModelInfo``, ``GetServerInfo``, ``GetLoads``, ``GetTokenizer``,
 ``FlushCache``. ``Embed``, ``StartProfile``, ``StopProfile`` and ``SubscribeKvEvents`` answer
-``UNIMPLEMENTED`` (the generated base class's default).
+``UNIMPLEMENTED`` (smg then routes cache-aware on its own approximate prefix tree).
 
 Status codes: ``INVALID_ARGUMENT`` for a field the worker cannot honour (the message names it)
 and for requests the engine rejects (prompt too long, token id out of range);
@@ -48,7 +48,7 @@ from radixserve.frontend.async_client import (
     RequestEncodeError,
     RequestStream,
 )
-from radixserve.frontend.output_processor import RequestState
+from radixserve.frontend.output_processor import RequestDelta, RequestState
 from radixserve.frontend.tokenizer import FrontendTokenizer
 from radixserve.metrics import ServerMetrics
 
@@ -56,6 +56,29 @@ log = logging.getLogger("radixserve.grpc")
 
 #: What ``GetServerInfo.server_type`` says.
 SERVER_TYPE = "radixserve-grpc"
+
+
+def merge_deltas(batch: list[RequestDelta]) -> list[RequestDelta]:
+    """One delta per request: a choice's consecutive deltas (several engine steps that were
+    ready at once because the gateway reads slower than the engine steps) become one chunk,
+    as the HTTP server merges its SSE chunks (``serving_driver.iterate_deltas``)."""
+    merged: dict[str, RequestDelta] = {}
+    for d in batch:
+        prev = merged.get(d.request_id)
+        if prev is None:
+            merged[d.request_id] = d
+            continue
+        if prev.finish_reason == FINISH_ABORT:
+            continue
+        if d.finish_reason == FINISH_ABORT:
+            merged[d.request_id] = d
+            continue
+        prev.text += d.text
+        prev.token_ids = prev.token_ids + d.token_ids
+        if d.logprob_rows:
+            prev.logprob_rows = (prev.logprob_rows or []) + d.logprob_rows
+        prev.finish_reason, prev.stop_reason = d.finish_reason, d.stop_reason
+    return list(merged.values())
 
 
 class AbortedByClient(Exception):
@@ -140,7 +163,7 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
                                         f"the engine is not available: {e}")
                 except AbortedByClient:
                     await context.abort(grpc.StatusCode.CANCELLED, f"request {rid} was aborted")
-                for d in batch:
+                for d in merge_deltas(batch) if len(batch) > 1 else batch:
                     if d.finish_reason == FINISH_ABORT:
                         if d.error is not None:  # the engine rejected it: the request's fault
                             field = f"{d.error_param}: " if d.error_param else ""
@@ -240,6 +263,30 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
         log.info("GetTokenizer: %d bytes, sha256 %s", len(data), sha)
         for piece, digest in tokenizer_bundle.chunks(data, sha):
             yield common_pb2.GetTokenizerChunk(data=piece, sha256=digest)
+
+    # ------------------------------------------------------------------ not offered
+    async def _unimplemented(self, context: grpc.aio.ServicerContext, what: str) -> None:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{what} is not offered by this "
+                            "worker (a text-generation engine)")
+
+    async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext
+                    ) -> pb.EmbedResponse:
+        await self._unimplemented(context, "Embed")
+
+    async def StartProfile(self, request: common_pb2.StartProfileRequest,
+                           context: grpc.aio.ServicerContext) -> common_pb2.ProfileResponse:
+        await self._unimplemented(context, "StartProfile")
+
+    async def StopProfile(self, request: common_pb2.StopProfileRequest,
+                          context: grpc.aio.ServicerContext) -> common_pb2.ProfileResponse:
+        await self._unimplemented(context, "StopProfile")
+
+    async def SubscribeKvEvents(self, request: common_pb2.SubscribeKvEventsRequest,
+                                context: grpc.aio.ServicerContext
+                                ) -> AsyncIterator[common_pb2.KvEventBatch]:
+        # smg then routes cache-aware on its own approximate prefix tree
+        await self._unimplemented(context, "SubscribeKvEvents (KV cache events)")
+        yield common_pb2.KvEventBatch()  # never reached: makes this a streaming handler
 
     async def FlushCache(self, request: common_pb2.FlushCacheRequest,
                          context: grpc.aio.ServicerContext) -> common_pb2.FlushCacheResponse:
