@@ -22,7 +22,6 @@ import threading
 import time
 from pathlib import Path
 
-import grpc
 import httpx
 import openai
 import pytest
@@ -36,8 +35,6 @@ from server_utils import (
     wait_idle,
     wait_until,
 )
-from smg_grpc_proto.generated import common_pb2
-from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
 MODEL = "SmolLM2-135M-Instruct"
 #: 87 usable pages of 16 tokens: three 400-token group prefixes fit a worker, four do not.
@@ -273,9 +270,9 @@ def _prefix_hits(fleet: Fleet) -> float:
 
 
 def _flush(fleet: Fleet) -> None:
-    for url in fleet.worker_urls():
-        stub = pb_grpc.VllmEngineStub(grpc.insecure_channel(url.removeprefix("grpc://")))
-        assert stub.FlushCache(common_pb2.FlushCacheRequest()).success
+    """smg's ``POST /flush_cache`` fans out to every worker's ``FlushCache`` RPC."""
+    r = httpx.post(fleet.url + "/flush_cache", timeout=30)
+    assert r.status_code == 200 and r.json()["workers_flushed"] == 2, r.text
     for u in fleet.metrics_urls():
         wait_until(lambda u=u: metrics_values(u)["radixserve:kv_cache_pages_cached"] == 0,
                    "the flushed caches")
