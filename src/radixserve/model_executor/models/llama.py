@@ -259,10 +259,11 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] -> float32 logits [S, vocab]."""
-        if self._lm_head_proj is not None:
-            return self._lm_head_proj(hidden).float()
-        w = self.embed if self.lm_head is None else self.lm_head
-        return F.linear(hidden, w).float()
+        if self._lm_head_proj is None:
+            # bound lazily: the dense weight may move device or dtype after construction
+            self._lm_head_proj = dense_linear(self.embed if self.lm_head is None
+                                              else self.lm_head)
+        return self._lm_head_proj(hidden).float()
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
