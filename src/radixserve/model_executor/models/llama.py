@@ -136,6 +136,11 @@ class DecoderLayer(nn.Module):
                      CpuKernelPagedAttention(a.num_heads, a.num_kv_heads, a.head_dim, scale,
                                              kernels))
         self.kernels = kernels
+        self.bind_dense_linears()
+
+    def bind_dense_linears(self) -> None:
+        """Run the four projections as ``F.linear`` over this layer's own parameters (a deep
+        copy of the layer must call it: the bound callables capture the parameters)."""
         self.qkv_proj: LinearFn = dense_linear(self.qkv, self.qkv_bias)
         self.o_proj: LinearFn = dense_linear(self.o)
         self.gate_up_proj: LinearFn = dense_linear(self.gate_up)
