@@ -39,7 +39,9 @@ class EngineConfig:
         attention_backend: "auto" (the CPU paged decode kernel on CPU when it builds, else
             SDPA), "cpu" (that kernel or an error) or "torch" (SDPA over gathered pages).
         pack_weights: on CPU, pack linear weights once into oneDNN's layout (faster matmuls at
-            decode batch sizes; the dense copies are freed). Ignored on CUDA.
+            decode batch sizes; the dense copies are freed). None (default): packed or dense,
+            whichever measured faster on this machine and model (``path_choice``, cached);
+            True/False force it. Ignored on CUDA.
         shadow_rate: fraction of steps (0..1) re-run on the reference path (SDPA attention,
             dense linears, eager) and compared with the fast path, counted in ``/metrics``;
             never served. 0 (default) turns shadow checks off; above 0 the reference keeps a
@@ -62,7 +64,7 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None
     attention_backend: str = "auto"
-    pack_weights: bool = True
+    pack_weights: bool | None = None
     shadow_rate: float = 0.0
 
     def __post_init__(self) -> None:

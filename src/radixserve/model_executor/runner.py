@@ -21,6 +21,7 @@ from radixserve.model_executor.attention.paged_attention import AttentionMetadat
 from radixserve.model_executor.forward_batch import ForwardBatch, SampleResult
 from radixserve.model_executor.kernels.cpu import CpuKernels
 from radixserve.model_executor.models.llama import CausalLM, ModelArgs, rope_inv_freq
+from radixserve.model_executor.path_choice import choose_linear_path
 from radixserve.model_executor.sampler import sample
 from radixserve.model_executor.shadow import ShadowChecker, reference_copy
 from radixserve.model_executor.step_runner import ModelInfo, StepRunner
@@ -186,20 +187,7 @@ class ModelRunner:
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.shadow = (ShadowChecker(reference_copy(self.model), config.shadow_rate, config.seed)
                        if config.shadow_rate > 0 else None)
-        self.packed_weights = bool(
-            config.pack_weights and self.device.type == "cpu"
-            # tuned for decode-sized batches: prefill-sized calls lose only a few %
-            and self.model.pack_linears(batch_hint=min(config.max_num_seqs, 64)))
-        if not config.pack_weights:
-            paths.pick("linear", "dense", "--no-pack-weights")
-        elif self.device.type != "cpu":
-            paths.pick("linear", "dense", f"weights are packed on CPU only, device is "
-                       f"{self.device.type}")
-        elif self.packed_weights:
-            paths.pick("linear", "packed", "oneDNN packed weights (docs/benchmarks.md: faster "
-                       "than dense at decode batch sizes on both CPU kinds)")
-        else:
-            paths.pick("linear", "dense", "packing asked for but unavailable", fallback=True)
+        self.packed_weights = self._pick_linears(config, paths)
         self.paths = paths
         self.model.move_rope_tables(self.device)
         self.kv = KVStorage(args.num_layers, num_pages, page_size, args.num_kv_heads,
@@ -218,6 +206,40 @@ class ModelRunner:
         if self.shadow is not None:
             log.info("shadow checks: %.0f%% of steps re-run on the reference path "
                      "(SDPA, dense, eager)", 100 * config.shadow_rate)
+
+    def _pick_linears(self, config: EngineConfig, paths: ForwardPaths) -> bool:
+        """Pack the linears or keep them dense (``--pack-weights``: on, off, or measured on
+        this machine when unset); records the path and why. Returns True when packed."""
+        if config.pack_weights is False:
+            paths.pick("linear", "dense", "--no-pack-weights")
+            return False
+        if self.device.type != "cpu":
+            paths.pick("linear", "dense", f"weights are packed on CPU only, not "
+                       f"{self.device.type}")
+            return False
+        # tuned for decode-sized batches: prefill-sized calls lose only a few %
+        hint = min(config.max_num_seqs, 64)
+        if config.pack_weights is None:
+            m, a = self.model, self.args
+            layer = m.layers[0]
+            head = m.embed if m.lm_head is None else m.lm_head
+            choice = choose_linear_path(
+                [layer.qkv.detach(), layer.o.detach(), layer.gate_up.detach(),
+                 layer.down.detach(), head.detach()], hint,
+                f"{a.arch} {a.hidden_size} {a.intermediate_size} {a.num_heads} "
+                f"{a.num_kv_heads} {a.head_dim} {a.vocab_size} {self.dtype}")
+            if choice.path == "dense":
+                paths.pick("linear", "dense", choice.reason)
+                return False
+            reason = choice.reason
+        else:
+            reason = "--pack-weights"
+        if self.model.pack_linears(batch_hint=hint):
+            paths.pick("linear", "packed", reason)
+            return True
+        paths.pick("linear", "dense", "oneDNN packing unavailable in this torch build",
+                   fallback=True)
+        return False
 
     def stats(self) -> RunnerStats:
         """The paths in use, steps run and shadow-check counts (cumulative)."""

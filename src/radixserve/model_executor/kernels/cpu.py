@@ -37,7 +37,9 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
-def _cpu_signature() -> str:
+def cpu_signature() -> str:
+    """The CPU's model name and flags from /proc/cpuinfo ("unknown" where unreadable): the
+    key of per-machine caches."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
@@ -57,7 +59,7 @@ def build(compiler: str | None = None) -> Path:
         raise RuntimeError("no C compiler found (set CC or install gcc)")
     src = SOURCE.read_bytes()
     key = hashlib.sha256(src + " ".join([cc, *CFLAGS]).encode()
-                         + _cpu_signature().encode()).hexdigest()[:16]
+                         + cpu_signature().encode()).hexdigest()[:16]
     out = cache_dir("kernels") / f"cpu_kernels-{key}.so"
     if out.exists():
         return out
