@@ -39,7 +39,13 @@ class EngineConfig:
         attention_backend: "auto" (the CPU paged decode kernel on CPU when it builds, else
             SDPA), "cpu" (that kernel or an error) or "torch" (SDPA over gathered pages).
         pack_weights: on CPU, pack linear weights once into oneDNN's layout (faster matmuls at
-            decode batch sizes; the dense copies are freed). Ignored on CUDA.
+            decode batch sizes; the dense copies are freed). None (default): packed or dense,
+            whichever measured faster on this machine and model (``path_choice``, cached);
+            True/False force it. Ignored on CUDA.
+        shadow_rate: fraction of steps (0..1) re-run on the reference path (SDPA attention,
+            dense linears, eager) and compared with the fast path, counted in ``/metrics``;
+            never served. 0 (default) turns shadow checks off; above 0 the reference keeps a
+            second copy of the weights.
     """
 
     model: str | None = None
@@ -58,7 +64,8 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None
     attention_backend: str = "auto"
-    pack_weights: bool = True
+    pack_weights: bool | None = None
+    shadow_rate: float = 0.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -77,6 +84,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory={self.kv_cache_memory} must be > 0 bytes")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
+        if not 0.0 <= self.shadow_rate <= 1.0:
+            raise ValueError(f"shadow_rate={self.shadow_rate} must be in [0, 1]")
         if self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")

@@ -152,6 +152,41 @@ class EngineInfo(msgspec.Struct, kw_only=True, frozen=True):
     pid: int = 0
 
 
+class ShadowStats(msgspec.Struct, kw_only=True):
+    """Shadow checks so far (``--shadow-rate``): steps re-run on the reference path and compared.
+
+    Attributes:
+        steps: steps checked.
+        tokens_agree / tokens_diverge: rows whose greedy token (argmax of the float32 logits)
+            the reference computed the same / differently.
+        max_abs_logit_diff / last_abs_logit_diff: largest absolute logit difference over all
+            checks / in the latest check.
+    """
+
+    steps: int = 0
+    tokens_agree: int = 0
+    tokens_diverge: int = 0
+    max_abs_logit_diff: float = 0.0
+    last_abs_logit_diff: float = 0.0
+
+
+class RunnerStats(msgspec.Struct, kw_only=True):
+    """Which code path each part of the forward runs, and how often (cumulative).
+
+    Attributes:
+        paths: part -> path in use, e.g. {"attention": "cpu", "linear": "packed"}.
+        fallbacks: part -> why its fast path could not be used (failed build or load); empty
+            when every fast path asked for runs.
+        steps: steps run (each on ``paths``).
+        shadow: shadow-check counts; None when shadow checks are off.
+    """
+
+    paths: dict[str, str] = {}
+    fallbacks: dict[str, str] = {}
+    steps: int = 0
+    shadow: ShadowStats | None = None
+
+
 class SchedulerStats(msgspec.Struct, kw_only=True):
     """Snapshot of the scheduler for metrics; counters are cumulative since start.
 
@@ -165,6 +200,7 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
         step_timings: per-step timer samples in seconds since the last snapshot, when step
             timers are on: {"schedule": [...], "prepare": [...], "forward": [...],
             "output": [...]}.
+        runner: the runner's code paths and shadow checks (None for runners without them).
     """
 
     num_running: int = 0
@@ -178,3 +214,4 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     prompt_tokens: int = 0
     generation_tokens: int = 0
     step_timings: dict[str, list[float]] = {}
+    runner: RunnerStats | None = None

@@ -16,7 +16,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from radixserve.engine_types import SchedulerStats
+from radixserve.engine_types import RunnerStats, SchedulerStats
 
 PREFIX = "radixserve:"
 
@@ -56,6 +56,11 @@ class ServerMetrics:
     Counters (tokens unless noted): ``prefix_cache_queries``, ``prefix_cache_hits``,
     ``num_preemptions`` (requests), ``prompt_tokens``, ``generation_tokens``,
     ``request_success`` (requests, label ``finished_reason``).
+    Code paths (from ``SchedulerStats.runner``): ``forward_path_info`` (labels part, path),
+    ``forward_path_steps`` (steps per part and path; shadow re-runs count as path
+    "reference"), ``fast_path_fallbacks`` (1 per part whose fast path failed to build or load),
+    ``shadow_steps``, ``shadow_tokens`` (label result: agree | diverge),
+    ``shadow_max_abs_logit_diff``.
     Histograms (seconds): ``time_to_first_token_seconds``, ``time_per_output_token_seconds``,
     ``e2e_request_latency_seconds``, ``request_queue_time_seconds``, ``step_<timer>_seconds``.
     """
@@ -119,6 +124,25 @@ class ServerMetrics:
             for name in STEP_TIMERS
         }
         self._last_counts = dict.fromkeys(_STAT_COUNTERS, 0)
+        self._path_info = Gauge(
+            PREFIX + "forward_path_info", "1 for the code path each part of the forward runs.",
+            ["model_name", "part", "path"], registry=self.registry)
+        self._path_steps = Counter(
+            PREFIX + "forward_path_steps", "Steps run, by part of the forward and its path.",
+            ["model_name", "part", "path"], registry=self.registry)
+        self._path_fallbacks = Gauge(
+            PREFIX + "fast_path_fallbacks",
+            "1 for each part whose fast path failed to build or load (reference path in use).",
+            ["model_name", "part"], registry=self.registry)
+        self._shadow_tokens = Counter(
+            PREFIX + "shadow_tokens", "Shadow-checked rows, by whether the reference path's "
+            "greedy token agreed with the fast path's.", ["model_name", "result"],
+            registry=self.registry)
+        self.shadow_steps = counter("shadow_steps", "Steps re-run on the reference path.")
+        self.shadow_max_abs_logit_diff = gauge(
+            "shadow_max_abs_logit_diff",
+            "Largest absolute logit difference, fast path vs reference, over all shadow checks.")
+        self._last_runner = (0, 0, 0, 0)
 
     def update_from_stats(self, stats: SchedulerStats) -> None:
         """Apply one scheduler snapshot: set gauges, add counter deltas, observe step timers.
@@ -140,11 +164,39 @@ class ServerMetrics:
             if delta > 0:
                 getattr(self, attr).inc(delta)
             self._last_counts[field] = value
+        if stats.runner is not None:
+            self._update_runner(stats.runner)
         for name, samples in stats.step_timings.items():
             hist = self.step_seconds.get(name)
             if hist is not None:
                 for s in samples:
                     hist.observe(s)
+
+    def _update_runner(self, r: RunnerStats) -> None:
+        m = self.model_name
+        for part, path in r.paths.items():
+            self._path_info.labels(m, part, path).set(1)
+        for part in r.fallbacks:
+            self._path_fallbacks.labels(m, part).set(1)
+        sh = r.shadow
+        now = (r.steps, sh.steps if sh else 0, sh.tokens_agree if sh else 0,
+               sh.tokens_diverge if sh else 0)
+        # cumulative in the engine: add the growth (from zero again after an engine restart)
+        d = [v - last if v >= last else v for v, last in zip(now, self._last_runner, strict=True)]
+        self._last_runner = now
+        if d[0] > 0:
+            for part, path in r.paths.items():
+                self._path_steps.labels(m, part, path).inc(d[0])
+        if sh is not None:
+            if d[1] > 0:
+                self.shadow_steps.inc(d[1])
+                for part in r.paths:
+                    self._path_steps.labels(m, part, "reference").inc(d[1])
+            if d[2] > 0:
+                self._shadow_tokens.labels(m, "agree").inc(d[2])
+            if d[3] > 0:
+                self._shadow_tokens.labels(m, "diverge").inc(d[3])
+            self.shadow_max_abs_logit_diff.set(sh.max_abs_logit_diff)
 
     def observe_request(
         self,

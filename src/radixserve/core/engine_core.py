@@ -278,7 +278,8 @@ class EngineCore:
             kv_pages_total=kv.num_usable_pages, kv_pages_cached=kv.num_cached_pages,
             prefix_queried_tokens=s.prefix_queried_tokens, prefix_hit_tokens=s.prefix_hit_tokens,
             num_preemptions=s.num_preemptions, prompt_tokens=self.prompt_tokens,
-            generation_tokens=self.generation_tokens)
+            generation_tokens=self.generation_tokens,
+            runner=self.runner.stats() if hasattr(self.runner, "stats") else None)
 
     def drain_step_timings(self) -> dict[str, list[float]]:
         """Step timer samples (seconds) recorded since the last call, and forget them; {} when
