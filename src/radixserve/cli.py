@@ -1,4 +1,4 @@
-"""``radixserve serve | generate | bench``: one entry point, engine flags generated from
+"""``radixserve serve | fleet | generate | bench``: one entry point, engine flags generated from
 ``EngineConfig`` so they carry the same names as the offline ``LLM`` arguments."""
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _subcommand_registrars() -> list[Callable[[argparse._SubParsersAction], None]]:
     """Subcommands living in their own modules (server, bench) register themselves."""
     out = []
-    for mod in ("radixserve.entrypoints.serve_cli", "radixserve.bench.cli"):
+    for mod in ("radixserve.entrypoints.serve_cli", "radixserve.entrypoints.fleet",
+                "radixserve.bench.cli"):
         try:
             m = __import__(mod, fromlist=["register"])
         except ImportError as e:

@@ -15,7 +15,11 @@ import pytest
 
 from radixserve.config import EngineConfig
 from radixserve.engine_types import EngineRequest
-from radixserve.frontend.async_client import AsyncEngineClient, RequestEncodeError
+from radixserve.frontend.async_client import (
+    AsyncEngineClient,
+    EngineDeadError,
+    RequestEncodeError,
+)
 from radixserve.frontend.engine_process import EngineProcess
 from radixserve.sampling_params import SamplingParams
 from radixserve.transport.zmq_io import CoreSockets, cleanup_ipc, make_ipc_paths
@@ -29,8 +33,9 @@ class InThreadEngine(EngineProcess):
     """``EngineProcess`` whose "process" is the engine-core loop in a thread: the client's
     supervision hooks (start, exited, alive, terminate, wait, cleanup) without a model load."""
 
-    def __init__(self) -> None:
+    def __init__(self, step_s: float = 0.0) -> None:
         super().__init__(EngineConfig())
+        self.step_s = step_s  # seconds each null step takes
         self.thread: threading.Thread | None = None
         self.loop = None
         self.token_id = 0
@@ -51,7 +56,8 @@ class InThreadEngine(EngineProcess):
         aio = asyncio.get_running_loop()
         # built here, not in the thread: a construction error fails the test at once instead
         # of leaving the client waiting for a Hello that never comes
-        runner = NullRunner(num_pages=16, max_model_len=MAX_MODEL_LEN, vocab_size=49152)
+        runner = NullRunner(num_pages=16, max_model_len=MAX_MODEL_LEN, vocab_size=49152,
+                            step_s=self.step_s)
         self.token_id = runner.token_id
         engine = EngineCore(EngineConfig(page_size=16, num_pages=16, max_num_seqs=8,
                                          disable_overlap=True), runner)
@@ -148,5 +154,47 @@ def test_client_routes_deltas_and_isolates_bad_requests(tok) -> None:
         finally:
             await client.shutdown(5.0)
         assert not engine.alive and not fatal
+
+    asyncio.run(main())
+
+
+def test_flush_cache_and_out_of_band_cancel(tok) -> None:
+    """``flush_cache`` travels to the core and back with the pages it freed (a live request's
+    locked prefix stays); ``RequestStream.cancel`` aborts in the engine and wakes the
+    consumer with the given exception."""
+    async def main() -> None:
+        client = AsyncEngineClient(EngineConfig(), start_timeout_s=30)
+        engine = InThreadEngine(step_s=0.05)  # the live request lasts ~0.7 s
+        client.process = engine
+        await client.start()
+        client.set_tokenizer(tok)
+        core = engine.loop.engine
+        try:
+            prompt = list(range(1, 50))  # 3 full pages of 16 enter the radix cache
+            await _collect(client.add_requests([_req("p", prompt, SamplingParams(
+                max_tokens=2, ignore_eos=True))]))
+            assert core.kv.num_cached_pages == 3
+            # a live request on the same prefix locks it: the flush leaves those pages
+            live = client.add_requests([_req("live", prompt + [7], SamplingParams(
+                max_tokens=MAX_MODEL_LEN, ignore_eos=True))])
+            await asyncio.wait_for(live.next_batch(), 10)
+            assert await asyncio.wait_for(client.flush_cache(), 10) == 0
+            assert core.kv.num_cached_pages == 3
+            live.cancel(KeyError("gone"))
+            with pytest.raises(KeyError):
+                while True:
+                    await asyncio.wait_for(live.next_batch(), 10)
+            for _ in range(100):  # the abort reaches the core within a step
+                if not core.has_unfinished_requests():
+                    break
+                await asyncio.sleep(0.02)
+            assert not core.has_unfinished_requests() and client.num_in_flight == 0
+            freed = await asyncio.wait_for(client.flush_cache(), 10)
+            assert freed >= 3 and core.kv.num_cached_pages == 0
+            assert core.kv.num_free_pages == core.kv.num_usable_pages
+        finally:
+            await client.shutdown(5.0)
+        with pytest.raises(EngineDeadError):
+            await client.flush_cache()
 
     asyncio.run(main())

@@ -481,3 +481,23 @@ def test_manager_without_prefix_cache_frees_everything():
     assert kv.num_free_pages == kv.num_usable_pages == 9 and kv.num_cached_pages == 0
     assert kv.num_available_pages == 9
     kv.check_integrity([])
+
+
+@pytest.mark.parametrize("ps", [1, 16])
+def test_evict_all_frees_every_unlocked_page(ps: int) -> None:
+    """``KVCacheManager.evict_all`` (FlushCache): unlocked branches go, a live request's
+    locked prefix stays; the naive cache has nothing to flush."""
+    kv = KVCacheManager(40, ps, True)
+    a, b = toks(4 * ps), toks(3 * ps, start=1000)
+    kv.release(a, kv.allocate(4), 4 * ps, None)
+    kv.release(b, kv.allocate(3), 3 * ps, None)
+    assert kv.num_cached_pages == 7
+    held, node = kv.match(toks(4 * ps + 1))  # a live request on a's prefix
+    assert len(held) == 4
+    assert kv.evict_all() == 3
+    assert kv.num_cached_pages == 4 and kv.num_free_pages == kv.num_usable_pages - 4
+    kv.check_integrity([(held, node, 4)])
+    kv.release(a, held, 4 * ps, node)
+    assert kv.evict_all() == 4 and kv.num_cached_pages == 0
+    assert kv.num_free_pages == kv.num_usable_pages
+    assert KVCacheManager(8, ps, False).evict_all() == 0

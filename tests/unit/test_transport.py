@@ -19,6 +19,8 @@ from radixserve.transport.messages import (
     SCHEMA_VERSION,
     AbortRequests,
     EngineError,
+    FlushCache,
+    FlushCacheDone,
     Hello,
     SchedulerStats,
     Shutdown,
@@ -56,6 +58,7 @@ CLIENT_MESSAGES = [
     AbortRequests(request_ids=["r1", "r2"]),
     Hello(schema_version=SCHEMA_VERSION),
     Shutdown(),
+    FlushCache(call_id=3),
 ]
 
 STATS = SchedulerStats(num_running=3, num_waiting=1, kv_pages_used=5, kv_pages_total=20,
@@ -82,6 +85,7 @@ CORE_MESSAGES = [
                     decode_request_ids=["r5", "r6"], decode_token_ids=pack_ids([11, 49151])),
     Hello(schema_version=SCHEMA_VERSION, info=INFO),
     EngineError(message="boom"),
+    FlushCacheDone(call_id=3, pages_freed=12),
 ]
 
 

@@ -147,6 +147,15 @@ class EngineCore:
             if req is not None and notify:
                 self._pending.append(self._output(req, [], FINISH_ABORT))
 
+    def flush_cache(self) -> int:
+        """Evict every radix-cache entry no live request holds locked; returns pages freed.
+
+        Safe while a step is in flight (overlap): that step reads only pages of live requests,
+        which are locked or owned, and a freed page is reused only by a later step, which the
+        one forward thread runs after it.
+        """
+        return self.kv.evict_all()
+
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished() or bool(self._pending)
                 or self._inflight is not None)

@@ -11,8 +11,8 @@ so no fork ever happens after torch has started threads. The process
    ``Hello`` with the engine's ``EngineInfo`` (its ``pid`` set): the frontend is ready exactly
    when the model is;
 2. loops: drain the input socket (blocking with a short timeout when idle, non-blocking when
-   busy), add requests and aborts, run one ``step()``, send one ``WireStepOutputs`` per step
-   with the scheduler's stats attached;
+   busy), add requests and aborts, answer ``FlushCache`` at once, run one ``step()``, send
+   one ``WireStepOutputs`` per step with the scheduler's stats attached;
 3. exits 0 on ``Shutdown``, SIGTERM or SIGINT, or when its parent is gone (checked every
    ``PARENT_CHECK_S``), so no orphan survives a killed frontend; on any other exception it sends
    ``EngineError`` and exits 1.
@@ -44,6 +44,8 @@ from radixserve.engine_types import FINISH_ABORT, StepOutputs, TokenOutput
 from radixserve.transport.messages import (
     AbortRequests,
     EngineError,
+    FlushCache,
+    FlushCacheDone,
     Shutdown,
     WireRequest,
     request_from_wire,
@@ -147,6 +149,11 @@ class EngineLoop:
         elif isinstance(msg, AbortRequests):
             self.engine.abort_requests(msg.request_ids, notify=False)
             self._dirty = True
+        elif isinstance(msg, FlushCache):
+            freed = self.engine.flush_cache()
+            log.info("flush_cache: %d KV pages freed", freed)
+            self.sockets.send(FlushCacheDone(msg.call_id, freed))
+            self._dirty = True  # the stats (cached pages) changed
         elif isinstance(msg, Shutdown):
             self.request_stop("shutdown requested")
         # a repeated Hello is harmless: ignore it

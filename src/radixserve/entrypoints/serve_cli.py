@@ -1,4 +1,5 @@
-"""``radixserve serve [MODEL]``: the OpenAI-compatible server (frontend + engine-core process).
+"""``radixserve serve [MODEL]``: the OpenAI-compatible server (frontend + engine-core process),
+or with ``--grpc`` a gRPC engine worker for smg (``entrypoints/grpc_worker``).
 
 Exit status: 0 after SIGTERM/SIGINT (in-flight requests aborted, engine stopped, IPC files
 removed, within ``graceful_timeout_s`` + a few seconds); 1 when the engine core died or failed
@@ -42,6 +43,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="model name clients use (default: the model's own name)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--grpc", action="store_true",
+                   help="serve smg's vllm.grpc.engine.VllmEngine gRPC service on --port "
+                        "instead of HTTP (a worker behind `smg launch --worker-urls "
+                        "grpc://HOST:PORT`; needs the grpc extra)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="with --grpc: serve Prometheus /metrics and /health over HTTP on this "
+                        "port (default: none)")
     p.add_argument("--null-model", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--null-step-ms", type=float, default=0.0, help=argparse.SUPPRESS)
     add_engine_args(p, skip=("model",))
@@ -63,9 +71,27 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"radixserve: error: {e}", file=sys.stderr)
         return 2
+    if ns.metrics_port is not None and not ns.grpc:
+        print("radixserve: error: --metrics-port needs --grpc (the HTTP server serves /metrics)",
+              file=sys.stderr)
+        return 2
+    if ns.grpc and server_config.api_key:
+        # the gateway in front authenticates clients; the worker's port is for it alone
+        print("radixserve: error: --api-key is an HTTP option; a --grpc worker has no "
+              "authentication (bind it to a private address)", file=sys.stderr)
+        return 2
     logging.basicConfig(level=ns.log_level.upper(),
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    rc = run_server(server_config, engine_config, log_level=ns.log_level)
+    if ns.grpc:
+        try:
+            from radixserve.entrypoints.grpc_worker.server import run_grpc_worker
+        except ImportError as e:
+            print(f"radixserve: error: --grpc needs the grpc extra "
+                  f"(pip install 'radixserve[grpc]'): {e}", file=sys.stderr)
+            return 2
+        rc = run_grpc_worker(server_config, engine_config, ns.metrics_port, ns.log_level)
+    else:
+        rc = run_server(server_config, engine_config, log_level=ns.log_level)
     # Everything is cleaned up (engine stopped, IPC files removed); skip the interpreter's
     # finalization, which takes seconds with torch and transformers loaded.
     logging.shutdown()

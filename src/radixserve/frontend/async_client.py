@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -37,6 +38,8 @@ from radixserve.frontend.output_processor import OutputProcessor, RequestDelta, 
 from radixserve.transport.messages import (
     AbortRequests,
     EngineError,
+    FlushCache,
+    FlushCacheDone,
     Shutdown,
     WireStepOutputs,
     request_to_wire,
@@ -116,6 +119,12 @@ class RequestStream:
         self.closed = True
         self._client.abort([s.request_id for s in self.states if s.finish_reason is None])
 
+    def cancel(self, exc: BaseException) -> None:
+        """``close``, and make the consumer's pending (or next) ``next_batch`` raise ``exc``
+        (an out-of-band abort, e.g. the gRPC ``Abort`` RPC, ends the consumer too)."""
+        self.close()
+        self._fail(exc)
+
     def _fail(self, exc: BaseException) -> None:
         self.queue.put_nowait(exc)
 
@@ -137,6 +146,8 @@ class AsyncEngineClient:
         draining: ``begin_shutdown`` was called; new requests are refused.
         dead_reason: why the engine is gone (None while alive).
         stats: the latest ``SchedulerStats`` (None before the first step).
+        busy_s: seconds the engine had running requests (summed between step messages);
+            with ``stats.generation_tokens`` it gives the decode rate a gateway routes by.
     """
 
     def __init__(self, config: EngineConfig, null_model: bool = False,
@@ -159,6 +170,10 @@ class AsyncEngineClient:
         self._encoder = msgspec.msgpack.Encoder()
         self._tasks: list[asyncio.Task] = []
         self._closing = False
+        self.busy_s = 0.0
+        self._stats_at = 0.0
+        self._calls: dict[int, asyncio.Future[int]] = {}
+        self._next_call_id = 0
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -262,6 +277,10 @@ class AsyncEngineClient:
             self.on_fatal(reason)
 
     def _fail_all(self, exc: BaseException) -> None:
+        calls, self._calls = self._calls, {}
+        for fut in calls.values():
+            if not fut.done():
+                fut.set_exception(exc)
         streams = {id(s): s for s in self._streams.values()}.values()
         if self._processor is not None:
             self._processor.abort_requests(list(self._streams))
@@ -322,6 +341,25 @@ class AsyncEngineClient:
         for rid in request_ids:
             self._streams.pop(rid, None)
 
+    async def flush_cache(self) -> int:
+        """Evict every radix-cache entry no live request holds, in the engine core; returns
+        the number of KV pages freed. Live requests are not disturbed.
+
+        Raises:
+            EngineDeadError: the engine is not running (or died before answering).
+        """
+        if not self.healthy:
+            raise EngineDeadError(self.dead_reason or "the engine core is not ready")
+        call_id = self._next_call_id
+        self._next_call_id += 1
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = fut
+        self._send_q.put_nowait(FlushCache(call_id))
+        try:
+            return await fut
+        finally:
+            self._calls.pop(call_id, None)
+
     # ------------------------------------------------------------------ background tasks
     async def _send_loop(self) -> None:
         assert self._sockets is not None
@@ -371,11 +409,19 @@ class AsyncEngineClient:
                     stream.queue.put_nowait(d)
                     if d.finish_reason is not None:
                         del streams[d.request_id]
+            elif isinstance(msg, FlushCacheDone):
+                fut = self._calls.pop(msg.call_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg.pages_freed)
             elif isinstance(msg, EngineError):
                 self._die(f"engine core failed: {msg.message}")
                 return
 
     def _keep_stats(self, stats: SchedulerStats) -> None:
+        now = time.monotonic()
+        if self.stats is not None and self.stats.num_running:
+            self.busy_s += now - self._stats_at  # the engine had work since the last step
+        self._stats_at = now
         self.stats = stats
         for k, v in stats.step_timings.items():
             samples = self.step_timings.setdefault(k, [])

@@ -71,6 +71,16 @@ class KVCacheManager:
             self.tree.evict(n - self.pool.num_free)
         return self.pool.alloc(n)
 
+    def evict_all(self) -> int:
+        """Free every cached page no live request holds (``FlushCache``, ``POST /flush_cache``).
+
+        Locked prefixes (a live request's matched pages) stay; the pages freed go back to the
+        free list. Returns the number of pages freed (0 with the naive cache).
+        """
+        if self.tree is None:
+            return 0
+        return self.tree.evict(self.tree.evictable_pages)
+
     def cache_prefix(self, tokens: np.ndarray, pages: np.ndarray, num_matched: int,
                      node: RadixNode | None, num_tokens: int
                      ) -> tuple[np.ndarray, RadixNode] | None:

@@ -24,7 +24,8 @@ from radixserve.sampling_params import SamplingParams
 #: Bumped on any incompatible change; checked by the Hello handshake at connect.
 #: 3: Wire* names, no eos_token_ids in requests, rejections carry error_param/error_code,
 #: Hello carries a typed EngineInfo, no timestamp in step outputs, no StatsRequest.
-SCHEMA_VERSION = 3
+#: 4: FlushCache / FlushCacheDone.
+SCHEMA_VERSION = 4
 
 
 _I32 = struct.Struct("<i")
@@ -85,8 +86,15 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
     """Ask the engine core to finish its step and exit 0."""
 
 
+class FlushCache(msgspec.Struct, tag="flush", array_like=True):
+    """Evict every radix-cache entry no live request holds; the core answers with
+    ``FlushCacheDone`` carrying the same ``call_id``."""
+
+    call_id: int
+
+
 #: Everything the frontend sends to the engine core.
-ClientMessage = WireRequest | AbortRequests | Hello | Shutdown
+ClientMessage = WireRequest | AbortRequests | Hello | Shutdown | FlushCache
 
 
 # -- engine core -> frontend ---------------------------------------------------------------------
@@ -138,8 +146,15 @@ class EngineError(msgspec.Struct, tag="error", array_like=True):
     message: str
 
 
+class FlushCacheDone(msgspec.Struct, tag="flushed", array_like=True):
+    """The answer to ``FlushCache``: how many KV pages the eviction freed."""
+
+    call_id: int
+    pages_freed: int
+
+
 #: Everything the engine core sends to the frontend.
-CoreMessage = WireStepOutputs | Hello | EngineError
+CoreMessage = WireStepOutputs | Hello | EngineError | FlushCacheDone
 
 
 # -- conversions ---------------------------------------------------------------------------------

@@ -3,7 +3,9 @@
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
 ``GET /v1/models/{id}`` (the served name or an alias; 404 ``model_not_found`` otherwise),
 ``GET /health`` (200 once the model is loaded, 503 before and after the engine died),
-``GET /metrics`` (Prometheus), ``POST /tokenize``, ``POST /detokenize``, ``GET /version``.
+``GET /metrics`` (Prometheus), ``POST /tokenize``, ``POST /detokenize``, ``GET /version``, and
+the gateway-facing ``GET /server_info``, ``GET /model_info``, ``GET /v1/loads``,
+``POST /flush_cache`` (``worker_info.py``).
 
 The app starts the engine client in the background when it starts (so /health can answer 503
 while the model loads), loads the tokenizer named by the engine's Hello, and only then serves
@@ -38,6 +40,7 @@ from radixserve.entrypoints.openai.serving_completion import create_completion
 from radixserve.entrypoints.openai.serving_driver import ClientDisconnected
 from radixserve.entrypoints.openai.serving_request import check_token_ids, parse_body
 from radixserve.entrypoints.openai.serving_state import ServingState
+from radixserve.entrypoints.openai.worker_info import register_worker_routes
 from radixserve.frontend.async_client import AsyncEngineClient
 from radixserve.frontend.tokenizer import FrontendTokenizer
 from radixserve.metrics import ServerMetrics
@@ -186,6 +189,8 @@ def build_app(server_config: ServerConfig, client: AsyncEngineClient) -> FastAPI
                 client.stats, step_timings=client.drain_step_timings()))
         body, content_type = m.render()
         return Response(body, media_type=content_type)
+
+    register_worker_routes(app, state)  # /server_info, /model_info, /v1/loads, /flush_cache
 
     @app.post("/tokenize")
     async def tokenize(raw: Request) -> Response:

@@ -1,0 +1,306 @@
+"""``VllmEngineServicer``: the ``vllm.grpc.engine.VllmEngine`` service over radixserve's engine
+core, for smg (the Shepherd Model Gateway) and any other client of that proto.
+
+smg tokenizes, renders chat templates, detokenizes and applies stop strings itself; this worker
+takes token ids and streams token ids back. Requests go through the same ``AsyncEngineClient``
+and ``OutputProcessor`` as the HTTP server (so stop strings a client does send, logprob rows,
+finish reasons and aborts behave the same), and the core is the same engine-core process.
+
+RPCs: ``Generate`` (server streaming; n > 1 choices as separate indices), ``Abort``,
+``HealthCheck``, ``GetModelInfo``, ``GetServerInfo``, ``GetLoads``, ``GetTokenizer``,
+``FlushCache``. ``Embed``, ``StartProfile``, ``StopProfile`` and ``SubscribeKvEvents`` answer
+``UNIMPLEMENTED`` (smg then routes cache-aware on its own approximate prefix tree).
+
+Status codes: ``INVALID_ARGUMENT`` for a field the worker cannot honour (the message names it)
+and for requests the engine rejects (prompt too long, token id out of range);
+``ALREADY_EXISTS`` for a ``request_id`` already in flight; ``RESOURCE_EXHAUSTED`` past
+``--max-concurrent-requests``; ``UNAVAILABLE`` when the engine is gone or shutting down;
+``CANCELLED`` when an ``Abort`` ended the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+from smg_grpc_proto.generated import common_pb2
+from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
+
+import radixserve
+from radixserve.engine_types import FINISH_ABORT, EngineInfo
+from radixserve.entrypoints.grpc_worker import tokenizer_bundle
+from radixserve.entrypoints.grpc_worker.translate import (
+    InvalidArgument,
+    chunk_response,
+    complete_response,
+    engine_requests_from_proto,
+)
+from radixserve.entrypoints.worker_facts import LoadReporter, ModelFacts
+from radixserve.frontend.async_client import (
+    AsyncEngineClient,
+    EngineDeadError,
+    RequestEncodeError,
+    RequestStream,
+)
+from radixserve.frontend.output_processor import RequestDelta, RequestState
+from radixserve.frontend.tokenizer import FrontendTokenizer
+from radixserve.metrics import ServerMetrics
+
+log = logging.getLogger("radixserve.grpc")
+
+#: What ``GetServerInfo.server_type`` says.
+SERVER_TYPE = "radixserve-grpc"
+
+
+def merge_deltas(batch: list[RequestDelta]) -> list[RequestDelta]:
+    """One delta per request: a choice's consecutive deltas (several engine steps that were
+    ready at once because the gateway reads slower than the engine steps) become one chunk,
+    as the HTTP server merges its SSE chunks (``serving_driver.iterate_deltas``)."""
+    merged: dict[str, RequestDelta] = {}
+    for d in batch:
+        prev = merged.get(d.request_id)
+        if prev is None:
+            merged[d.request_id] = d
+            continue
+        if prev.finish_reason == FINISH_ABORT:
+            continue
+        if d.finish_reason == FINISH_ABORT:
+            merged[d.request_id] = d
+            continue
+        prev.text += d.text
+        prev.token_ids = prev.token_ids + d.token_ids
+        if d.logprob_rows:
+            prev.logprob_rows = (prev.logprob_rows or []) + d.logprob_rows
+        prev.finish_reason, prev.stop_reason = d.finish_reason, d.stop_reason
+    return list(merged.values())
+
+
+class AbortedByClient(Exception):
+    """An ``Abort`` RPC ended the request (its ``Generate`` stream ends with CANCELLED)."""
+
+
+@dataclass
+class WorkerState:
+    """What the servicer needs once the engine is ready.
+
+    Attributes:
+        client: the engine client (started, tokenizer set).
+        tokenizer: encodes ``GenerateRequest.text`` prompts.
+        info: the engine's facts.
+        facts: the model's facts as reported to gateways.
+        metrics: Prometheus metrics (served on the side HTTP port).
+    """
+
+    client: AsyncEngineClient
+    tokenizer: FrontendTokenizer
+    info: EngineInfo
+    facts: ModelFacts
+    metrics: ServerMetrics
+
+
+class VllmEngineServicer(pb_grpc.VllmEngineServicer):
+    """The ``VllmEngine`` service over one radixserve engine core.
+
+    Args:
+        state: the ready engine and its facts.
+        max_concurrent_requests: ``Generate`` calls in flight at most; one more gets
+            RESOURCE_EXHAUSTED (None: no limit, the engine queues).
+    """
+
+    def __init__(self, state: WorkerState, max_concurrent_requests: int | None = None) -> None:
+        self.s = state
+        self.max_concurrent_requests = max_concurrent_requests
+        self.started_at = time.time()
+        self.last_receive = 0.0
+        self.loads = LoadReporter()
+        #: gRPC request id -> the stream of its choices, while it runs
+        self.active: dict[str, RequestStream] = {}
+        self._bundle: tuple[bytes, str] | None = None
+        self._bundle_lock = asyncio.Lock()
+
+    # ------------------------------------------------------------------ Generate
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[pb.GenerateResponse]:
+        s = self.s
+        rid = request.request_id
+        self.last_receive = time.time()
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("Generate %s: stream=%s prompt=%d tokens sampling_params={%s}", rid,
+                      request.stream, len(request.tokenized.input_ids),
+                      str(request.sampling_params).replace("\n", " "))
+        try:
+            reqs = engine_requests_from_proto(request, s.tokenizer.encode,
+                                              s.info.max_model_len)
+        except InvalidArgument as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if rid in self.active:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                                f"request_id: {rid!r} is already in flight")
+        limit = self.max_concurrent_requests
+        if limit is not None and len(self.active) >= limit:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{limit} requests are in flight (--max-concurrent-requests)")
+        try:
+            stream = s.client.add_requests(reqs)
+        except EngineDeadError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine is not available: {e}")
+        except (RequestEncodeError, ValueError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        self.active[rid] = stream
+        arrival = reqs[0].arrival_time
+        try:
+            while not stream.finished:
+                try:
+                    batch = await stream.next_batch()
+                except EngineDeadError as e:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                        f"the engine is not available: {e}")
+                except AbortedByClient:
+                    await context.abort(grpc.StatusCode.CANCELLED, f"request {rid} was aborted")
+                for d in merge_deltas(batch) if len(batch) > 1 else batch:
+                    if d.finish_reason == FINISH_ABORT:
+                        if d.error is not None:  # the engine rejected it: the request's fault
+                            field = f"{d.error_param}: " if d.error_param else ""
+                            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                                f"{field}{d.error}")
+                        await context.abort(grpc.StatusCode.INTERNAL,
+                                            "the engine aborted the request")
+                    if request.stream:
+                        yield chunk_response(d)
+                        if d.finished:
+                            yield complete_response(d.state, d.token_ids, d.logprob_rows)
+                    elif d.finished:
+                        st = d.state
+                        yield complete_response(st, st.token_ids, st.logprob_rows or None)
+        finally:
+            stream.close()  # aborts what still runs (client gone, error, cancellation)
+            if self.active.get(rid) is stream:
+                del self.active[rid]
+            self._observe(stream.states, arrival)
+
+    def _observe(self, states: list[RequestState], arrival: float) -> None:
+        now = time.time()
+        for st in states:
+            self.s.metrics.observe_request(
+                st.finish_reason or FINISH_ABORT, e2e_latency=now - arrival,
+                ttft=None if st.first_token_time is None else st.first_token_time - arrival,
+                num_output_tokens=st.num_tokens, queue_time=st.queue_time)
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
+                    ) -> pb.AbortResponse:
+        for rid in request.request_ids:
+            stream = self.active.pop(rid, None)
+            if stream is not None and not stream.finished:
+                # frees its KV pages in the engine within one step; ends its Generate
+                stream.cancel(AbortedByClient(rid))
+                log.info("Abort %s: aborted", rid)
+            else:
+                # the gateway also drops the Generate call, which aborts it the same way
+                log.info("Abort %s: not in flight (finished or already cancelled)", rid)
+        return pb.AbortResponse()
+
+    # ------------------------------------------------------------------ facts
+    async def HealthCheck(self, request: pb.HealthCheckRequest,
+                          context: grpc.aio.ServicerContext) -> pb.HealthCheckResponse:
+        c = self.s.client
+        if c.healthy:
+            return pb.HealthCheckResponse(healthy=True, message="Health")
+        reason = c.dead_reason or ("shutting down" if c.draining else "not ready")
+        return pb.HealthCheckResponse(healthy=False, message=reason)
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest,
+                           context: grpc.aio.ServicerContext) -> pb.GetModelInfoResponse:
+        f = self.s.facts
+        return pb.GetModelInfoResponse(
+            model_path=f.model_path, is_generation=True,
+            max_context_length=f.max_context_length, vocab_size=f.vocab_size,
+            supports_vision=False, served_model_name=f.served_model_name,
+            tokenizer_path=f.tokenizer_path, model_type=f.model_type,
+            architectures=f.architectures, eos_token_ids=f.eos_token_ids,
+            pad_token_id=f.pad_token_id, bos_token_id=f.bos_token_id,
+            max_req_input_len=f.max_context_length - 1)
+
+    async def GetServerInfo(self, request: pb.GetServerInfoRequest,
+                            context: grpc.aio.ServicerContext) -> pb.GetServerInfoResponse:
+        s = self.s
+        cfg = s.client.config
+        return pb.GetServerInfoResponse(
+            active_requests=len(self.active), is_paused=False,
+            last_receive_timestamp=self.last_receive,
+            uptime_seconds=time.time() - self.started_at, server_type=SERVER_TYPE,
+            kv_connector="", kv_role="", kv_engine_id="", data_parallel_size=1,
+            block_size=s.info.page_size, attention_backend=cfg.attention_backend,
+            model_dtype=s.info.dtype, max_num_seqs=cfg.max_num_seqs)
+
+    async def GetLoads(self, request: pb.GetLoadsRequest, context: grpc.aio.ServicerContext
+                       ) -> pb.GetLoadsResponse:
+        # ``include`` and ``dp_rank`` are accepted: there is one rank and only the core section
+        s = self.s
+        c = s.client
+        fields = self.loads.load(c.stats, s.info, c.config.max_num_seqs, c.busy_s)
+        return pb.GetLoadsResponse(
+            timestamp=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            version=radixserve.__version__, dp_rank_count=1,
+            loads=[pb.SchedulerLoad(**fields)])
+
+    async def GetTokenizer(self, request: common_pb2.GetTokenizerRequest,
+                           context: grpc.aio.ServicerContext
+                           ) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
+        async with self._bundle_lock:
+            if self._bundle is None:
+                try:
+                    self._bundle = await asyncio.to_thread(tokenizer_bundle.build_bundle,
+                                                           self.s.info.folder)
+                except OSError as e:
+                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        data, sha = self._bundle
+        log.info("GetTokenizer: %d bytes, sha256 %s", len(data), sha)
+        for piece, digest in tokenizer_bundle.chunks(data, sha):
+            yield common_pb2.GetTokenizerChunk(data=piece, sha256=digest)
+
+    # ------------------------------------------------------------------ not offered
+    async def _unimplemented(self, context: grpc.aio.ServicerContext, what: str) -> None:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{what} is not offered by this "
+                            "worker (a text-generation engine)")
+
+    async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext
+                    ) -> pb.EmbedResponse:
+        await self._unimplemented(context, "Embed")
+
+    async def StartProfile(self, request: common_pb2.StartProfileRequest,
+                           context: grpc.aio.ServicerContext) -> common_pb2.ProfileResponse:
+        await self._unimplemented(context, "StartProfile")
+
+    async def StopProfile(self, request: common_pb2.StopProfileRequest,
+                          context: grpc.aio.ServicerContext) -> common_pb2.ProfileResponse:
+        await self._unimplemented(context, "StopProfile")
+
+    async def SubscribeKvEvents(self, request: common_pb2.SubscribeKvEventsRequest,
+                                context: grpc.aio.ServicerContext
+                                ) -> AsyncIterator[common_pb2.KvEventBatch]:
+        # smg then routes cache-aware on its own approximate prefix tree
+        await self._unimplemented(context, "SubscribeKvEvents (KV cache events)")
+        yield common_pb2.KvEventBatch()  # never reached: makes this a streaming handler
+
+    async def FlushCache(self, request: common_pb2.FlushCacheRequest,
+                         context: grpc.aio.ServicerContext) -> common_pb2.FlushCacheResponse:
+        timeout_s = request.timeout_s
+        if not math.isfinite(timeout_s) or timeout_s < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "timeout_s: must be finite and >= 0")
+        # live requests keep their locked prefixes, so there is nothing to wait for: the
+        # flush runs at once whatever timeout_s says (0 included)
+        try:
+            freed = await asyncio.wait_for(self.s.client.flush_cache(), timeout_s or 10.0)
+        except EngineDeadError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine is not available: {e}")
+        except asyncio.TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "flush_cache timed out")
+        return common_pb2.FlushCacheResponse(
+            success=True, message=f"flushed the radix cache: {freed} KV pages freed")

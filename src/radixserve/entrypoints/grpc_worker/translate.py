@@ -1,0 +1,225 @@
+"""``vllm.grpc.engine`` protobuf messages <-> radixserve's engine types.
+
+* ``sampling_params_from_proto``: the one place a proto ``SamplingParams`` becomes radixserve's
+  ``SamplingParams``; every proto field is either mapped or refused with ``InvalidArgument``
+  naming it, never dropped.
+* ``engine_requests_from_proto``: a ``GenerateRequest`` -> one ``EngineRequest`` per choice.
+* ``chunk_response`` / ``complete_response``: ``RequestDelta``s -> ``GenerateResponse``s, in the
+  shape of smg's own vLLM servicer (``smg_grpc_servicer.vllm.servicer``): a streamed choice
+  gets a ``GenerateStreamChunk`` per delta (its new token ids, ``completion_tokens`` the delta's
+  count) and, when it finishes, a ``GenerateComplete`` carrying that last delta; a non-streamed
+  choice gets one ``GenerateComplete`` with all its token ids.
+
+Proto semantics taken from ``smg-grpc-proto`` 0.4.28 (``vllm_engine.proto``) and the reference
+servicer: an unset ``temperature`` means 1.0, ``top_p`` 0 means 1.0, ``top_k`` 0 means off,
+``repetition_penalty`` 0 means 1.0, ``n`` 0 means 1, an unset ``max_tokens`` means "all the
+room left".
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+
+from radixserve.engine_types import EngineRequest, LogprobRow
+from radixserve.frontend.output_processor import RequestDelta, RequestState
+from radixserve.sampling_params import SamplingParams
+
+#: The proto's structured-output oneof members (not supported yet: see
+#: ``sampling_params_from_proto``).
+CONSTRAINT_FIELDS = ("json_schema", "regex", "grammar", "structural_tag", "json_object",
+                     "choice")
+
+
+class InvalidArgument(ValueError):
+    """A ``GenerateRequest`` field this worker cannot honour; the servicer answers
+    ``INVALID_ARGUMENT`` with the message, which starts with the field's name.
+
+    Attributes:
+        field: the proto field at fault ("sampling_params.logit_bias", ...).
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def sampling_params_from_proto(p: pb.SamplingParams) -> SamplingParams:
+    """radixserve's ``SamplingParams`` for a proto ``SamplingParams``.
+
+    Structured outputs (the ``constraint`` oneof), ``logit_bias`` and ``prompt_logprobs`` are
+    refused until the engine supports them; wire them here (the only place proto sampling
+    fields are read). ``truncate_prompt_tokens`` is applied to the prompt by
+    ``engine_requests_from_proto``. ``spaces_between_special_tokens`` only shapes detokenized
+    text, which this worker does not return (the gateway detokenizes), so it has no effect
+    on the output; ``skip_special_tokens`` only affects worker-side stop-string matching.
+
+    Raises:
+        InvalidArgument: an unsupported field is set, or a value is out of range (the
+            message names the field and the allowed range).
+    """
+    constraint = p.WhichOneof("constraint")
+    if constraint is not None:
+        raise InvalidArgument(f"sampling_params.{constraint}",
+                              "structured outputs are not supported by this worker")
+    if p.logit_bias:
+        raise InvalidArgument("sampling_params.logit_bias", "is not supported by this worker")
+    if p.HasField("prompt_logprobs"):
+        raise InvalidArgument("sampling_params.prompt_logprobs",
+                              "is not supported by this worker")
+    try:
+        return SamplingParams(
+            n=p.n or 1,
+            temperature=p.temperature if p.HasField("temperature") else 1.0,
+            top_p=p.top_p if p.top_p != 0.0 else 1.0,
+            top_k=p.top_k if p.top_k > 0 else -1,
+            min_p=p.min_p,
+            seed=p.seed if p.HasField("seed") else None,
+            presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
+            repetition_penalty=p.repetition_penalty if p.repetition_penalty != 0.0 else 1.0,
+            max_tokens=p.max_tokens if p.HasField("max_tokens") else None,
+            min_tokens=p.min_tokens,
+            stop=list(p.stop) or None,
+            stop_token_ids=list(p.stop_token_ids) or None,
+            ignore_eos=p.ignore_eos,
+            logprobs=p.logprobs if p.HasField("logprobs") else None,
+            skip_special_tokens=p.skip_special_tokens,
+            include_stop_str_in_output=p.include_stop_str_in_output,
+        )
+    except ValueError as e:
+        # SamplingParams' messages start with "field=value"
+        field = str(e).split("=", 1)[0]
+        raise InvalidArgument(f"sampling_params.{field}", str(e)) from None
+
+
+def _check_unsupported_inputs(req: pb.GenerateRequest) -> None:
+    """Refuse what a text-only, single-instance engine cannot take."""
+    if req.HasField("mm_inputs") or len(req.extra_mm_inputs) or req.HasField("media_refs"):
+        field = ("mm_inputs" if req.HasField("mm_inputs") else
+                 "extra_mm_inputs" if len(req.extra_mm_inputs) else "media_refs")
+        raise InvalidArgument(field, "multimodal inputs are not supported (text-only model)")
+    if req.HasField("kv_transfer_params"):
+        raise InvalidArgument("kv_transfer_params",
+                              "KV transfer (PD disaggregation) is not supported by this worker")
+    if req.HasField("kv_transfer_params_json") and req.kv_transfer_params_json.strip() not in (
+            "", "{}", "null"):
+        raise InvalidArgument("kv_transfer_params_json",
+                              "KV transfer (PD disaggregation) is not supported by this worker")
+    if req.HasField("data_parallel_rank") and req.data_parallel_rank != 0:
+        raise InvalidArgument("data_parallel_rank",
+                              f"{req.data_parallel_rank} is out of range: this worker has one "
+                              "rank (0)")
+
+
+def prompt_from_proto(req: pb.GenerateRequest, encode: Callable[[str], list[int]],
+                      max_model_len: int) -> np.ndarray:
+    """The prompt's token ids, int32 [P]: ``tokenized.input_ids``, or ``text`` encoded like
+    the HTTP server does, cut to the last ``truncate_prompt_tokens`` tokens when set (-1: the
+    last ``max_model_len``, as vLLM).
+
+    Raises:
+        InvalidArgument: no input, or a bad ``truncate_prompt_tokens``.
+    """
+    kind = req.WhichOneof("input")
+    if kind == "tokenized":
+        ids = np.fromiter(req.tokenized.input_ids, dtype=np.int64,
+                          count=len(req.tokenized.input_ids))
+    elif kind == "text":
+        ids = np.asarray(encode(req.text), dtype=np.int64)
+    else:
+        raise InvalidArgument("input", "one of tokenized or text is required")
+    sp = req.sampling_params
+    if sp.HasField("truncate_prompt_tokens"):
+        k = sp.truncate_prompt_tokens
+        if k == -1:
+            k = max_model_len
+        if k < 1:
+            raise InvalidArgument("sampling_params.truncate_prompt_tokens",
+                                  f"{sp.truncate_prompt_tokens} must be -1 or >= 1")
+        ids = ids[-k:]
+    # the engine range-checks the ids against its vocabulary; values beyond int32 would wrap
+    if len(ids) and int(ids.max()) > np.iinfo(np.int32).max:
+        raise InvalidArgument("tokenized.input_ids", "token ids must be below 2**31")
+    return ids.astype(np.int32)
+
+
+def engine_requests_from_proto(req: pb.GenerateRequest, encode: Callable[[str], list[int]],
+                               max_model_len: int) -> list[EngineRequest]:
+    """One ``EngineRequest`` per choice of a ``GenerateRequest`` (choice i is request i).
+
+    Engine request ids are the gRPC ``request_id`` (n = 1) or ``"{request_id}#{i}"``.
+
+    Raises:
+        InvalidArgument: see ``sampling_params_from_proto`` and ``prompt_from_proto``; also an
+            empty ``request_id``, multimodal inputs, KV-transfer parameters, a DP rank other
+            than 0.
+    """
+    if not req.request_id:
+        raise InvalidArgument("request_id", "must not be empty")
+    _check_unsupported_inputs(req)
+    sp = sampling_params_from_proto(req.sampling_params)
+    prompt = prompt_from_proto(req, encode, max_model_len)
+    arrival = time.time()
+    children = sp.children()
+    if len(children) == 1:
+        return [EngineRequest(request_id=req.request_id, prompt_token_ids=prompt,
+                              sampling_params=children[0], arrival_time=arrival)]
+    return [EngineRequest(request_id=f"{req.request_id}#{i}", prompt_token_ids=prompt,
+                          sampling_params=c, arrival_time=arrival)
+            for i, c in enumerate(children)]
+
+
+# -- responses -----------------------------------------------------------------------------------
+
+
+def output_logprobs(rows: Sequence[LogprobRow] | None, num_top: int | None
+                    ) -> pb.OutputLogProbs | None:
+    """``OutputLogProbs`` for logprob rows (``[[sampled id, lp], [top1 id, lp], ...]`` each):
+    one entry per token, ``top_logprobs`` only when top entries were asked for."""
+    if not rows:
+        return None
+    out = pb.OutputLogProbs()
+    for row in rows:
+        out.token_ids.append(int(row[0][0]))
+        out.token_logprobs.append(row[0][1])
+        if num_top:
+            out.top_logprobs.append(pb.TopLogProbs(
+                token_ids=[int(t) for t, _ in row[1:]], values=[lp for _, lp in row[1:]]))
+    return out
+
+
+def chunk_response(d: RequestDelta) -> pb.GenerateResponse:
+    """A ``GenerateStreamChunk`` for one delta of a streamed choice."""
+    s = d.state
+    return pb.GenerateResponse(chunk=pb.GenerateStreamChunk(
+        token_ids=d.token_ids, prompt_tokens=s.num_prompt_tokens,
+        completion_tokens=len(d.token_ids), cached_tokens=s.num_cached_tokens,
+        output_logprobs=output_logprobs(d.logprob_rows, s.sampling_params.logprobs),
+        index=s.index))
+
+
+def complete_response(s: RequestState, token_ids: list[int],
+                      rows: Sequence[LogprobRow] | None) -> pb.GenerateResponse:
+    """The ``GenerateComplete`` of a finished choice.
+
+    Args:
+        s: the choice's state (finish and stop reason, prompt and cache counts).
+        token_ids: the ids to carry: all of them (non-streamed) or the last delta's
+            (streamed; the gateway accumulated the chunks).
+        rows: the logprob rows of those ids, or None.
+    """
+    kw: dict = {}
+    if isinstance(s.stop_reason, str):
+        kw["matched_stop_str"] = s.stop_reason
+    elif isinstance(s.stop_reason, int):
+        kw["matched_token_id"] = s.stop_reason
+    return pb.GenerateResponse(complete=pb.GenerateComplete(
+        output_ids=token_ids, finish_reason=s.finish_reason or "stop",
+        prompt_tokens=s.num_prompt_tokens, completion_tokens=len(token_ids),
+        cached_tokens=s.num_cached_tokens,
+        output_logprobs=output_logprobs(rows, s.sampling_params.logprobs), index=s.index,
+        **kw))

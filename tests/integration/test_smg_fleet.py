@@ -1,0 +1,423 @@
+"""radixserve behind the real smg gateway (``smg launch``), with the official ``openai`` client:
+a ``radixserve fleet`` of two gRPC workers, compared with radixserve's own HTTP server
+(greedy, float32: the same text and prompt tokens), the OpenAI features through smg, abort on
+client disconnect, cache-aware vs round-robin prefix hits, an HTTP worker behind smg, a worker
+killed mid-run, and the fleet's SIGTERM.
+
+Every smg here runs with its busy-worker heuristics relaxed (``SMG_STABLE``): on a loaded
+2-core CI machine a 1-core worker can go seconds without a token, which smg would otherwise
+take for a wedged or overloaded worker and route around (legitimately, but then routing is
+decided by the machine's noise instead of by the policy under test).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import random
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from grpc_utils import Proc, Smg, descendants, free_ports
+from server_utils import (
+    HANG_TIMEOUT_S,
+    ServerProcess,
+    free_port,
+    metrics_values,
+    pid_alive,
+    wait_idle,
+    wait_until,
+)
+
+MODEL = "SmolLM2-135M-Instruct"
+#: 87 usable pages of 16 tokens: three 400-token group prefixes fit a worker, four do not.
+WORKER_ARGS = ["--dtype", "float32", "--num-pages", "88", "--max-num-seqs", "16", "--seed", "0"]
+SMG_STABLE = ["--worker-wedge-secs", "60", "--disable-worker-overload-protection",
+              "--balance-rel-threshold", "10", "--cb-failure-threshold", "2",
+              "--retry-max-retries", "2"]
+
+
+class Fleet:
+    """A running ``radixserve fleet`` (its smg on ``port``, worker i's gRPC port
+    ``base + 2i``, its /metrics on the next port)."""
+
+    def __init__(self, workdir) -> None:
+        self.base = free_ports(4)
+        self.port = free_port()
+        self.logs = workdir / "logs"
+        self.proc = Proc("fleet", [
+            sys.executable, "-m", "radixserve.cli", "fleet", "--workers", "2",
+            "--port", str(self.port), "--prometheus-port", str(free_port()),
+            "--worker-base-port", str(self.base), "--policy", "cache_aware",
+            "--log-dir", str(self.logs), "--stop-timeout", "10",
+            f"--smg-arg={' '.join(SMG_STABLE)}", "--", *WORKER_ARGS], workdir)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def worker_urls(self) -> list[str]:
+        return [f"grpc://127.0.0.1:{self.base + 2 * i}" for i in range(2)]
+
+    def metrics_urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{self.base + 2 * i + 1}" for i in range(2)]
+
+    def worker_log(self, i: int) -> str:
+        return (self.logs / f"worker-{i}.log").read_text(errors="replace")
+
+    def worker_pid(self, i: int) -> int:
+        port = str(self.base + 2 * i)
+        for pid in descendants(self.proc.proc.pid):
+            try:
+                args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"--grpc" in args and port.encode() in args:
+                return pid
+        raise AssertionError(f"no worker on port {port}")
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory):
+    f = Fleet(tmp_path_factory.mktemp("fleet"))
+    try:
+        f.proc.wait_http(f.url + "/readiness",
+                         lambda r: r.json().get("healthy_workers") == 2, timeout_s=600)
+        yield f
+    finally:
+        f.proc.stop()
+
+
+@pytest.fixture(scope="module")
+def http_server(tmp_path_factory: pytest.TempPathFactory):
+    srv = ServerProcess(["--dtype", "float32", "--num-pages", "256", "--seed", "0"],
+                        tmp_path_factory.mktemp("http"))
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+def _client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0,
+                         timeout=HANG_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def via_smg(fleet: Fleet) -> openai.OpenAI:
+    return _client(fleet.url)
+
+
+@pytest.fixture(scope="module")
+def direct(http_server: ServerProcess) -> openai.OpenAI:
+    return _client(http_server.base_url)
+
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You answer in one short sentence."},
+     {"role": "user", "content": "Name three colors."}],
+    [{"role": "user", "content": "Write a haiku about the sea."},
+     {"role": "assistant", "content": "Waves fold into foam"},
+     {"role": "user", "content": "Another one, about rain."}],
+]
+PROMPTS = ["The quick brown fox", "def fibonacci(n):\n   "]
+
+
+def _chat(c: openai.OpenAI, messages, stream: bool, **kw) -> tuple[str, str, int]:
+    if not stream:
+        r = c.chat.completions.create(model=MODEL, messages=messages, **kw)
+        return r.choices[0].message.content, r.choices[0].finish_reason, r.usage.prompt_tokens
+    text, finish, usage = "", None, None
+    for ch in c.chat.completions.create(model=MODEL, messages=messages, stream=True,
+                                        stream_options={"include_usage": True}, **kw):
+        for choice in ch.choices:
+            text += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+        usage = ch.usage or usage
+    return text, finish, usage.prompt_tokens
+
+
+def _complete(c: openai.OpenAI, prompt: str, stream: bool, **kw) -> tuple[str, str, int]:
+    if not stream:
+        r = c.completions.create(model=MODEL, prompt=prompt, **kw)
+        return r.choices[0].text, r.choices[0].finish_reason, r.usage.prompt_tokens
+    text, finish, usage = "", None, None
+    for ch in c.completions.create(model=MODEL, prompt=prompt, stream=True,
+                                   stream_options={"include_usage": True}, **kw):
+        for choice in ch.choices:
+            text += choice.text
+            finish = choice.finish_reason or finish
+        usage = ch.usage or usage
+    return text, finish, usage.prompt_tokens
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_greedy_outputs_equal_the_http_server(via_smg, direct, stream: bool) -> None:
+    """smg renders the chat template and tokenizes in Rust: the prompt tokens and the greedy
+    text must be what radixserve's own server makes of the same request."""
+    # the non-streamed pass covers every template shape, the streamed one the SSE path
+    for messages in CHATS if not stream else CHATS[1:2]:
+        ours = _chat(direct, messages, stream, max_tokens=16, temperature=0)
+        theirs = _chat(via_smg, messages, stream, max_tokens=16, temperature=0)
+        assert theirs == ours, messages
+    for prompt in PROMPTS if not stream else PROMPTS[1:]:
+        ours = _complete(direct, prompt, stream, max_tokens=16, temperature=0)
+        theirs = _complete(via_smg, prompt, stream, max_tokens=16, temperature=0)
+        assert theirs == ours, prompt
+
+
+def test_n_stop_logprobs_and_max_tokens_through_smg(via_smg, direct) -> None:
+    msgs = CHATS[0]
+    r = via_smg.chat.completions.create(model=MODEL, messages=msgs, n=2, temperature=1.0,
+                                        seed=7, max_tokens=8)
+    assert sorted(c.index for c in r.choices) == [0, 1] and r.usage.completion_tokens <= 16
+    got: dict[int, str] = {0: "", 1: ""}
+    finished = set()
+    for ch in via_smg.chat.completions.create(model=MODEL, messages=msgs, n=2,
+                                              temperature=1.0, seed=7, max_tokens=8,
+                                              stream=True):
+        for c in ch.choices:
+            got[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finished.add(c.index)
+    assert finished == {0, 1} and all(got.values())
+
+    # stop strings: the greedy text cut before the stop's first occurrence
+    full, _, _ = _complete(direct, PROMPTS[0], False, max_tokens=24, temperature=0)
+    stop = full[len(full) // 2:len(full) // 2 + 4]
+    for stream in (False, True):
+        text, finish, _ = _complete(via_smg, PROMPTS[0], stream, max_tokens=24, temperature=0,
+                                    stop=[stop])
+        assert (text, finish) == (full[:full.index(stop)], "stop")
+    chat_full, _, _ = _chat(direct, msgs, False, max_tokens=24, temperature=0)
+    cstop = chat_full.split()[2]
+    text, finish, _ = _chat(via_smg, msgs, True, max_tokens=24, temperature=0, stop=[cstop])
+    assert (text, finish) == (chat_full[:chat_full.index(cstop)], "stop")
+
+    # logprobs: the chosen tokens' logprobs and the top 3 match the HTTP server's
+    kw = dict(model=MODEL, messages=msgs, max_tokens=6, temperature=0, logprobs=True,
+              top_logprobs=3)
+    a = via_smg.chat.completions.create(**kw).choices[0].logprobs.content
+    b = direct.chat.completions.create(**kw).choices[0].logprobs.content
+    assert [t.token for t in a] == [t.token for t in b] and len(a) == 6
+    for x, y in zip(a, b, strict=True):
+        assert x.logprob == pytest.approx(y.logprob, abs=1e-3)
+        assert [t.token for t in x.top_logprobs] == [t.token for t in y.top_logprobs]
+        assert len(x.top_logprobs) == 3
+
+    # max_tokens (EOS ignored so the limit is what ends it)
+    r = via_smg.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=5,
+                                   temperature=0, extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5
+
+
+def _aborted(metrics_url: str) -> float:
+    for line in httpx.get(metrics_url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("radixserve:request_success_total") and '"abort"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_client_disconnect_aborts_on_the_worker(fleet: Fleet) -> None:
+    before = sum(_aborted(u) for u in fleet.metrics_urls())
+    body = {"model": MODEL, "messages": CHATS[2], "stream": True, "max_tokens": 1500,
+            "ignore_eos": True, "temperature": 0}
+    chunk_id = None
+    with httpx.stream("POST", fleet.url + "/v1/chat/completions", json=body,
+                      timeout=HANG_TIMEOUT_S) as r:
+        n = 0
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunk_id = chunk_id or json.loads(line[6:])["id"]
+                n += 1
+                if n == 3:
+                    break  # leaving the block closes the connection mid-stream
+    assert chunk_id
+    wait_until(lambda: sum(_aborted(u) for u in fleet.metrics_urls()) == before + 1,
+               "the worker to abort the request")
+    for u in fleet.metrics_urls():
+        wait_idle(u)  # nothing running, no page held outside the radix cache
+    # smg also sent the Abort RPC, naming the request the stream carried
+    wait_until(lambda: any(f"Abort {chunk_id}" in fleet.worker_log(i) for i in range(2)),
+               "the Abort RPC in a worker's log")
+
+
+WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india",
+         "juliet", "kilo", "lima", "mike", "november", "oscar", "papa", "quebec", "romeo",
+         "sierra", "tango", "uniform", "victor", "whiskey", "xray"]
+
+
+def _group_prefix(tok, seed: int, n_tokens: int = 400) -> str:
+    rng = random.Random(seed)
+    text = f"Document {seed}:"
+    while len(tok.encode(text, add_special_tokens=False)) < n_tokens + 8:
+        text += " " + " ".join(rng.choice(WORDS) for _ in range(20))
+    return tok.decode(tok.encode(text, add_special_tokens=False)[:n_tokens])
+
+
+def _prefix_hits(fleet: Fleet) -> float:
+    return sum(metrics_values(u)["radixserve:prefix_cache_hits_total"]
+               for u in fleet.metrics_urls())
+
+
+def _flush(fleet: Fleet) -> None:
+    """smg's ``POST /flush_cache`` fans out to every worker's ``FlushCache`` RPC."""
+    r = httpx.post(fleet.url + "/flush_cache", timeout=30)
+    assert r.status_code == 200 and r.json()["workers_flushed"] == 2, r.text
+    for u in fleet.metrics_urls():
+        wait_until(lambda u=u: metrics_values(u)["radixserve:kv_cache_pages_cached"] == 0,
+                   "the flushed caches")
+
+
+def shared_prefix_run(base_url: str, tok, seed: int, groups: int = 4, per_group: int = 8,
+                      concurrency: int = 8) -> None:
+    """``groups`` x ``per_group`` completions sharing a 400-token prefix per group: the
+    groups' first requests together (each one in flight when the next is routed), then the
+    rest in a shuffled order, ``concurrency`` at a time."""
+    prefixes = [_group_prefix(tok, seed + g) for g in range(groups)]
+
+    def one(g: int, i: int, max_tokens: int = 2) -> None:
+        r = httpx.post(base_url + "/v1/completions", timeout=HANG_TIMEOUT_S, json={
+            "model": MODEL, "prompt": prefixes[g] + f"\nQuestion {i}: what is item {i}?",
+            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+
+    def lead(g: int) -> None:
+        time.sleep(0.1 * g)
+        one(g, 0, 16)
+
+    rest = [(g, i) for g in range(groups) for i in range(1, per_group)]
+    random.Random(seed).shuffle(rest)
+    with cf.ThreadPoolExecutor(concurrency) as ex:
+        list(ex.map(lead, range(groups)))
+        list(ex.map(lambda gi: one(*gi), rest))
+
+
+def test_cache_aware_routing_gets_far_more_prefix_hits(fleet: Fleet, tmp_path) -> None:
+    from transformers import AutoTokenizer
+
+    from radixserve.model_executor.loader.default import default_model_path
+
+    path = default_model_path()
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    hits = {}
+    for policy, seed in (("cache_aware", 1000), ("round_robin", 2000)):
+        smg = Smg(fleet.worker_urls(), policy, tmp_path, SMG_STABLE, name=f"smg-{policy}")
+        try:
+            smg.wait_ready(2)
+            _flush(fleet)
+            before = _prefix_hits(fleet)
+            shared_prefix_run(smg.base_url, tok, seed)
+            for u in fleet.metrics_urls():
+                wait_idle(u)
+            hits[policy] = _prefix_hits(fleet) - before
+        finally:
+            smg.stop()
+    print(f"prefix-cache hit tokens, 4 groups x 8 requests, 400-token prefixes: {hits}")
+    # cache-aware: each group stays on one worker, whose pool holds its prefixes: every
+    # request after a group's first is a 400-token hit
+    assert hits["cache_aware"] >= 0.9 * 28 * 400
+    # round robin spreads every group over both workers: cold misses on each, and four
+    # prefixes do not fit one worker's pool, so they evict one another
+    assert hits["cache_aware"] >= 1.25 * hits["round_robin"], hits
+
+
+def test_http_worker_behind_smg(http_server: ServerProcess, direct, tmp_path) -> None:
+    base = http_server.base_url
+    info = httpx.get(base + "/server_info").json()
+    assert info["max_running_requests"] > 0 and info["context_length"] == 255 * 16
+    assert httpx.get(base + "/model_info").json()["architectures"] == ["LlamaForCausalLM"]
+    loads = httpx.get(base + "/v1/loads", params={"include": "core,disagg,queues,memory"})
+    assert loads.json()["dp_rank_count"] == 1 and len(loads.json()["loads"]) == 1
+    card = httpx.get(base + "/v1/models").json()["data"][0]
+    assert card["owned_by"] == "radixserve" and card["max_model_len"] == 255 * 16
+    smg = Smg([base], "round_robin", tmp_path, name="smg-http")
+    try:
+        smg.wait_ready(1)
+        c = _client(smg.base_url)
+        ours = _chat(direct, CHATS[0], False, max_tokens=8, temperature=0)
+        assert _chat(c, CHATS[0], True, max_tokens=8, temperature=0) == ours
+        assert _chat(c, CHATS[0], False, max_tokens=8, temperature=0) == ours
+        assert metrics_values(base)["radixserve:kv_cache_pages_cached"] > 0
+        r = httpx.post(smg.base_url + "/flush_cache", timeout=30)
+        assert r.status_code == 200, r.text
+        wait_until(lambda: metrics_values(base)["radixserve:kv_cache_pages_cached"] == 0,
+                   "smg's /flush_cache to reach the HTTP worker")
+    finally:
+        smg.stop()
+
+
+def test_worker_killed_mid_run(fleet: Fleet, tmp_path) -> None:
+    """In-flight streams on the killed worker end with an error, not a hang; later requests
+    succeed on the other worker; the fleet restarts the worker and smg routes to it again."""
+    smg = Smg(fleet.worker_urls(), "round_robin", tmp_path, SMG_STABLE, name="smg-kill")
+    try:
+        smg.wait_ready(2)
+        c = _client(smg.base_url)
+        started = threading.Semaphore(0)
+        outcome: dict[int, str] = {}
+
+        def stream(i: int) -> None:
+            finish = None
+            try:
+                for n, ch in enumerate(c.completions.create(
+                        model=MODEL, prompt=f"Story {i}:", max_tokens=400, temperature=0,
+                        stream=True, extra_body={"ignore_eos": True})):
+                    if n == 0:
+                        started.release()
+                    finish = ch.choices[0].finish_reason if ch.choices else finish
+                outcome[i] = finish or "truncated"
+            except openai.APIError as e:
+                outcome[i] = f"error: {type(e).__name__}"
+            finally:
+                started.release()
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for _ in threads:
+            assert started.acquire(timeout=HANG_TIMEOUT_S)
+        victim = fleet.worker_pid(0)
+        os.kill(victim, signal.SIGKILL)
+        for t in threads:
+            t.join(HANG_TIMEOUT_S)
+            assert not t.is_alive(), "a stream hung after its worker died"
+        assert len(outcome) == 4
+        failed = [o for o in outcome.values() if o != "length"]
+        assert 1 <= len(failed) < 4, outcome  # round robin put some on each worker
+        # later requests: served (smg retries on the live worker, then stops routing to
+        # the dead one)
+        for i in range(4):
+            r = c.completions.create(model=MODEL, prompt=f"After {i}:", max_tokens=3)
+            assert r.choices[0].text is not None
+        # the fleet restarts worker 0; smg's health checks see it again and route to it
+        wait_until(lambda: "restarting it" in fleet.proc.log_tail(20000),
+                   "the fleet to restart the worker")
+        assert fleet.worker_pid(0) != victim
+        smg.wait_ready(2, timeout_s=HANG_TIMEOUT_S)
+        m0 = fleet.metrics_urls()[0]
+        wait_until(lambda: httpx.get(m0 + "/health").status_code == 200, "worker 0 back")
+        for i in range(4):
+            c.completions.create(model=MODEL, prompt=f"Again {i}:", max_tokens=3)
+        assert metrics_values(m0)["radixserve:generation_tokens_total"] > 0
+    finally:
+        smg.stop()
+
+
+def test_fleet_sigterm_leaves_no_process_behind(fleet: Fleet) -> None:
+    """Last in this module: it stops the shared fleet."""
+    family = descendants(fleet.proc.proc.pid)
+    assert len(family) >= 5  # smg, two workers, their two engine cores
+    fleet.proc.proc.send_signal(signal.SIGTERM)
+    assert fleet.proc.proc.wait(HANG_TIMEOUT_S) == 0
+    wait_until(lambda: not any(pid_alive(p) for p in family),
+               "every fleet process to exit", timeout_s=30)
