@@ -91,7 +91,8 @@ def _sampling_batch(samplers: list[Request], rows: np.ndarray, t: RowTables,
     """The sampling rows' parameters: gathered from the row tables, only the parts some live
     request needs; snapshots of request state (outputs for penalties, counts for
     ``min_tokens``) are taken now, when the step is scheduled."""
-    if not (live.random or live.logprobs or live.penalty or live.min_tokens):
+    if not (live.random or live.logprobs or live.penalty or live.min_tokens or live.structured
+            or live.logit_bias):
         return ALL_GREEDY
     sp = SamplingBatch()
     if live.random:
@@ -120,4 +121,14 @@ def _sampling_batch(samplers: list[Request], rows: np.ndarray, t: RowTables,
                    if r.min_tokens_blocked and len(r.output_token_ids) < r.params.min_tokens}
         if blocked:
             sp.blocked_tokens = blocked
+    if live.logit_bias:
+        bias = {i: r.logit_bias for i, r in enumerate(samplers) if r.logit_bias is not None}
+        if bias:
+            sp.logit_bias = bias
+    if live.structured:
+        grammars = [r.grammar for r in samplers]
+        if any(g is not None for g in grammars):
+            # the masks are filled by the engine right before the forward (see
+            # ``EngineCore._run``): they depend on the previous step's tokens
+            sp.grammars = grammars
     return sp

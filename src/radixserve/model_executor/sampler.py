@@ -1,5 +1,11 @@
 """Batched per-request sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds,
-repetition/presence/frequency penalties, logprobs.
+repetition/presence/frequency penalties, ``logit_bias``, ``min_tokens``, output constraints
+(xgrammar token bitmasks), logprobs.
+
+Logits are processed in this order: penalties, ``logit_bias``, ``min_tokens`` blocking, then the
+grammar bitmask (so a constrained row can only pick a token its grammar allows), then
+temperature and the top-k / top-p / min-p filters. Logprobs are those of the raw logits (vLLM's
+default ``raw_logprobs``).
 
 Sampling draws ``argmax(probs / q)`` with ``q ~ Exp(1)`` (the exponential race, equivalent to
 sampling from ``probs``; vLLM's and SGLang's samplers use it too). A seeded request draws its
@@ -46,6 +52,38 @@ def _block_tokens(logits: torch.Tensor, blocked: dict[int, list[int]]) -> None:
         ids = [t for t in ids if t < vocab]
         if ids:
             logits[i, ids] = float("-inf")
+def _add_logit_bias(logits: torch.Tensor, bias: dict[int, tuple[np.ndarray, np.ndarray]]
+                    ) -> None:
+    """In place: ``logits[i, ids] += values`` per row (ids checked below the vocab size by the
+    engine core)."""
+    dev = logits.device
+    for i, (ids, vals) in bias.items():
+        logits[i, torch.from_numpy(ids).to(dev)] += torch.from_numpy(vals).to(dev)
+
+
+def _apply_bitmask(logits: torch.Tensor, sp: SamplingBatch,
+                   unblocked: dict[int, torch.Tensor] | None) -> None:
+    """In place: -inf for every token a constrained row's grammar forbids (xgrammar's CPU or
+    CUDA kernel). ``unblocked`` holds rows as they were before ``min_tokens`` blocking: a row
+    whose grammar allows only tokens that blocking removed (its grammar is complete and only
+    EOS may follow) takes the grammar-only mask instead, so the grammar wins over
+    ``min_tokens``."""
+    import xgrammar as xgr
+
+    bitmask = sp.token_bitmask
+    if bitmask.device != logits.device:
+        bitmask = bitmask.to(logits.device, non_blocking=True)
+    rows = sp.bitmask_rows
+    assert rows is not None
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1], indices=rows)
+    if unblocked:
+        for i, before in unblocked.items():
+            if bool(torch.isneginf(logits[i]).all()):
+                logits[i] = before
+                xgr.apply_token_bitmask_inplace(logits[i:i + 1], bitmask[i:i + 1],
+                                                vocab_size=logits.shape[1])
+
+
 def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
             min_p: torch.Tensor) -> torch.Tensor:
     """Probabilities [R, V] after top-k, top-p (nucleus, Holtzman et al. 2019) and min-p."""
@@ -91,9 +129,22 @@ def sample(logits: torch.Tensor, sp: SamplingBatch,
     if sp.penalty_outputs:
         logits = logits.clone()
         _apply_penalties(logits, sp)
+    if sp.logit_bias:
+        if sp.penalty_outputs is None:
+            logits = logits.clone()
+        _add_logit_bias(logits, sp.logit_bias)
+    masked = sp.token_bitmask is not None
+    unblocked = None
     if sp.blocked_tokens:
+        if masked:
+            rows = set(sp.bitmask_rows or ())
+            unblocked = {i: logits[i].clone() for i in sp.blocked_tokens if i in rows}
         logits = logits.clone()
         _block_tokens(logits, sp.blocked_tokens)
+    if masked:
+        if not (sp.blocked_tokens or sp.logit_bias or sp.penalty_outputs):
+            logits = logits.clone()  # the caller's tensor stays the raw logits
+        _apply_bitmask(logits, sp, unblocked)
     tokens = logits.argmax(dim=-1)
     if sp.greedy is not None:
         rand = np.flatnonzero(~sp.greedy)

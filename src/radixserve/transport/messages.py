@@ -24,7 +24,8 @@ from radixserve.sampling_params import SamplingParams
 #: Bumped on any incompatible change; checked by the Hello handshake at connect.
 #: 3: Wire* names, no eos_token_ids in requests, rejections carry error_param/error_code,
 #: Hello carries a typed EngineInfo, no timestamp in step outputs, no StatsRequest.
-SCHEMA_VERSION = 3
+#: 4: SamplingParams carries logit_bias and structured_outputs.
+SCHEMA_VERSION = 4
 
 
 _I32 = struct.Struct("<i")
