@@ -272,6 +272,8 @@ class EngineCore:
         """
         lp = result.logprobs
         self.scheduler.cache_prefills(batch)
+        if batch.forward.prompt_logprobs is not None:
+            self.resolver.add_prompt_logprobs(batch, result.prompt_logprobs)
         res = self.resolver.resolve(batch, result.token_ids, plain=lp is None,
                                     grammar_status=result.grammar_status)
         for req in res.finished:
@@ -300,11 +302,14 @@ class EngineCore:
 
     def _output(self, req: Request, new: list[int], finish: str | None,
                 logprobs: list[list[list[float]]] | None = None) -> TokenOutput:
+        prompt_lp = None
+        if new and req.prompt_logprob_rows is not None and not req.prompt_lp_sent:
+            prompt_lp, req.prompt_lp_sent = req.prompt_logprob_rows, True
         return TokenOutput(
             request_id=req.request_id, new_token_ids=new, finish_reason=finish,
             stop_reason=req.stop_reason, logprobs=logprobs,
             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
-            queue_time=None if finish is None or req.first_scheduled_time is None
+            prompt_logprobs=prompt_lp, queue_time=None if finish is None or req.first_scheduled_time is None
             else req.first_scheduled_time - req.arrival_time)
 
     # ------------------------------------------------------------------ stats

@@ -15,8 +15,8 @@ class LiveIndex:
     Attributes:
         random / seeded / logprobs / penalty / min_tokens: live requests that sample at
             random, have their own seed, want logprobs, have a penalty, have ``min_tokens``.
-        structured / logit_bias: live requests with an output constraint, with a
-            ``logit_bias``.
+        structured / logit_bias / prompt_logprobs: live requests with an output constraint,
+            with a ``logit_bias``, asking for prompt logprobs.
     """
 
     def __init__(self) -> None:
@@ -27,6 +27,7 @@ class LiveIndex:
         self.min_tokens = 0
         self.structured = 0
         self.logit_bias = 0
+        self.prompt_logprobs = 0
         self._stop_refs: dict[int, int] = {}
         self._stop_arr: np.ndarray | None = None
 
@@ -47,6 +48,7 @@ class LiveIndex:
         self.min_tokens += delta * bool(p.min_tokens)
         self.structured += delta * (req.grammar is not None)
         self.logit_bias += delta * (req.logit_bias is not None)
+        self.prompt_logprobs += delta * (req.prompt_logprob_rows is not None)
         refs = self._stop_refs
         for t in req.stop_ids | req.eos_token_ids:
             n = refs.get(t, 0) + delta

@@ -128,6 +128,25 @@ class StepResolver:
             req.num_pending -= 1
         return Resolved(full, reqs, toks, finished)
 
+    def add_prompt_logprobs(self, batch: ScheduledBatch,
+                            rows: list[list[list[float]]] | None) -> None:
+        """Hand a step's prompt logprob rows to their requests (in position order: steps are
+        resolved in the order they ran). A runner that computes none (the null model) leaves
+        the requests without rows.
+
+        Args:
+            rows: ``SampleResult.prompt_logprobs``, split by
+                ``batch.forward.prompt_logprobs.counts``.
+        """
+        plp = batch.forward.prompt_logprobs
+        if plp is None or rows is None:
+            return
+        at = 0
+        for req, n in zip(batch.requests, plp.counts.tolist(), strict=True):
+            if n and req.prompt_logprob_rows is not None:
+                req.prompt_logprob_rows.extend(rows[at:at + n])
+            at += n
+
     def _resolve_one(self, req: Request, tok: int, grammar_status: int = 0) -> bool:
         """Apply one sampled token to ``req`` (any case); False if it gets no output."""
         if req.status == Status.FINISHED:

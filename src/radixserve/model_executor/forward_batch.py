@@ -72,6 +72,25 @@ ALL_GREEDY = SamplingBatch()
 
 
 @dataclass
+class PromptLogprobsBatch:
+    """Prompt positions of the step that need logprobs (requests with ``prompt_logprobs``):
+    the logits at a position score the prompt's next token.
+
+    Attributes:
+        indices: int64 [K] rows of the step's hidden states (token indices in the batch).
+        targets: int64 [K] the prompt token following each such position.
+        want: int64 [K] top logprobs wanted at each position.
+        counts: int64 [B] positions per request of the batch (0 for most), in order, so the
+            K rows split back per request.
+    """
+
+    indices: np.ndarray
+    targets: np.ndarray
+    want: np.ndarray
+    counts: np.ndarray
+
+
+@dataclass
 class ForwardBatch:
     """One step's model inputs. Requests are ordered decodes first, then prefill chunks; for
     request i the step computes ``num_new[i]`` tokens at positions
@@ -93,6 +112,7 @@ class ForwardBatch:
         logits_indices: int64 [S] index of the token whose hidden state gives each sampling
             row's logits.
         sampling: the S sampling rows' parameters.
+        prompt_logprobs: prompt positions that need logprobs, or None (almost every step).
     """
 
     num_decodes: int
@@ -106,6 +126,7 @@ class ForwardBatch:
     page_table: np.ndarray
     logits_indices: np.ndarray
     sampling: SamplingBatch
+    prompt_logprobs: PromptLogprobsBatch | None = None
 
     @property
     def num_requests(self) -> int:
@@ -131,8 +152,12 @@ class SampleResult:
         grammar_status: int8 [S] per row what its output constraint made of the token
             (``structured.runtime``: 0 running, 1 terminated, 2 rejected); None when no row is
             constrained. Set by the engine after sampling.
+        prompt_logprobs: K rows for ``ForwardBatch.prompt_logprobs``, in its order, each
+            ``[[target, logprob, rank], [top1, logprob], ...]`` (rank 1-based among the whole
+            vocabulary, vLLM's); None when the step asked for none.
     """
 
     token_ids: np.ndarray
     logprobs: list[list[list[float]] | None] | None = None
     grammar_status: np.ndarray | None = None
+    prompt_logprobs: list[list[list[float]]] | None = None

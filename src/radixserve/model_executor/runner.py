@@ -18,7 +18,7 @@ from radixserve.model_executor.attention.paged_attention import AttentionMetadat
 from radixserve.model_executor.forward_batch import ForwardBatch, SampleResult
 from radixserve.model_executor.kernels.cpu import CpuKernels
 from radixserve.model_executor.models.llama import CausalLM, ModelArgs, rope_inv_freq
-from radixserve.model_executor.sampler import sample
+from radixserve.model_executor.sampler import prompt_logprob_rows, sample
 from radixserve.model_executor.step_runner import ModelInfo, StepRunner
 
 log = logging.getLogger(__name__)
@@ -200,11 +200,15 @@ class ModelRunner:
         ids = torch.from_numpy(batch.input_ids).to(self.device)
         pos = torch.from_numpy(batch.positions).to(self.device)
         hidden = self.model(ids, pos, self.kv.layers, meta)
+        plp = (None if batch.prompt_logprobs is None else
+               prompt_logprob_rows(self.model.compute_logits, hidden, batch.prompt_logprobs))
         if not len(batch.logits_indices):
-            return SampleResult(np.empty(0, np.int64), None)
+            return SampleResult(np.empty(0, np.int64), None, prompt_logprobs=plp)
         idx = torch.from_numpy(batch.logits_indices).to(self.device)
         logits = self.model.compute_logits(hidden[idx])
-        return sample(logits, batch.sampling, self.generator)
+        result = sample(logits, batch.sampling, self.generator)
+        result.prompt_logprobs = plp
+        return result
 
 
 def build_runner(config: EngineConfig, null_model: bool = False,

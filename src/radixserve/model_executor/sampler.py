@@ -14,10 +14,20 @@ sampling from ``probs``; vLLM's and SGLang's samplers use it too). A seeded requ
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
-from radixserve.model_executor.forward_batch import SampleResult, SamplingBatch
+from radixserve.model_executor.forward_batch import (
+    PromptLogprobsBatch,
+    SampleResult,
+    SamplingBatch,
+)
+
+#: Prompt positions whose logits are materialised at once (float32 [512, V]: ~100 MB for a
+#: 49k vocabulary), so a long prompt chunk never holds all its logits.
+PROMPT_LOGPROBS_SLICE = 512
 
 
 def _apply_penalties(logits: torch.Tensor, sp: SamplingBatch) -> None:
@@ -220,3 +230,44 @@ def logprob_rows(logprobs: torch.Tensor, tokens: torch.Tensor, token_ids: np.nda
             row += [[float(t), v] for t, v in zip(ids, vals, strict=True)]
         out.append(row)
     return out
+
+
+def prompt_logprob_rows(compute_logits: Callable[[torch.Tensor], torch.Tensor],
+                        hidden: torch.Tensor, plp: PromptLogprobsBatch
+                        ) -> list[list[list[float]]]:
+    """Logprob rows of prompt positions: per position the prompt's next token, its logprob
+    and rank, then the top ``want`` tokens.
+
+    Args:
+        compute_logits: hidden [k, H] -> float32 logits [k, V] (the model's LM head).
+        hidden: the step's final hidden states [T, H].
+        plp: which positions, their target tokens and top counts.
+
+    Returns:
+        K rows ``[[target, logprob, rank], [top1, logprob], ...]``: the log-softmax of the raw
+        logits (no sampling parameters apply to the prompt), rank 1-based over the whole
+        vocabulary (1 + tokens with a strictly higher logprob), as vLLM reports it.
+    """
+    dev = hidden.device
+    idx = torch.from_numpy(plp.indices).to(dev)
+    targets = torch.from_numpy(plp.targets).to(dev)
+    want = plp.want
+    rows: list[list[list[float]]] = []
+    for lo in range(0, len(idx), PROMPT_LOGPROBS_SLICE):
+        hi = min(lo + PROMPT_LOGPROBS_SLICE, len(idx))
+        lp = torch.log_softmax(compute_logits(hidden[idx[lo:hi]]).float(), dim=-1)
+        tgt = targets[lo:hi]
+        chosen = lp.gather(1, tgt[:, None]).squeeze(1)
+        rank = ((lp > chosen[:, None]).sum(dim=-1) + 1).tolist()
+        n = int(want[lo:hi].max())
+        top_v = top_i = None
+        if n > 0:
+            v, i = lp.topk(n, dim=-1)
+            top_v, top_i = v.tolist(), i.tolist()
+        for j, (t, c, r) in enumerate(zip(tgt.tolist(), chosen.tolist(), rank, strict=True)):
+            row = [[float(t), c, float(r)]]
+            k = int(want[lo + j])
+            if k and top_v is not None and top_i is not None:
+                row += [[float(a), b] for a, b in zip(top_i[j][:k], top_v[j][:k], strict=True)]
+            rows.append(row)
+    return rows

@@ -226,6 +226,7 @@ class _SamplingRequest(BaseModel):
     guided_grammar: str | None = None
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
+    prompt_logprobs: int | None = None
     # accepted only with the values that change nothing (see ``_RESTRICTED``)
     spaces_between_special_tokens: bool = True
     use_beam_search: bool = False
@@ -277,6 +278,10 @@ class _SamplingRequest(BaseModel):
                 f"{'them' if len(bad) > 1 else 'it'} (or not with this value) and does not "
                 "ignore fields that would change the output.", param=bad[0],
                 code="unsupported_parameter")
+        if self.prompt_logprobs is not None and self.stream:
+            # vLLM refuses it too: prompt logprobs are not streamed
+            raise OpenAIError("prompt_logprobs are not available with stream=true",
+                              param="prompt_logprobs")
 
     def unsupported_fields(self) -> list[str]:
         """Fields set to something this server cannot honour: unknown fields (not null, not in
@@ -330,7 +335,7 @@ class _SamplingRequest(BaseModel):
 
     def _sampling_params(
         self, max_tokens: int | None, default_max_tokens: int | None, logprobs: int | None,
-        structured: StructuredOutputsParams | None = None,
+        structured: StructuredOutputsParams | None = None, prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         return SamplingParams(
             n=self.n,
@@ -348,6 +353,7 @@ class _SamplingRequest(BaseModel):
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=self.logit_bias_ids(),
@@ -429,7 +435,8 @@ class ChatCompletionRequest(_SamplingRequest):
         if max_tokens is None:
             max_tokens = self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, default_max_tokens, logprobs, structured)
+        return self._sampling_params(max_tokens, default_max_tokens, logprobs, structured,
+                                     self.prompt_logprobs)
 
 
 class CompletionRequest(_SamplingRequest):
@@ -472,11 +479,25 @@ class CompletionRequest(_SamplingRequest):
                            structured: StructuredOutputsParams | None = None) -> SamplingParams:
         """Engine sampling params; ``default_max_tokens`` applies when ``max_tokens`` is None.
 
+        ``echo`` with ``logprobs`` asks for the prompt's logprobs too (``prompt_logprobs``
+        defaults to ``logprobs``, as vLLM does); ``max_tokens`` 0 with ``echo`` runs one token
+        that the response leaves out (``echo_only``).
+
         Raises:
             ValueError: a value out of range (the message starts with ``field=value``).
         """
-        return self._sampling_params(self.max_tokens, default_max_tokens, self.logprobs,
-                                     structured)
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo:
+            prompt_logprobs = self.logprobs
+        max_tokens = 1 if self.echo_only else self.max_tokens
+        return self._sampling_params(max_tokens, default_max_tokens, self.logprobs,
+                                     structured, prompt_logprobs)
+
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens`` 0: the answer is the prompt alone (with its
+        logprobs)."""
+        return self.echo and self.max_tokens == 0
 
 
 # -- models, tokenize ----------------------------------------------------------------------------

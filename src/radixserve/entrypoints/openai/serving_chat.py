@@ -12,7 +12,7 @@ from fastapi import Request
 
 from radixserve.entrypoints.openai.constraints import structured_outputs_for
 from radixserve.entrypoints.openai.errors import OpenAIError
-from radixserve.entrypoints.openai.logprobs import chat_logprobs
+from radixserve.entrypoints.openai.logprobs import chat_logprobs, vllm_prompt_logprobs
 from radixserve.entrypoints.openai.protocol import ChatCompletionRequest
 from radixserve.entrypoints.openai.serving_driver import ResponseFormatter, run_requests
 from radixserve.entrypoints.openai.serving_request import (
@@ -39,14 +39,17 @@ class ChatFormatter(ResponseFormatter):
         return_token_ids: add ``token_ids`` per choice and ``prompt_token_ids`` (vLLM).
         token_ids_as_strings: logprob tokens as ``token_id:<id>`` (vLLM's
             ``return_tokens_as_token_ids``).
+        prompt_logprobs: add vLLM's top-level ``prompt_logprobs`` (not streamed).
     """
 
     object_chunk = "chat.completion.chunk"
 
     def __init__(self, state: ServingState, response_id: str, n: int,
                  tools: ToolOutput | None = None, echo: str = "", role: str = "assistant",
-                 return_token_ids: bool = False, token_ids_as_strings: bool = False) -> None:
+                 return_token_ids: bool = False, token_ids_as_strings: bool = False,
+                 prompt_logprobs: bool = False) -> None:
         super().__init__(state, response_id, n)
+        self.want_prompt_logprobs = prompt_logprobs
         self.role = role
         self.tools = tools
         self.echo = echo
@@ -131,6 +134,9 @@ class ChatFormatter(ResponseFormatter):
         }
         if self.return_token_ids and states:
             body["prompt_token_ids"] = list(map(int, states[0].prompt_token_ids))
+        if self.want_prompt_logprobs and states:
+            body["prompt_logprobs"] = vllm_prompt_logprobs(self.state.tokenizer,
+                                                           states[0].prompt_logprob_rows)
         return body
 
 
@@ -176,6 +182,7 @@ async def create_chat_completion(raw: Request, state: ServingState) -> Any:
     fmt = ChatFormatter(state, new_request_id("chatcmpl"), sp.n,
                         tools=ToolOutput.for_request(req, tools), echo=echo, role=role,
                         return_token_ids=bool(req.return_token_ids),
-                        token_ids_as_strings=bool(req.return_tokens_as_token_ids))
+                        token_ids_as_strings=bool(req.return_tokens_as_token_ids),
+                        prompt_logprobs=req.prompt_logprobs is not None)
     return await run_requests(raw, state, fmt, requests, req.stream, req.include_usage,
                               arrival, "messages", continuous_usage=req.continuous_usage)
