@@ -127,7 +127,9 @@ def sample(logits: torch.Tensor, sp: SamplingBatch,
     overlap scheduling the engine mutates its requests while this runs.
 
     Args:
-        logits: float32 [S, V], one row per sampling request.
+        logits: float32 [S, V], one row per sampling request; ``logit_bias`` and the grammar
+            bitmask are applied to it in place (no copy of a [S, V] tensor per step: the
+            runner's logits are not used after sampling, and logprobs are taken before).
         sp: the rows' sampling parameters (``SamplingBatch``).
         generator: engine-wide generator for unseeded random rows.
 
@@ -140,8 +142,6 @@ def sample(logits: torch.Tensor, sp: SamplingBatch,
         logits = logits.clone()
         _apply_penalties(logits, sp)
     if sp.logit_bias:
-        if sp.penalty_outputs is None:
-            logits = logits.clone()
         _add_logit_bias(logits, sp.logit_bias)
     masked = sp.token_bitmask is not None
     unblocked = None
@@ -152,8 +152,6 @@ def sample(logits: torch.Tensor, sp: SamplingBatch,
         logits = logits.clone()
         _block_tokens(logits, sp.blocked_tokens)
     if masked:
-        if not (sp.blocked_tokens or sp.logit_bias or sp.penalty_outputs):
-            logits = logits.clone()  # the caller's tensor stays the raw logits
         _apply_bitmask(logits, sp, unblocked)
     tokens = logits.argmax(dim=-1)
     if sp.greedy is not None:
