@@ -85,6 +85,14 @@ def test_streamed_hermes_matches_whole(step):
     assert _stream(ToolOutput("auto"), text, step) == (text, [])
 
 
+@pytest.mark.parametrize("step", [1, 5, 1000])
+def test_parallel_tool_calls_false_keeps_the_first_auto_call(step):
+    one = ToolOutput("auto", parallel=False)
+    _, calls, finish = one.message(HERMES, "stop")
+    assert [_fn(c) for c in calls] == [("get_weather", {"city": "Paris"})]
+    assert _stream(one, HERMES, step)[1] == [("get_weather", {"city": "Paris"})]
+
+
 @pytest.mark.parametrize("step", [1, 4, 1000])
 def test_streamed_required_and_named(step):
     arr = '[{"name": "f", "parameters": {"x": [1, 2]}}, {"name": "g", "parameters": {}}]'

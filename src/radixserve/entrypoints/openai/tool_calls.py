@@ -214,10 +214,14 @@ def parse_required(text: str) -> list[dict[str, Any]] | None:
 
 @dataclass
 class ToolOutput:
-    """How one choice's text is read: ``mode`` "auto" (Hermes), "required" or "named"."""
+    """How one choice's text is read: ``mode`` "auto" (Hermes), "required" or "named".
+
+    ``parallel`` false (``parallel_tool_calls: false``) keeps only the first Hermes call of an
+    "auto" output ("required" is constrained to one item already)."""
 
     mode: str
     name: str | None = None
+    parallel: bool = True
 
     @classmethod
     def for_request(cls, req: ChatCompletionRequest, prompt: ToolPrompt) -> ToolOutput | None:
@@ -229,7 +233,7 @@ class ToolOutput:
             return cls("named", choice.function.name)
         if choice == "required":
             return cls("required")
-        return cls("auto") if prompt.hermes else None
+        return cls("auto", parallel=req.parallel_tool_calls) if prompt.hermes else None
 
     def message(self, text: str, finish_reason: str | None
                 ) -> tuple[str | None, list[dict[str, Any]], str | None]:
@@ -246,6 +250,8 @@ class ToolOutput:
                 return None, calls, "tool_calls"
             return text, [], finish_reason
         content, calls = parse_hermes(text)
+        if not self.parallel:
+            calls = calls[:1]
         if calls:
             return content, calls, "tool_calls" if finish_reason == "stop" else finish_reason
         return text, [], finish_reason
@@ -273,7 +279,9 @@ class ToolStreamer:
     held: str = ""
     deltas: list[dict[str, Any]] = field(default_factory=list)
 
-    def _call_delta(self, call: dict[str, Any]) -> dict[str, Any]:
+    def _call_delta(self, call: dict[str, Any]) -> dict[str, Any] | None:
+        if self.calls and not self.out.parallel:
+            return None  # parallel_tool_calls false: the first call only
         d = {"tool_calls": [{"index": self.calls, **call}]}
         self.calls += 1
         return d
@@ -316,8 +324,9 @@ class ToolStreamer:
                 break
             self.pos = end
             if isinstance(item, dict) and isinstance(item.get("name"), str):
-                out.append(self._call_delta(tool_call(item["name"],
-                                                      _dump(item.get("parameters", {})))))
+                d = self._call_delta(tool_call(item["name"], _dump(item.get("parameters", {}))))
+                if d is not None:
+                    out.append(d)
         if final and not self.calls and buf.strip():
             out.append({"content": buf})  # not an array of calls after all (cut short)
         return out
@@ -343,12 +352,16 @@ class ToolStreamer:
                 if final:
                     body = buf[start + len(TOOL_CALL_START):]
                     call = _hermes_call(body)
-                    out.append(self._call_delta(call) if call else {"content": buf[start:]})
+                    d = self._call_delta(call) if call else {"content": buf[start:]}
+                    if d is not None:
+                        out.append(d)
                     self.pos = len(buf)
                 break
             call = _hermes_call(buf[start + len(TOOL_CALL_START):end])
             stop = end + len(TOOL_CALL_END)
-            out.append(self._call_delta(call) if call else {"content": buf[start:stop]})
+            d = self._call_delta(call) if call else {"content": buf[start:stop]}
+            if d is not None:
+                out.append(d)
             self.pos = stop
         return out
 
