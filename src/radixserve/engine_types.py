@@ -74,6 +74,8 @@ class TokenOutput(msgspec.Struct, kw_only=True, gc=False):
         error_param / error_code: see ``RequestRejected``.
         queue_time: seconds from arrival in the core to first being scheduled; set on the
             output that finishes the request (None when it never ran).
+        prompt_logprobs: with the first token, when asked: one row per prompt position from
+            the second, ``[[token, logprob, rank], [top1, logprob], ...]``.
     """
 
     request_id: str
@@ -87,6 +89,7 @@ class TokenOutput(msgspec.Struct, kw_only=True, gc=False):
     error_param: str | None = None
     error_code: str | None = None
     queue_time: float | None = None
+    prompt_logprobs: list[list[list[float]]] | None = None
 
 
 class StepOutputs(msgspec.Struct, kw_only=True):

@@ -140,6 +140,15 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     except (httpx.HTTPError, RuntimeError) as e:
         return _err(f"cannot list models at {base}/v1/models: {e}")
     extra = json.loads(ns.extra_body) if ns.extra_body else None
+    if ns.json_schema:
+        # the same prompts, each constrained by this schema (structured-output cost)
+        text = ns.json_schema
+        if not text.lstrip().startswith("{"):
+            with open(text) as f:
+                text = f.read()
+        extra = {**(extra or {}), "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "bench", "schema": json.loads(text), "strict": True}}}
     levels: list[int | None] = list(ns.sweep_concurrency) if ns.sweep_concurrency else [
         ns.max_concurrency]
     runs = []
@@ -170,7 +179,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                       "request_rate": "inf" if math.isinf(ns.request_rate) else ns.request_rate,
                       "max_concurrency": ns.max_concurrency,
                       "sweep_concurrency": ns.sweep_concurrency,
-                      "ignore_eos": not ns.no_ignore_eos, "temperature": ns.temperature},
+                      "ignore_eos": not ns.no_ignore_eos, "temperature": ns.temperature,
+                      "json_schema": ns.json_schema},
            "runs": runs}
     print(serve.format_table(runs))
     for r in runs:
@@ -292,6 +302,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="do not send ignore_eos (outputs may stop early)")
     s.add_argument("--temperature", type=float, default=0.0)
     s.add_argument("--extra-body", default=None, help="JSON merged into every request body")
+    s.add_argument("--json-schema", default=None,
+                   help="constrain every request by this JSON schema (a file or inline JSON), "
+                        "sent as response_format json_schema strict")
     s.add_argument("--num-warmups", type=int, default=1)
     s.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
     s.add_argument("--seed", type=int, default=0)

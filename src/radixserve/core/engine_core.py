@@ -32,6 +32,8 @@ from radixserve.kvcache.manager import KVCacheManager
 from radixserve.kvcache.sizing import pool_max_len
 from radixserve.model_executor.forward_batch import SampleResult
 from radixserve.model_executor.step_runner import StepRunner
+from radixserve.structured.compiler import GrammarCompiler, GrammarError
+from radixserve.structured.runtime import GrammarRuntime
 
 
 @dataclass
@@ -96,6 +98,8 @@ class EngineCore:
         self._inflight: tuple[ScheduledBatch, Future[SampleResult]] | None = None
         self._last_sampled = np.zeros(config.max_num_seqs, dtype=np.int64)
         self.eos_token_ids: frozenset[int] = frozenset(minfo.eos_token_ids)
+        self.grammars = GrammarRuntime(self._make_grammar_compiler, minfo.vocab_size,
+                                       config.max_num_seqs)
         self.info = EngineInfo(
             model_name=minfo.name, folder=minfo.folder, max_model_len=self.max_model_len,
             vocab_size=minfo.vocab_size, eos_token_ids=sorted(self.eos_token_ids),
@@ -135,7 +139,18 @@ class EngineCore:
             gen = torch.Generator(device=self.runner.device)
             gen.manual_seed(sp.seed)
         eos = self.eos_token_ids if er.eos_token_ids is None else frozenset(er.eos_token_ids)
-        req = Request(er.request_id, prompt, sp, eos, max_tokens, generator=gen)
+        if sp.logit_bias and max(sp.logit_bias) >= self.vocab_size:
+            raise RequestRejected(f"logit_bias has token id {max(sp.logit_bias)}; token ids "
+                                  f"must be in [0, {self.vocab_size})", "logit_bias")
+        grammar = None
+        if sp.structured_outputs is not None:
+            try:
+                grammar = self.grammars.new_grammar(
+                    sp.structured_outputs, None if er.eos_token_ids is None else sorted(eos))
+            except GrammarError as e:
+                raise RequestRejected(str(e), "structured_outputs") from None
+        req = Request(er.request_id, prompt, sp, eos, max_tokens, generator=gen,
+                      grammar=grammar)
         self.scheduler.add(req)
         self.prompt_tokens += n
 
@@ -227,9 +242,33 @@ class EngineCore:
             for i, toks in outs.items():
                 if toks and toks[-1] < 0:
                     toks[-1] = int(self._last_sampled[rows[i]])
+        grammars = fb.sampling.grammars
+        if grammars is not None:
+            # here, not at scheduling: the masks depend on the previous step's tokens, which
+            # this thread accepted into the matchers when that step finished (overlap-safe)
+            filled = self.grammars.fill(grammars)
+            if filled is not None:
+                fb.sampling.token_bitmask, fb.sampling.bitmask_rows = filled
         result = self.runner.execute(fb)
         self._last_sampled[fb.rows[fb.sample]] = result.token_ids
+        if grammars is not None:
+            result.grammar_status = self.grammars.accept(grammars, result.token_ids)
         return result
+
+    def _make_grammar_compiler(self) -> GrammarCompiler:
+        """The xgrammar compiler over the model's tokenizer (first constrained request).
+
+        Raises:
+            GrammarError: the runner has no tokenizer (the null model of a bare config).
+        """
+        from radixserve.model_executor.loader import load_tokenizer
+
+        folder = self.runner.info.folder
+        if not folder:
+            raise GrammarError("structured outputs need the model's tokenizer, and this "
+                               "engine's runner has none")
+        return GrammarCompiler(load_tokenizer(folder), self.vocab_size,
+                               sorted(self.eos_token_ids))
 
     def _process(self, batch: ScheduledBatch, result: SampleResult
                  ) -> tuple[list[TokenOutput], tuple[list[str], np.ndarray]]:
@@ -242,7 +281,10 @@ class EngineCore:
         """
         lp = result.logprobs
         self.scheduler.cache_prefills(batch)
-        res = self.resolver.resolve(batch, result.token_ids, plain=lp is None)
+        if batch.forward.prompt_logprobs is not None:
+            self.resolver.add_prompt_logprobs(batch, result.prompt_logprobs)
+        res = self.resolver.resolve(batch, result.token_ids, plain=lp is None,
+                                    grammar_status=result.grammar_status)
         for req in res.finished:
             self.scheduler.finish(req, req.finish_reason or FINISH_ABORT)
         outs = [self._output(req, [tok], req.finish_reason,
@@ -269,11 +311,14 @@ class EngineCore:
 
     def _output(self, req: Request, new: list[int], finish: str | None,
                 logprobs: list[list[list[float]]] | None = None) -> TokenOutput:
+        prompt_lp = None
+        if new and req.prompt_logprob_rows is not None and not req.prompt_lp_sent:
+            prompt_lp, req.prompt_lp_sent = req.prompt_logprob_rows, True
         return TokenOutput(
             request_id=req.request_id, new_token_ids=new, finish_reason=finish,
             stop_reason=req.stop_reason, logprobs=logprobs,
             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
-            queue_time=None if finish is None or req.first_scheduled_time is None
+            prompt_logprobs=prompt_lp, queue_time=None if finish is None or req.first_scheduled_time is None
             else req.first_scheduled_time - req.arrival_time)
 
     # ------------------------------------------------------------------ stats

@@ -114,7 +114,8 @@ class Scheduler:
     def _admit(self, req: Request) -> None:
         """Take a row, match the cached prefix, mark the request running."""
         tokens = req.all_token_ids()
-        pages, node = self.kv.match(tokens)
+        # prompt logprobs need every prompt position's logits: no prefix hit (as vLLM)
+        pages, node = self.kv.match(tokens if req.prompt_logprob_rows is None else tokens[:0])
         row = self.tables.acquire(tokens, req.num_prompt_tokens,
                                   min(req.max_tokens, self.max_model_len - req.num_prompt_tokens),
                                   req.params, req.generator)

@@ -44,6 +44,8 @@ class RequestState:
         detok: incremental detokenizer with the request's stop strings.
         want_logprobs: the request asked for logprobs.
         logprob_rows: every logprob row received, one per generated token (when asked).
+        prompt_logprob_rows: one row per prompt position from the second (``prompt_logprobs``
+            asked; they come with the first token), else None.
         finish_reason: None while running; "stop", "length" or "abort".
         stop_reason: the stop string or stop token id that ended it.
         error / error_param / error_code: why the engine rejected it (finish "abort").
@@ -55,7 +57,8 @@ class RequestState:
     """
 
     __slots__ = ("request_id", "index", "prompt_token_ids", "sampling_params", "arrival_time",
-                 "detok", "want_logprobs", "logprob_rows", "finish_reason", "stop_reason",
+                 "detok", "want_logprobs", "logprob_rows", "prompt_logprob_rows",
+                 "finish_reason", "stop_reason",
                  "error", "error_param", "error_code", "num_prompt_tokens", "num_cached_tokens",
                  "first_token_time", "queue_time", "_sent")
 
@@ -70,6 +73,7 @@ class RequestState:
         self.detok = detok
         self.want_logprobs = sampling_params.logprobs is not None
         self.logprob_rows: list[LogprobRow] = []
+        self.prompt_logprob_rows: list[LogprobRow] | None = None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.error: str | None = None
@@ -246,6 +250,8 @@ class OutputProcessor:
         if out.num_prompt_tokens:
             state.num_prompt_tokens = out.num_prompt_tokens
             state.num_cached_tokens = out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            state.prompt_logprob_rows = out.prompt_logprobs
         new = out.new_token_ids
         detok = state.detok
         text = ""

@@ -22,7 +22,7 @@ from radixserve.model_executor.forward_batch import ForwardBatch, SampleResult
 from radixserve.model_executor.kernels.cpu import CpuKernels
 from radixserve.model_executor.models.llama import CausalLM, ModelArgs, rope_inv_freq
 from radixserve.model_executor.path_choice import choose_linear_path
-from radixserve.model_executor.sampler import sample
+from radixserve.model_executor.sampler import prompt_logprob_rows, sample
 from radixserve.model_executor.shadow import ShadowChecker, reference_copy
 from radixserve.model_executor.step_runner import ModelInfo, StepRunner
 
@@ -287,14 +287,18 @@ class ModelRunner:
         pos = torch.from_numpy(batch.positions).to(self.device)
         hidden = self.model(ids, pos, self.kv.layers, meta)
         self.paths.steps += 1
+        plp = (None if batch.prompt_logprobs is None else
+               prompt_logprob_rows(self.model.compute_logits, hidden, batch.prompt_logprobs))
         if not len(batch.logits_indices):
-            return SampleResult(np.empty(0, np.int64), None)
+            return SampleResult(np.empty(0, np.int64), None, prompt_logprobs=plp)
         idx = torch.from_numpy(batch.logits_indices).to(self.device)
         logits = self.model.compute_logits(hidden[idx])
         if self.shadow is not None and self.shadow.wants_step():
             self.shadow.check(ids, pos, self.kv.layers, lambda: self._metadata(batch, False),
                               idx, logits)
-        return sample(logits, batch.sampling, self.generator)
+        result = sample(logits, batch.sampling, self.generator)
+        result.prompt_logprobs = plp
+        return result
 
 
 def build_runner(config: EngineConfig, null_model: bool = False,

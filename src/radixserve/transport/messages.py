@@ -24,8 +24,9 @@ from radixserve.sampling_params import SamplingParams
 #: Bumped on any incompatible change; checked by the Hello handshake at connect.
 #: 3: Wire* names, no eos_token_ids in requests, rejections carry error_param/error_code,
 #: Hello carries a typed EngineInfo, no timestamp in step outputs, no StatsRequest.
-#: 4: FlushCache / FlushCacheDone.
-SCHEMA_VERSION = 4
+#: 4: SamplingParams carries logit_bias and structured_outputs; outputs carry prompt_logprobs.
+#: 5: FlushCache / FlushCacheDone.
+SCHEMA_VERSION = 5
 
 
 _I32 = struct.Struct("<i")
@@ -115,6 +116,7 @@ class WireOutput(msgspec.Struct, array_like=True):
     error_param: str | None = None
     error_code: str | None = None
     queue_time: float | None = None
+    prompt_logprobs: list[list[list[float]]] | None = None
 
 
 class WireStepOutputs(msgspec.Struct, tag="outputs", array_like=True):
@@ -181,7 +183,8 @@ def step_to_wire(step: et.StepOutputs, stats: SchedulerStats | None = None) -> W
         step.step,
         [WireOutput(o.request_id, pack_ids(o.new_token_ids), o.finish_reason, o.stop_reason,
                     o.logprobs, o.num_prompt_tokens, o.num_cached_tokens, o.error,
-                    o.error_param, o.error_code, o.queue_time) for o in step.outputs],
+                    o.error_param, o.error_code, o.queue_time, o.prompt_logprobs)
+         for o in step.outputs],
         stats, step.decode_request_ids,
         step.decode_token_ids.astype("<i4", copy=False).tobytes())
 
@@ -196,6 +199,6 @@ def step_from_wire(msg: WireStepOutputs) -> et.StepOutputs:
             finish_reason=o.finish_reason, stop_reason=o.stop_reason, logprobs=o.logprobs,
             num_prompt_tokens=o.num_prompt_tokens, num_cached_tokens=o.num_cached_tokens,
             error=o.error, error_param=o.error_param, error_code=o.error_code,
-            queue_time=o.queue_time) for o in msg.outputs],
+            queue_time=o.queue_time, prompt_logprobs=o.prompt_logprobs) for o in msg.outputs],
         decode_request_ids=msg.decode_request_ids,
         decode_token_ids=unpack_ids(msg.decode_token_ids))

@@ -13,18 +13,19 @@ from pydantic import BaseModel
 
 from radixserve.engine_types import EngineRequest
 from radixserve.entrypoints.openai.errors import OpenAIError, error_from_value_error
-from radixserve.sampling_params import SamplingParams
+from radixserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 M = TypeVar("M", bound=BaseModel)
 
 
 async def parse_body(raw: Request, model: type[M]) -> M:
-    """Read and validate a JSON body.
+    """Read and validate a JSON body; a model with a ``check`` method (the generation
+    requests) is also checked for fields this server cannot honour.
 
     Raises:
-        OpenAIError: 400 for a body that is not JSON (or not an object); pydantic's
-            ``ValidationError`` (the app turns it into a 400 naming the field) for wrong types or
-            missing fields.
+        OpenAIError: 400 for a body that is not JSON (or not an object), or naming an
+            unsupported field; pydantic's ``ValidationError`` (the app turns it into a 400
+            naming the field) for wrong types or missing fields.
     """
     body = await raw.body()
     try:
@@ -33,11 +34,16 @@ async def parse_body(raw: Request, model: type[M]) -> M:
         raise OpenAIError(f"Invalid JSON body: {e}") from None
     if not isinstance(data, dict):
         raise OpenAIError("The request body must be a JSON object.")
-    return model.model_validate(data)
+    req = model.model_validate(data)
+    check = getattr(req, "check", None)
+    if check is not None:
+        check()
+    return req
 
 
 def sampling_params_for(req: Any, prompt_len: int, max_model_len: int,
-                        default_max_tokens: int | None, prompt_field: str) -> SamplingParams:
+                        default_max_tokens: int | None, prompt_field: str,
+                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
     """Build the engine's SamplingParams.
 
     A prompt too long on its own is the engine core's to reject (``EngineCore.add_request``
@@ -51,6 +57,7 @@ def sampling_params_for(req: Any, prompt_len: int, max_model_len: int,
         default_max_tokens: max_tokens when the request gives none, lowered to the room the
             prompt leaves; None: all the room left (the engine core fills it in).
         prompt_field: "messages" or "prompt", named in errors about the prompt.
+        structured: the output constraint (``constraints.structured_outputs_for``).
 
     Raises:
         OpenAIError: 400 naming the numbers when prompt + max_tokens exceeds the context, or a
@@ -61,7 +68,7 @@ def sampling_params_for(req: Any, prompt_len: int, max_model_len: int,
     if default is not None and room >= 1:
         default = min(default, room)
     try:
-        sp = req.to_sampling_params(default)
+        sp = req.to_sampling_params(default, structured)
     except ValueError as e:
         raise error_from_value_error(e) from None
     # OpenAI's API rule, not an engine limit: the engine can run such a request (it ends with
