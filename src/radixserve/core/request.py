@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -18,6 +19,9 @@ class Status(enum.Enum):
     WAITING = 0
     RUNNING = 1
     FINISHED = 2
+    #: holds a row and pages while a KV connector loads its prompt's KV from a remote
+    #: (prefill) instance; in ``Scheduler.loading``, never scheduled until the load ended
+    WAITING_FOR_REMOTE_KVS = 3
 
 
 @dataclass(eq=False, slots=True)
@@ -60,6 +64,10 @@ class Request:
     #: token ids masked while fewer than ``params.min_tokens`` are generated (stop ids, and
     #: EOS unless ``ignore_eos``); empty without ``min_tokens``
     min_tokens_blocked: list[int] = field(default_factory=list)
+    #: prefill/decode disaggregation: the request's parsed ``kv_transfer_params`` (the
+    #: connector may update it), and the ones its final output reports
+    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params_out: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         # plain attributes: these are read for every running request in every step

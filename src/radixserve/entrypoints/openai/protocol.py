@@ -92,6 +92,8 @@ class _SamplingRequest(OpenAIBaseModel):
     user: str | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    #: prefill/decode disaggregation (vLLM's field; checked by the engine core)
+    kv_transfer_params: dict[str, Any] | None = None
 
     @model_validator(mode="before")
     @classmethod

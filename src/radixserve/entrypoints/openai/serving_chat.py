@@ -15,6 +15,7 @@ from radixserve.entrypoints.openai.protocol import ChatCompletionRequest
 from radixserve.entrypoints.openai.serving_driver import ResponseFormatter, run_requests
 from radixserve.entrypoints.openai.serving_request import (
     engine_requests,
+    kv_transfer_field,
     new_request_id,
     parse_body,
     sampling_params_for,
@@ -58,6 +59,7 @@ class ChatFormatter(ResponseFormatter):
                 "finish_reason": s.finish_reason, "stop_reason": s.stop_reason,
             } for s in states],
             "usage": usage_dict(states, self.n),
+            **kv_transfer_field(states),
         }
 
 
@@ -81,7 +83,7 @@ async def create_chat_completion(raw: Request, state: ServingState) -> Any:
     if not ids:
         raise OpenAIError("messages produce an empty prompt", param="messages")
     sp = sampling_params_for(req, len(ids), state.info.max_model_len, None, "messages")
-    requests = engine_requests([ids], sp, "chatcmpl", arrival)
+    requests = engine_requests([ids], sp, "chatcmpl", arrival, req.kv_transfer_params)
     fmt = ChatFormatter(state, new_request_id("chatcmpl"), sp.n)
     return await run_requests(raw, state, fmt, requests, req.stream, req.include_usage,
                               arrival, "messages")

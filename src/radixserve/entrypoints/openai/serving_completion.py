@@ -15,6 +15,7 @@ from radixserve.entrypoints.openai.serving_driver import ResponseFormatter, run_
 from radixserve.entrypoints.openai.serving_request import (
     check_token_ids,
     engine_requests,
+    kv_transfer_field,
     new_request_id,
     parse_body,
     sampling_params_for,
@@ -82,7 +83,8 @@ class CompletionFormatter(ResponseFormatter):
             out.append({"index": s.index, "text": self._prompt_text(s) + s.text, "logprobs": lp,
                         "finish_reason": s.finish_reason, "stop_reason": s.stop_reason})
         return {"id": self.response_id, "object": "text_completion", "created": self.created,
-                "model": self.model, "choices": out, "usage": usage_dict(states, self.n)}
+                "model": self.model, "choices": out, "usage": usage_dict(states, self.n),
+                **kv_transfer_field(states)}
 
 
 async def create_completion(raw: Request, state: ServingState) -> Any:
@@ -112,7 +114,7 @@ async def create_completion(raw: Request, state: ServingState) -> Any:
     longest = max(len(ids) for ids in prompts)
     sp = sampling_params_for(req, longest, state.info.max_model_len,
                              DEFAULT_COMPLETION_MAX_TOKENS, "prompt")
-    requests = engine_requests(prompts, sp, "cmpl", arrival)
+    requests = engine_requests(prompts, sp, "cmpl", arrival, req.kv_transfer_params)
     fmt = CompletionFormatter(state, new_request_id("cmpl"), sp.n, req.echo, texts)
     return await run_requests(raw, state, fmt, requests, req.stream, req.include_usage,
                               arrival, "prompt")

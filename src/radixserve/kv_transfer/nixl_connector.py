@@ -1,0 +1,141 @@
+"""``NixlConnector``: the decode instance READs the prefill instance's pages with NIXL (UCX
+underneath; DRAM to DRAM on CPU), as vLLM's NixlConnector does.
+
+NIXL comes from PyPI (``nixl-cu13``, the ``pd`` extra); ``import nixl_cu13`` alone is enough,
+the ``nixl`` meta package is not needed. With ``kv_ip`` on loopback and no
+``UCX_NET_DEVICES`` set, UCX is told to use ``lo`` only. UCX's zero-copy path between processes
+on one host (CMA) needs both to run as the same user.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from radixserve.config import KVTransferConfig
+from radixserve.kv_transfer.pull import RecvSpec
+from radixserve.kv_transfer.worker import Peer, PullConnectorWorker, TransferError, page_runs
+
+log = logging.getLogger("radixserve.kv_transfer")
+
+#: Seconds between polls of a NIXL transfer's state.
+POLL_S = 0.0002
+#: NIXL Python packages, most specific first (``nixl`` is the meta package of both wheels).
+NIXL_MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
+
+
+def load_nixl() -> Any:
+    """NIXL's ``_api`` module.
+
+    Raises:
+        RuntimeError: no NIXL package is installed (how to get one, or the alternative).
+    """
+    for name in NIXL_MODULES:
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    raise RuntimeError("NixlConnector needs NIXL: pip install 'radixserve[pd]' (nixl-cu13), "
+                       "or use kv_connector TcpConnector, which needs no NIXL")
+
+
+def _is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+class NixlConnectorWorker(PullConnectorWorker):
+    """Worker side of ``NixlConnector``: one NIXL agent named after the engine id, the KV
+    tensors registered as DRAM, reads as NIXL READ transfers of page runs.
+
+    Raises:
+        RuntimeError: NIXL is not installed.
+    """
+
+    connector = "NixlConnector"
+
+    def __init__(self, config: KVTransferConfig, model: str) -> None:
+        api = load_nixl()
+        super().__init__(config, model)
+        if "UCX_NET_DEVICES" not in os.environ and _is_loopback(config.kv_ip):
+            os.environ["UCX_NET_DEVICES"] = "lo"
+        backends = config.extra("backends", ["UCX"])
+        self._agent = api.nixl_agent(config.engine_id, api.nixl_agent_config(backends=backends))
+        # NIXL's agent is driven from the load threads; one at a time
+        self._nixl_lock = threading.Lock()
+        self._remote_agents: set[str] = set()
+
+    def _register_transport(self, kv_caches: list[torch.Tensor]) -> None:
+        self._agent.register_memory(kv_caches)
+
+    def _transport_metadata(self) -> bytes:
+        return self._agent.get_agent_metadata()
+
+    def _connect(self, peer: Peer, metadata: bytes) -> Any:
+        with self._nixl_lock:
+            if peer.engine_id in self._remote_agents:
+                self._agent.remove_remote_agent(peer.engine_id)
+            try:
+                name = self._agent.add_remote_agent(metadata)
+            except Exception as e:  # noqa: BLE001 - NIXL raises its own error types
+                raise TransferError(f"NIXL could not add agent {peer.engine_id}: {e}") from e
+            self._remote_agents.add(name)
+        return name
+
+    def _read(self, peer: Peer, spec: RecvSpec) -> None:
+        assert self.layout is not None
+        local_descs, remote_descs = transfer_descs(self.layout, peer.layout, spec.local_pages,
+                                                   spec.remote_pages)
+        with self._nixl_lock:
+            try:
+                handle = self._agent.initialize_xfer(
+                    "READ", self._agent.get_xfer_descs(local_descs, "DRAM"),
+                    self._agent.get_xfer_descs(remote_descs, "DRAM"), peer.handle)
+                state = self._agent.transfer(handle)
+            except Exception as e:  # noqa: BLE001 - NIXL raises its own error types
+                raise TransferError(f"NIXL READ from {peer.engine_id} failed to start: {e}") from e
+        try:
+            while state == "PROC":
+                time.sleep(POLL_S)
+                with self._nixl_lock:
+                    state = self._agent.check_xfer_state(handle)
+        finally:
+            with self._nixl_lock:
+                self._agent.release_xfer_handle(handle)
+        if state != "DONE":
+            raise TransferError(f"NIXL READ from {peer.engine_id} ended in state {state}")
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self._agent = None
+
+
+def transfer_descs(local: Any, remote: Any, local_pages: np.ndarray,
+                   remote_pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """NIXL descriptors ``(address, bytes, device 0)`` for copying ``remote_pages`` of
+    ``remote`` into ``local_pages`` of ``local`` (two ``KVLayout``s): per layer, K then V, one
+    descriptor per run of pages consecutive on both sides.
+
+    Returns:
+        (local, remote) uint64 [layers * 2 * runs, 3], row i of one matching row i of the other.
+    """
+    lp, rp, lens = page_runs(np.asarray(local_pages), np.asarray(remote_pages))
+    pb = np.uint64(local.page_bytes)
+    kv = np.arange(2, dtype=np.uint64)[None, :, None]
+
+    def addrs(layout: Any, first: np.ndarray) -> np.ndarray:
+        bases = np.asarray(layout.base_addrs, dtype=np.uint64)[:, None, None]
+        off = (kv * np.uint64(layout.num_pages) + first.astype(np.uint64)[None, None, :]) * pb
+        return (bases + off).reshape(-1)
+
+    size = np.broadcast_to(lens.astype(np.uint64) * pb, (local.num_layers, 2, len(lens)))
+    size = size.reshape(-1)
+    zero = np.zeros_like(size)
+    return (np.stack([addrs(local, lp), size, zero], axis=1),
+            np.stack([addrs(remote, rp), size, zero], axis=1))
