@@ -94,6 +94,7 @@ class EngineCore:
         kv_cfg = config.kv_transfer_config
         self.kv_worker: KVConnectorWorker | None = None
         self.kv_connector: KVConnectorScheduler | None = None
+        self._kv_error_reasons: dict[str, str] = {}
         if kv_cfg is not None:
             self.kv_worker = getattr(runner, "kv_connector", None)
             if self.kv_worker is None:
@@ -288,17 +289,20 @@ class EngineCore:
         out = KVConnectorOutput(sending, recving, worker.get_block_ids_with_load_errors())
         if out.is_empty():
             return []
+        self._kv_error_reasons.update(worker.get_load_error_reasons())
         failed = self.scheduler.update_from_kv_output(out)
-        if self.check_integrity_each_step:
-            self.scheduler.check_integrity()
+        reasons = {rid: self._kv_error_reasons.pop(rid, "") for rid in out.finished_recving}
         outs = []
         for req in failed:
             self.scheduler.finish(req, FINISH_ABORT)
+            why = reasons.get(req.request_id) or "see the decode server's log"
             outs.append(TokenOutput(
                 request_id=req.request_id, finish_reason=FINISH_ABORT,
                 num_prompt_tokens=req.num_prompt_tokens, error_code=ERROR_KV_TRANSFER_FAILED,
-                error="could not load the prompt's KV from the prefill instance and "
-                      "kv_load_failure_policy is 'fail' (the decode server's log says why)"))
+                error=f"could not load the prompt's KV from the prefill instance "
+                      f"(kv_load_failure_policy is 'fail'): {why}"))
+        if self.check_integrity_each_step:
+            self.scheduler.check_integrity()
         return outs
 
     def _run(self, batch: ScheduledBatch) -> SampleResult:

@@ -194,6 +194,11 @@ class KVConnectorWorker(abc.ABC):
         """Local pages whose load failed since the last call (reported no later than the
         call whose ``get_finished`` reports their request)."""
 
+    def get_load_error_reasons(self) -> dict[str, str]:
+        """Why loads failed, by request id, since the last call (radixserve's addition: the
+        "fail" policy's error names the cause, e.g. an incompatible pair)."""
+        return {}
+
     def wait_for_activity(self, timeout_s: float) -> None:
         """Block up to ``timeout_s`` seconds or until a transfer finished (the engine calls it
         instead of spinning when it has nothing to run but transfers in flight)."""

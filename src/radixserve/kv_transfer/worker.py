@@ -120,6 +120,7 @@ class PullConnectorWorker(KVConnectorWorker):
         self._jobs: dict[str, LoadJob] = {}
         self._done_recving: set[str] = set()
         self._load_errors: set[int] = set()
+        self._error_reasons: dict[str, str] = {}
         self._peers: dict[tuple[str, int, str], Peer] = {}
         self._peer_lock = threading.Lock()
         self._unreachable: dict[tuple[str, int], float] = {}
@@ -228,6 +229,11 @@ class PullConnectorWorker(KVConnectorWorker):
             errors, self._load_errors = self._load_errors, set()
         return errors
 
+    def get_load_error_reasons(self) -> dict[str, str]:
+        with self._lock:
+            out, self._error_reasons = self._error_reasons, {}
+        return out
+
     def wait_for_activity(self, timeout_s: float) -> None:
         if self._activity.wait(timeout_s):
             self._activity.clear()
@@ -284,6 +290,7 @@ class PullConnectorWorker(KVConnectorWorker):
                 if job.error is not None:
                     self._counters.loads_failed += 1
                     self._load_errors.update(spec.local_pages.tolist())
+                    self._error_reasons[spec.request_id] = job.error
                 self._done_recving.add(spec.request_id)
             self._activity.set()
 
