@@ -60,7 +60,7 @@ class StepTimers:
 
 
 _NO_TOKENS = np.empty(0, dtype=np.int32)
-#: Seconds a step with nothing to run waits for a KV transfer to end (instead of spinning).
+#: Seconds a step with nothing to run but loads in flight waits for one to end (no spinning).
 KV_IDLE_WAIT_S = 0.002
 
 
@@ -228,8 +228,11 @@ class EngineCore:
         if batch is not None:
             self.resolver.commit(batch)
         outs, self._pending = self._pending, []
+        kv_changed = False
         if self.kv_connector is not None:
-            outs += self._kv_step(idle=batch is None and self._inflight is None and not outs)
+            kv_outs, kv_changed = self._kv_step(
+                idle=batch is None and self._inflight is None and not outs)
+            outs += kv_outs
         decoded: tuple[list[str], np.ndarray] = ([], _NO_TOKENS)
         forward = 0.0
         if self.overlap:
@@ -247,7 +250,8 @@ class EngineCore:
             forward = time.perf_counter() - tw
             full, decoded = self._process(batch, result)
             outs += full
-        if batch is None and self._inflight is None and not outs and not decoded[0]:
+        if (batch is None and self._inflight is None and not outs and not decoded[0]
+                and not kv_changed):
             self.last_num_decodes = self.last_num_prefill_tokens = 0
             return None
         if batch is not None:
@@ -266,29 +270,31 @@ class EngineCore:
         return StepOutputs(step=self.step_count, outputs=outs, decode_request_ids=decoded[0],
                            decode_token_ids=decoded[1])
 
-    def _kv_step(self, idle: bool) -> list[TokenOutput]:
+    def _kv_step(self, idle: bool) -> tuple[list[TokenOutput], bool]:
         """Drive the KV connector once per step (vLLM's model runner does this around each
         forward; here transfers run beside the forward, so also in steps with none): hand the
         worker side this step's loads, then apply the loads and leases that ended.
 
         Args:
-            idle: nothing runs this step: wait up to ``KV_IDLE_WAIT_S`` for a transfer to end
-                rather than returning at once (a caller looping on ``step`` would spin).
+            idle: nothing runs this step: if requests wait for loads, wait up to
+                ``KV_IDLE_WAIT_S`` for one to end rather than returning at once (a caller
+                looping on ``step`` would spin).
 
         Returns:
-            error outputs of requests whose load failed under the "fail" policy.
+            (error outputs of requests whose load failed under the "fail" policy, whether
+            anything changed: then the step reports, so the stats show held pages freed).
         """
         conn, worker = self.kv_connector, self.kv_worker
         assert conn is not None and worker is not None
         worker.bind_connector_metadata(conn.build_connector_meta())
         worker.start_load_kv()
         worker.clear_connector_metadata()
-        if idle and self.has_kv_transfer_work():
+        if idle and self.scheduler.loading:
             worker.wait_for_activity(KV_IDLE_WAIT_S)
         sending, recving = worker.get_finished(set())
         out = KVConnectorOutput(sending, recving, worker.get_block_ids_with_load_errors())
         if out.is_empty():
-            return []
+            return [], False
         self._kv_error_reasons.update(worker.get_load_error_reasons())
         failed = self.scheduler.update_from_kv_output(out)
         reasons = {rid: self._kv_error_reasons.pop(rid, "") for rid in out.finished_recving}
@@ -303,7 +309,7 @@ class EngineCore:
                       f"(kv_load_failure_policy is 'fail'): {why}"))
         if self.check_integrity_each_step:
             self.scheduler.check_integrity()
-        return outs
+        return outs, True
 
     def _run(self, batch: ScheduledBatch) -> SampleResult:
         """Worker side of a step: fill in placeholder inputs from the previous step's sampled

@@ -57,6 +57,9 @@ log = logging.getLogger("radixserve.engine")
 PARENT_CHECK_S = 0.5
 #: Milliseconds one idle wait for input lasts (bounds the reaction time to signals).
 IDLE_POLL_MS = 200
+#: Milliseconds one wait for input lasts while KV transfers (leases) are pending: how late a
+#: lease's end frees its pages at most.
+KV_POLL_MS = 10
 #: Seconds the core waits for the frontend's Hello after the model has loaded.
 HANDSHAKE_TIMEOUT_S = 60.0
 #: Environment variable: "1" runs ``Scheduler.check_integrity`` after every engine step.
@@ -112,14 +115,14 @@ class EngineLoop:
     def run(self) -> str:
         """Loop until Shutdown, a signal or the parent's death; returns the reason."""
         engine = self.engine
-        # KV transfers (leases, loads) need steps even when no request runs; such a step waits
-        # briefly for them itself, so the loop does not spin
+        # KV transfers (held leases) need steps even when no request runs: then the loop waits
+        # for input only briefly
         kv_work = getattr(engine, "has_kv_transfer_work", lambda: False)
         while self.stop_reason is None:
-            if engine.has_unfinished_requests() or self._rejected or kv_work():
+            if engine.has_unfinished_requests() or self._rejected:
                 msgs = self.sockets.recv_nowait()
             else:
-                first = self.sockets.recv(timeout_ms=IDLE_POLL_MS)
+                first = self.sockets.recv(timeout_ms=KV_POLL_MS if kv_work() else IDLE_POLL_MS)
                 msgs = [] if first is None else [first, *self.sockets.recv_nowait()]
             self._check_parent()
             for msg in msgs:

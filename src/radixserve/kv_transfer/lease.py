@@ -108,6 +108,12 @@ class LeaseTable:
             self.expired += len(gone)
             self.changed.set()
 
+    def num_claimed(self) -> int:
+        """Leases a decode instance is reading now (claimed, not finished or expired)."""
+        with self._lock:
+            self._expire_locked()
+            return sum(lease.claimed for lease in self._leases.values())
+
     def next_deadline(self) -> float | None:
         """The earliest deadline (clock seconds), or None without leases."""
         with self._lock:

@@ -1,6 +1,11 @@
 """``NixlConnector``: the decode instance READs the prefill instance's pages with NIXL (UCX
 underneath; DRAM to DRAM on CPU), as vLLM's NixlConnector does.
 
+NIXL's own progress thread busy-polls UCX (a quarter of a core per idle instance, measured), so
+it is off: the decode side's load threads progress their reads while they poll them, and the
+prefill side drives progress from a thread of its own only while a peer is connecting or a
+lease is claimed (a READ needs the target's UCX worker to progress for the connection set-up).
+
 NIXL comes from PyPI (``nixl-cu13``, the ``pd`` extra); ``import nixl_cu13`` alone is enough,
 the ``nixl`` meta package is not needed. With ``kv_ip`` on loopback and no
 ``UCX_NET_DEVICES`` set, UCX is told to use ``lo`` only. UCX's zero-copy path between processes
@@ -21,12 +26,15 @@ import torch
 
 from radixserve.config import KVTransferConfig
 from radixserve.kv_transfer.pull import RecvSpec
+from radixserve.kv_transfer.side_channel import Claim, Hello
 from radixserve.kv_transfer.worker import Peer, PullConnectorWorker, TransferError, page_runs
 
 log = logging.getLogger("radixserve.kv_transfer")
 
-#: Seconds between polls of a NIXL transfer's state.
+#: Seconds between polls of a NIXL transfer's state (and between progress calls).
 POLL_S = 0.0002
+#: Seconds the prefill side drives progress after a handshake (the peer's connection set-up).
+WIREUP_S = 10.0
 #: NIXL Python packages, most specific first (``nixl`` is the meta package of both wheels).
 NIXL_MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
 
@@ -66,10 +74,37 @@ class NixlConnectorWorker(PullConnectorWorker):
         if "UCX_NET_DEVICES" not in os.environ and _is_loopback(config.kv_ip):
             os.environ["UCX_NET_DEVICES"] = "lo"
         backends = config.extra("backends", ["UCX"])
-        self._agent = api.nixl_agent(config.engine_id, api.nixl_agent_config(backends=backends))
-        # NIXL's agent is driven from the load threads; one at a time
+        self._agent = api.nixl_agent(config.engine_id, api.nixl_agent_config(
+            enable_prog_thread=False, backends=backends))
+        # NIXL's agent is driven from the load threads and the progress thread; one at a time
         self._nixl_lock = threading.Lock()
         self._remote_agents: set[str] = set()
+        self._wireup_until = 0.0
+        self._wake = threading.Event()
+        self._stopping = False
+        self._progress = threading.Thread(target=self._drive_progress, daemon=True,
+                                          name="radixserve-nixl-progress")
+        self._progress.start()
+
+    def _on_side_channel(self, msg: object) -> None:
+        if isinstance(msg, Hello):
+            self._wireup_until = time.monotonic() + WIREUP_S
+            self._wake.set()
+        elif isinstance(msg, Claim):
+            self._wake.set()
+
+    def _drive_progress(self) -> None:
+        """Progress UCX (as the prefill side of reads) while a peer connects or reads."""
+        while not self._stopping:
+            self._wake.wait()
+            self._wake.clear()
+            while not self._stopping and (time.monotonic() < self._wireup_until
+                                          or self.leases.num_claimed()):
+                with self._nixl_lock:
+                    if self._agent is None:
+                        return
+                    self._agent.get_new_notifs()  # progresses the UCX worker
+                time.sleep(POLL_S)
 
     def _register_transport(self, kv_caches: list[torch.Tensor]) -> None:
         self._agent.register_memory(kv_caches)
@@ -112,8 +147,12 @@ class NixlConnectorWorker(PullConnectorWorker):
             raise TransferError(f"NIXL READ from {peer.engine_id} ended in state {state}")
 
     def shutdown(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._progress.join(timeout=2)
         super().shutdown()
-        self._agent = None
+        with self._nixl_lock:
+            self._agent = None
 
 
 def transfer_descs(local: Any, remote: Any, local_pages: np.ndarray,

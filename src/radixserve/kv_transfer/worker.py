@@ -179,6 +179,15 @@ class PullConnectorWorker(KVConnectorWorker):
     # ------------------------------------------------------------------ prefill side
     def _handle(self, msg: Any) -> tuple[Any, list[Any]]:
         """The side channel's requests (runs on its thread)."""
+        out = self._answer(msg)
+        self._on_side_channel(msg)
+        return out
+
+    def _on_side_channel(self, msg: Any) -> None:
+        """Called after each side-channel request was answered (the NIXL connector starts
+        driving its transport's progress when a peer connects or claims a lease)."""
+
+    def _answer(self, msg: Any) -> tuple[Any, list[Any]]:
         if isinstance(msg, Hello):
             theirs = msg.factors
             if msg.connector != self.connector or compat_hash(theirs) != compat_hash(
@@ -293,6 +302,28 @@ class PullConnectorWorker(KVConnectorWorker):
                     self._error_reasons[spec.request_id] = job.error
                 self._done_recving.add(spec.request_id)
             self._activity.set()
+
+    def load_blocking(self, spec: RecvSpec) -> float:
+        """Run one load in the calling thread, as a load job does (handshake if needed,
+        ``Claim``, read, ``Done``), without the scheduler: for benchmarks and tools.
+
+        Returns:
+            seconds the read itself took.
+
+        Raises:
+            TransferError / SideChannelError: as a load job would fail.
+        """
+        src = spec.source
+        peer = self._peer(src)
+        reply = self._call(src, Claim(src.request_id, spec.remote_pages.tolist()))
+        if reply.status != OK:
+            raise TransferError(f"lease of {src.request_id}: {reply.status}")
+        t0 = time.perf_counter()
+        self._read(peer, spec)
+        elapsed = time.perf_counter() - t0
+        if self._call(src, Done(src.request_id)).status != OK:
+            raise TransferError(f"the lease of {src.request_id} ended during the read")
+        return elapsed
 
     def _release_remote(self, request_id: str, src: RemoteSource) -> None:
         """End ``src``'s lease without (more) reading; best effort (it expires anyway)."""
