@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -60,6 +61,8 @@ class RequestOutput:
         finished: all completions finished.
         num_cached_tokens: prompt tokens served from the radix prefix cache.
         metrics: timing of the request.
+        kv_transfer_params: what a prefill request for a remote decode hands the decode
+            instance (vLLM's field), else None.
     """
 
     request_id: str
@@ -69,3 +72,4 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    kv_transfer_params: dict[str, Any] | None = None

@@ -305,6 +305,31 @@ def test_incompatible_pair_is_refused_at_handshake(make) -> None:
     assert "connector NixlConnector (decode) != TcpConnector (prefill)" in n.outputs["n"]["error"]
 
 
+def test_offline_params_travel_in_sampling_params_extra_args(make) -> None:
+    """vLLM's offline ``LLM.generate`` passes them as ``SamplingParams.extra_args``."""
+    p = make("TcpConnector")
+    d = make("TcpConnector")
+    prompt = prompts(np.random.default_rng(7), [19])[0]
+
+    def add(inst: Instance, rid: str, max_tokens: int, params: dict) -> None:
+        inst.engine.add_request(EngineRequest(
+            request_id=rid, prompt_token_ids=np.asarray(prompt, dtype=np.int32),
+            sampling_params=SamplingParams(temperature=0, max_tokens=max_tokens,
+                                           ignore_eos=True,
+                                           extra_args={"kv_transfer_params": params})))
+        inst.outputs[rid] = {"tokens": [], "finish": None, "error": None, "params": None,
+                             "error_code": None}
+
+    add(p, "p", 1, {"do_remote_decode": True})
+    p.finish_all()
+    add(d, "d", 4, p.outputs["p"]["params"])
+    d.finish_all()
+    assert d.outputs["d"]["tokens"] == expected_output(prompt, 4)[0]
+    assert d.runner.prefill_tokens("d", len(prompt)) == 1
+    with pytest.raises(ValueError, match="extra_args"):
+        SamplingParams(extra_args={"other": 1})
+
+
 def test_requests_the_engine_cannot_serve_are_rejected(make) -> None:
     consumer = make("TcpConnector", role="kv_consumer")
     with pytest.raises(RequestRejected, match="kv_role is kv_consumer") as e:
@@ -400,3 +425,40 @@ def test_page_runs_merge_pages_consecutive_on_both_sides() -> None:
     # pages allocated from the free stack come in descending order on both sides: one run
     lo, re_, n = page_runs(np.array([9, 8, 7]), np.array([20, 19, 18]))
     assert lo.tolist() == [7] and re_.tolist() == [18] and n.tolist() == [3]
+
+
+def test_kv_transfer_params_cross_the_engine_socket_and_fail_as_500() -> None:
+    import msgspec
+
+    from radixserve.engine_types import (
+        ERROR_KV_TRANSFER_FAILED,
+        StepOutputs,
+        TokenOutput,
+    )
+    from radixserve.entrypoints.openai.serving_driver import abort_error
+    from radixserve.transport.messages import (
+        WireRequest,
+        WireStepOutputs,
+        request_from_wire,
+        request_to_wire,
+        step_from_wire,
+        step_to_wire,
+    )
+
+    params = {"do_remote_prefill": True, "remote_block_ids": [3, 2], "remote_port": 9}
+    er = EngineRequest(request_id="r", prompt_token_ids=np.arange(4, dtype=np.int32),
+                       sampling_params=SamplingParams(), kv_transfer_params=params)
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(request_to_wire(er)), type=WireRequest)
+    assert request_from_wire(wire).kv_transfer_params == params
+    step = StepOutputs(step=1, outputs=[TokenOutput(request_id="r", new_token_ids=[5],
+                                                    finish_reason="length",
+                                                    kv_transfer_params=params)])
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(step_to_wire(step)),
+                                  type=WireStepOutputs)
+    assert step_from_wire(wire).outputs[0].kv_transfer_params == params
+
+    class Delta:
+        error, error_param, error_code = "could not load", None, ERROR_KV_TRANSFER_FAILED
+
+    err = abort_error(Delta(), "messages")  # type: ignore[arg-type]
+    assert err.status_code == 500 and err.code == ERROR_KV_TRANSFER_FAILED

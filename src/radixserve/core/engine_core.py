@@ -166,8 +166,11 @@ class EngineCore:
             gen.manual_seed(sp.seed)
         eos = self.eos_token_ids if er.eos_token_ids is None else frozenset(er.eos_token_ids)
         req = Request(er.request_id, prompt, sp, eos, max_tokens, generator=gen)
-        if er.kv_transfer_params is not None:
-            self._check_kv_transfer(req, er.kv_transfer_params)
+        kv_params = er.kv_transfer_params
+        if kv_params is None and sp.extra_args:  # vLLM's offline way to pass them
+            kv_params = sp.extra_args.get("kv_transfer_params")
+        if kv_params is not None:
+            self._check_kv_transfer(req, kv_params)
         self.scheduler.add(req)
         self.prompt_tokens += n
 
