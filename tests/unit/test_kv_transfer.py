@@ -56,7 +56,7 @@ class Instance:
 
     def __init__(self, connector: str, *, page_size: int = 4, num_pages: int = 64,
                  role: str = "kv_both", lease_s: float = 30.0, policy: str = "recompute",
-                 **extra: object) -> None:
+                 overlap: bool = False, **extra: object) -> None:
         extra.setdefault("side_channel_timeout_s", 1.0)
         self.kv_config = KVTransferConfig(
             kv_connector=connector, kv_role=role, kv_lease_s=lease_s,
@@ -64,7 +64,7 @@ class Instance:
         self.runner = PDChecksumRunner(num_pages, page_size, self.kv_config)
         self.engine = EngineCore(
             EngineConfig(page_size=page_size, num_pages=num_pages, max_num_seqs=8,
-                         max_num_batched_tokens=64, disable_overlap=True,
+                         max_num_batched_tokens=64, disable_overlap=not overlap,
                          kv_transfer_config=self.kv_config), self.runner)
         self.engine.check_integrity_each_step = True
         self.runner.attach(self.engine)
@@ -151,10 +151,12 @@ def prompts(rng: np.random.Generator, lengths: list[int]) -> list[list[int]]:
 
 
 # ---------------------------------------------------------------------------- end to end
-@pytest.mark.parametrize("connector", CONNECTORS)
-def test_decode_after_remote_prefill_equals_colocated(make, connector: str) -> None:
-    p = make(connector, role="kv_producer")
-    d = make(connector, role="kv_consumer")
+@pytest.mark.parametrize(("connector", "overlap"), [(c, False) for c in CONNECTORS]
+                         + [("TcpConnector", True)])
+def test_decode_after_remote_prefill_equals_colocated(make, connector: str,
+                                                      overlap: bool) -> None:
+    p = make(connector, role="kv_producer", overlap=overlap)
+    d = make(connector, role="kv_consumer", overlap=overlap)
     # lengths around page boundaries (page_size 4): nothing to load (1 token), a partial page,
     # exact pages, and long prompts spanning many pages
     ps = prompts(np.random.default_rng(0), [1, 2, 4, 5, 8, 9, 13, 30, 61])
