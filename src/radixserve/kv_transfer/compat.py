@@ -30,6 +30,8 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
         num_pages: pages per layer tensor, the null page 0 included.
         page_bytes: bytes of one page's K (or V) in one layer.
         base_addrs: per layer the tensor's address in the owner's memory.
+        device_id: the CUDA device index of the tensors, 0 on CPU (NIXL's device column).
+        mem_type: "DRAM" (CPU tensors) or "VRAM" (CUDA tensors), NIXL's memory types.
     """
 
     model: str
@@ -41,6 +43,8 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
     num_pages: int
     page_bytes: int
     base_addrs: list[int]
+    device_id: int = 0
+    mem_type: str = "DRAM"
 
     @classmethod
     def of(cls, model: str, kv_caches: list[torch.Tensor]) -> KVLayout:
@@ -63,7 +67,9 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
                    num_layers=len(kv_caches), num_kv_heads=heads, head_dim=dim,
                    page_size=page_size, num_pages=num_pages,
                    page_bytes=page_size * heads * dim * first.element_size(),
-                   base_addrs=[t.data_ptr() for t in kv_caches])
+                   base_addrs=[t.data_ptr() for t in kv_caches],
+                   device_id=first.device.index or 0,
+                   mem_type="VRAM" if first.device.type == "cuda" else "DRAM")
 
     def factors(self) -> dict[str, object]:
         """What must be equal on both sides of a transfer."""

@@ -60,7 +60,8 @@ def _is_loopback(host: str) -> bool:
 
 class NixlConnectorWorker(PullConnectorWorker):
     """Worker side of ``NixlConnector``: one NIXL agent named after the engine id, the KV
-    tensors registered as DRAM, reads as NIXL READ transfers of page runs.
+    tensors registered (DRAM on CPU; VRAM for CUDA tensors, not exercised here: CPU-only CI),
+    reads as NIXL READ transfers of page runs.
 
     Raises:
         RuntimeError: NIXL is not installed.
@@ -130,8 +131,9 @@ class NixlConnectorWorker(PullConnectorWorker):
         with self._nixl_lock:
             try:
                 handle = self._agent.initialize_xfer(
-                    "READ", self._agent.get_xfer_descs(local_descs, "DRAM"),
-                    self._agent.get_xfer_descs(remote_descs, "DRAM"), peer.handle)
+                    "READ", self._agent.get_xfer_descs(local_descs, self.layout.mem_type),
+                    self._agent.get_xfer_descs(remote_descs, peer.layout.mem_type),
+                    peer.handle)
                 state = self._agent.transfer(handle)
             except Exception as e:  # noqa: BLE001 - NIXL raises its own error types
                 raise TransferError(f"NIXL READ from {peer.engine_id} failed to start: {e}") from e
@@ -157,7 +159,7 @@ class NixlConnectorWorker(PullConnectorWorker):
 
 def transfer_descs(local: Any, remote: Any, local_pages: np.ndarray,
                    remote_pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """NIXL descriptors ``(address, bytes, device 0)`` for copying ``remote_pages`` of
+    """NIXL descriptors ``(address, bytes, device id)`` for copying ``remote_pages`` of
     ``remote`` into ``local_pages`` of ``local`` (two ``KVLayout``s): per layer, K then V, one
     descriptor per run of pages consecutive on both sides.
 
@@ -175,6 +177,5 @@ def transfer_descs(local: Any, remote: Any, local_pages: np.ndarray,
 
     size = np.broadcast_to(lens.astype(np.uint64) * pb, (local.num_layers, 2, len(lens)))
     size = size.reshape(-1)
-    zero = np.zeros_like(size)
-    return (np.stack([addrs(local, lp), size, zero], axis=1),
-            np.stack([addrs(remote, rp), size, zero], axis=1))
+    return (np.stack([addrs(local, lp), size, np.full_like(size, local.device_id)], axis=1),
+            np.stack([addrs(remote, rp), size, np.full_like(size, remote.device_id)], axis=1))
