@@ -56,7 +56,8 @@ class Instance:
 
     def __init__(self, connector: str, *, page_size: int = 4, num_pages: int = 64,
                  role: str = "kv_both", lease_s: float = 30.0, policy: str = "recompute",
-                 overlap: bool = False, **extra: object) -> None:
+                 overlap: bool = False, prefix_caching: bool = True,
+                 **extra: object) -> None:
         extra.setdefault("side_channel_timeout_s", 1.0)
         self.kv_config = KVTransferConfig(
             kv_connector=connector, kv_role=role, kv_lease_s=lease_s,
@@ -65,6 +66,7 @@ class Instance:
         self.engine = EngineCore(
             EngineConfig(page_size=page_size, num_pages=num_pages, max_num_seqs=8,
                          max_num_batched_tokens=64, disable_overlap=not overlap,
+                         enable_prefix_caching=prefix_caching,
                          kv_transfer_config=self.kv_config), self.runner)
         self.engine.check_integrity_each_step = True
         self.runner.attach(self.engine)
@@ -187,6 +189,24 @@ def test_decode_after_remote_prefill_equals_colocated(make, connector: str,
     assert p.stats().kv_transfer.leases_released == len(ps)
     p.assert_no_owned_pages()
     d.assert_no_owned_pages()
+
+
+def test_without_prefix_caching_on_either_side(make) -> None:
+    p = make("TcpConnector", prefix_caching=False)
+    d = make("TcpConnector", prefix_caching=False)
+    ps = prompts(np.random.default_rng(8), [7, 16, 33])
+    params = [prefill(p, f"p{i}", pr) for i, pr in enumerate(ps)]
+    for i, (pr, kp) in enumerate(zip(ps, params, strict=True)):
+        d.add(f"d{i}", pr, 4, kp)
+    d.finish_all()
+    for i, pr in enumerate(ps):
+        assert d.outputs[f"d{i}"]["tokens"] == expected_output(pr, 4)[0]
+        assert d.runner.prefill_tokens(f"d{i}", len(pr)) == 1
+    d.settle()
+    p.settle()
+    for inst in (p, d):
+        inst.engine.scheduler.check_integrity()
+        assert inst.engine.kv.num_free_pages == inst.engine.kv.num_usable_pages
 
 
 def test_only_pages_missing_on_the_decode_side_are_read(make) -> None:
@@ -464,3 +484,36 @@ def test_kv_transfer_params_cross_the_engine_socket_and_fail_as_500() -> None:
 
     err = abort_error(Delta(), "messages")  # type: ignore[arg-type]
     assert err.status_code == 500 and err.code == ERROR_KV_TRANSFER_FAILED
+
+
+@pytest.mark.parametrize("connector", CONNECTORS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_worker_sides_copy_pages_bit_exactly(connector: str, dtype: torch.dtype) -> None:
+    """The worker sides alone (what ``bench pd-transfer`` measures): a lease on the prefill
+    side, a read into scattered pages on the decode side, every byte compared."""
+    from radixserve.kv_transfer.pull import RecvSpec, RemoteSource
+
+    shape = (2, 12, 4, 3, 8)
+    g = torch.Generator().manual_seed(0)
+    src = [torch.randn(shape, generator=g).to(dtype) for _ in range(3)]
+    dst = [torch.zeros(shape, dtype=dtype) for _ in range(3)]
+    workers = []
+    try:
+        for tensors in (src, dst):
+            w = create_worker_connector(KVTransferConfig(kv_connector=connector), "m")
+            w.register_kv_caches({str(i): t for i, t in enumerate(tensors)})
+            workers.append(w)
+        p, d = workers
+        remote = np.array([2, 3, 4, 9, 10], dtype=np.int32)
+        local = np.array([11, 5, 6, 7, 1], dtype=np.int32)
+        p.leases.grant("r", [2, 3, 4, 9, 10, 11])
+        src_ = RemoteSource(p.config.engine_id, "r", p.host, p.port, remote)
+        assert d.load_blocking(RecvSpec("x", src_, local, remote)) > 0
+        for a, b in zip(src, dst, strict=True):
+            assert torch.equal(b[:, local], a[:, remote])
+            untouched = np.setdiff1d(np.arange(12), local)
+            assert not b[:, untouched].any()
+        assert p.leases.released == 1 and len(p.leases) == 0
+    finally:
+        for w in workers:
+            w.shutdown()
