@@ -254,6 +254,25 @@ def test_abort_while_loading_frees_pages_on_both_sides(make, connector: str) -> 
     d.assert_no_owned_pages()
 
 
+def test_other_requests_keep_decoding_while_one_waits_for_its_kv(make) -> None:
+    p = make("TcpConnector")
+    d = make("TcpConnector", load_delay_s=0.5)
+    prompt, other = prompts(np.random.default_rng(9), [30, 10])
+    params = prefill(p, "p", prompt)
+    d.add("busy", other, 40)
+    d.add("d", prompt, 5, params)
+    d.run_until(lambda: d.stats().num_waiting_for_remote_kvs == 1, "the load to start")
+    before = len(d.outputs["busy"]["tokens"])
+    d.run_until(lambda: d.stats().num_waiting_for_remote_kvs == 0, "the load to end")
+    assert len(d.outputs["busy"]["tokens"]) > before
+    d.finish_all()
+    assert d.outputs["busy"]["tokens"] == expected_output(other, 40)[0]
+    assert d.outputs["d"]["tokens"] == expected_output(prompt, 5)[0]
+    d.settle()
+    p.settle()
+    d.assert_no_owned_pages()
+
+
 def test_request_aborted_before_admission_releases_the_lease(make) -> None:
     p = make("TcpConnector")
     d = make("TcpConnector")
