@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -63,6 +64,8 @@ class RequestOutput:
         prompt_logprobs: with ``SamplingParams.prompt_logprobs``: per prompt position
             ``{token_id: logprob}`` holding the prompt's token and the top N (vLLM's shape), None
             for the first position (nothing precedes it); else None.
+        kv_transfer_params: what a prefill request for a remote decode hands the decode
+            instance (vLLM's field), else None.
     """
 
     request_id: str
@@ -73,3 +76,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    kv_transfer_params: dict[str, Any] | None = None

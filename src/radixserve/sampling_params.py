@@ -7,6 +7,7 @@ Field names and meanings follow vLLM's ``SamplingParams`` so users can switch en
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import msgspec
 
@@ -125,6 +126,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         structured_outputs: a grammar constraint on the output (``StructuredOutputsParams``).
         skip_special_tokens: drop special tokens when detokenizing.
         include_stop_str_in_output: keep the matched stop string in the text.
+        extra_args: vLLM's per-request extension dict; radixserve reads only
+            ``{"kv_transfer_params": {...}}`` (prefill/decode disaggregation offline, as vLLM's
+            ``LLM.generate``); any other key is an error.
 
     Every int is bounded so that the struct always encodes on the engine socket (MessagePack
     ints are at most 64 bits) and fits the engine's int32/int64 arrays.
@@ -154,6 +158,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -201,6 +206,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                        f"has a token id outside [0, {MAX_INT32}]")
                 _check(math.isfinite(v) and -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS,
                        "logit_bias", v, "has a value outside [-100, 100]")
+        if self.extra_args is not None:
+            _check(isinstance(self.extra_args, dict)
+                   and set(self.extra_args) <= {"kv_transfer_params"}, "extra_args",
+                   self.extra_args, "must be a dict whose only key is kv_transfer_params")
 
     def children(self) -> list[SamplingParams]:
         """The ``n`` single-sample requests of these params: ``n=1`` each and, when seeded,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,6 +20,9 @@ class Status(enum.Enum):
     WAITING = 0
     RUNNING = 1
     FINISHED = 2
+    #: holds a row and pages while a KV connector loads its prompt's KV from a remote
+    #: (prefill) instance; in ``Scheduler.loading``, never scheduled until the load ended
+    WAITING_FOR_REMOTE_KVS = 3
 
 
 @dataclass(eq=False, slots=True)
@@ -73,6 +77,10 @@ class Request:
     prompt_lp_next: int = 0
     #: the rows went out with the first token's output
     prompt_lp_sent: bool = False
+    #: prefill/decode disaggregation: the request's parsed ``kv_transfer_params`` (the
+    #: connector may update it), and the ones its final output reports
+    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params_out: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         # plain attributes: these are read for every running request in every step

@@ -209,6 +209,7 @@ def _finish(out: RequestOutput, group: list[RequestState]) -> None:
     rows = group[0].prompt_logprob_rows
     if rows is not None:
         out.prompt_logprobs = [None] + [{int(e[0]): e[1] for e in row} for row in rows]
+    out.kv_transfer_params = group[0].kv_transfer_params
     if out.metrics is not None:
         firsts = [st.first_token_time for st in group if st.first_token_time is not None]
         out.metrics.first_token_time = min(firsts) if firsts else None

@@ -144,6 +144,7 @@ class ModelRunner:
 
     Raises:
         ValueError: unreadable model, unsupported architecture, bad dtype/device.
+        RuntimeError: ``kv_transfer_config`` names a connector whose transport is missing.
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -192,6 +193,14 @@ class ModelRunner:
         self.model.move_rope_tables(self.device)
         self.kv = KVStorage(args.num_layers, num_pages, page_size, args.num_kv_heads,
                           args.head_dim, self.dtype, self.device)
+        #: the worker side of the KV connector (prefill/decode disaggregation), or None
+        self.kv_connector = None
+        if config.kv_transfer_config is not None:
+            from radixserve.kv_transfer.factory import create_worker_connector
+
+            self.kv_connector = create_worker_connector(config.kv_transfer_config, files.name)
+            self.kv_connector.register_kv_caches(
+                {f"model.layers.{i}.self_attn": t for i, t in enumerate(self.kv.layers)})
         self.page_size = page_size
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)

@@ -239,6 +239,8 @@ class _SamplingRequest(BaseModel):
         "spaces_between_special_tokens": (True,), "use_beam_search": (False,),
         "length_penalty": (1.0,), "priority": (0,), "truncate_prompt_tokens": (None,),
     }
+    #: prefill/decode disaggregation (vLLM's field; checked by the engine core)
+    kv_transfer_params: dict[str, Any] | None = None
 
     @model_validator(mode="before")
     @classmethod

@@ -17,6 +17,7 @@ from radixserve.entrypoints.openai.protocol import ChatCompletionRequest
 from radixserve.entrypoints.openai.serving_driver import ResponseFormatter, run_requests
 from radixserve.entrypoints.openai.serving_request import (
     engine_requests,
+    kv_transfer_field,
     new_request_id,
     parse_body,
     sampling_params_for,
@@ -131,6 +132,7 @@ class ChatFormatter(ResponseFormatter):
         body = {
             "id": self.response_id, "object": "chat.completion", "created": self.created,
             "model": self.model, "choices": choices, "usage": usage_dict(states, self.n),
+            **kv_transfer_field(states),
         }
         if self.return_token_ids and states:
             body["prompt_token_ids"] = list(map(int, states[0].prompt_token_ids))
@@ -175,7 +177,7 @@ async def create_chat_completion(raw: Request, state: ServingState) -> Any:
         await state.check_constraint(structured, field)
     sp = sampling_params_for(req, len(ids), state.info.max_model_len, None, "messages",
                              structured)
-    requests = engine_requests([ids], sp, "chatcmpl", arrival)
+    requests = engine_requests([ids], sp, "chatcmpl", arrival, req.kv_transfer_params)
     last = req.messages[-1]
     role = "assistant" if req.add_generation_prompt else last.role
     echo = last.text() if req.echo and last.role == role else ""

@@ -16,6 +16,7 @@ from radixserve.entrypoints.openai.serving_driver import ResponseFormatter, run_
 from radixserve.entrypoints.openai.serving_request import (
     check_token_ids,
     engine_requests,
+    kv_transfer_field,
     new_request_id,
     parse_body,
     sampling_params_for,
@@ -143,7 +144,8 @@ class CompletionFormatter(ResponseFormatter):
             usage["completion_tokens"] = 0
             usage["total_tokens"] = usage["prompt_tokens"]
         return {"id": self.response_id, "object": "text_completion", "created": self.created,
-                "model": self.model, "choices": out, "usage": usage}
+                "model": self.model, "choices": out, "usage": usage,
+                **kv_transfer_field(states)}
 
 
 async def create_completion(raw: Request, state: ServingState) -> Any:
@@ -180,7 +182,7 @@ async def create_completion(raw: Request, state: ServingState) -> Any:
         await state.check_constraint(structured, field)
     sp = sampling_params_for(req, longest, state.info.max_model_len,
                              DEFAULT_COMPLETION_MAX_TOKENS, "prompt", structured)
-    requests = engine_requests(prompts, sp, "cmpl", arrival)
+    requests = engine_requests(prompts, sp, "cmpl", arrival, req.kv_transfer_params)
     fmt = CompletionFormatter(state, new_request_id("cmpl"), sp.n, req.echo, texts,
                               return_token_ids=bool(req.return_token_ids),
                               token_ids_as_strings=bool(req.return_tokens_as_token_ids),

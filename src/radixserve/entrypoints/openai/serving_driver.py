@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from radixserve.engine_types import FINISH_ABORT, EngineRequest
+from radixserve.engine_types import ERROR_KV_TRANSFER_FAILED, FINISH_ABORT, EngineRequest
 from radixserve.entrypoints.openai.errors import OpenAIError
 from radixserve.entrypoints.openai.serving_state import ServingState
 from radixserve.entrypoints.openai.sse import SSE_DONE, sse
@@ -95,7 +95,8 @@ def abort_error(d: RequestDelta, prompt_field: str) -> OpenAIError:
     abort the engine did on its own."""
     if d.error is not None:
         param = prompt_field if d.error_param == "prompt" else d.error_param
-        return OpenAIError(d.error, param=param, code=d.error_code)
+        status = 500 if d.error_code == ERROR_KV_TRANSFER_FAILED else 400
+        return OpenAIError(d.error, status, param=param, code=d.error_code)
     return OpenAIError("The request was aborted by the engine.", 500)
 
 

@@ -97,21 +97,38 @@ def check_token_ids(ids: list[int], vocab_size: int, field_name: str) -> None:
                           f"[0, {vocab_size})", param=field_name)
 
 
+def kv_transfer_field(states: Any) -> dict[str, Any]:
+    """``{"kv_transfer_params": ...}`` for a non-streamed response body when its request
+    reported some (a prefill instance's answer, vLLM's top-level field), else {}."""
+    params = next((s.kv_transfer_params for s in states if s.kv_transfer_params), None)
+    return {} if params is None else {"kv_transfer_params": params}
+
+
 def new_request_id(prefix: str) -> str:
     """A fresh id such as ``chatcmpl-3f2a...``."""
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def engine_requests(prompts: list[list[int]], sp: SamplingParams, prefix: str,
-                    arrival_time: float) -> list[EngineRequest]:
+                    arrival_time: float,
+                    kv_transfer_params: dict[str, Any] | None = None) -> list[EngineRequest]:
     """``sp.n`` engine requests per prompt (``SamplingParams.children``); request ``p * n + i``
-    is the i-th sample of prompt p, which is also its choice index."""
+    is the i-th sample of prompt p, which is also its choice index.
+
+    Raises:
+        OpenAIError: 400 naming ``kv_transfer_params`` when they come with more than one
+            engine request (one prompt's KV moves for one request, as in vLLM).
+    """
     base = new_request_id(prefix)
     children = sp.children()
+    if kv_transfer_params is not None and len(prompts) * len(children) != 1:
+        raise OpenAIError("kv_transfer_params needs exactly one prompt and n=1",
+                          param="kv_transfer_params")
     out = []
     for ids in prompts:
         prompt = np.asarray(ids, dtype=np.int32)
         for child in children:
             out.append(EngineRequest(request_id=f"{base}-{len(out)}", prompt_token_ids=prompt,
-                                     sampling_params=child, arrival_time=arrival_time))
+                                     sampling_params=child, arrival_time=arrival_time,
+                                     kv_transfer_params=kv_transfer_params))
     return out
