@@ -4,11 +4,146 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch")
+#: KV connectors ``kv_transfer_config.kv_connector`` may name (``kv_transfer/factory.py``).
+KV_CONNECTORS = ("NixlConnector", "TcpConnector")
+#: Roles of an instance in prefill/decode disaggregation (vLLM's ``kv_role`` values).
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+#: What a decode instance does when it cannot load a prompt's KV (vLLM's values).
+KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
+
+
+@dataclass
+class KVTransferConfig:
+    """Prefill/decode disaggregation: the JSON of ``--kv-transfer-config`` (vLLM's flag and
+    field names) or the offline ``LLM(kv_transfer_config=...)``.
+
+    Attributes:
+        kv_connector: "NixlConnector" (KV pages read over NIXL/UCX) or "TcpConnector" (read
+            over a ZeroMQ TCP socket; needs no NIXL).
+        kv_role: "kv_producer" (prefill only), "kv_consumer" (decode only) or "kv_both".
+        engine_id: this instance's id in ``kv_transfer_params`` (default: a fresh uuid4 hex).
+        kv_ip: address the side channel (handshake, leases, TCP reads) binds and advertises as
+            ``remote_host``.
+        kv_port: its TCP port; 0 picks a free one (advertised as ``remote_port``).
+        kv_buffer_device: where transferred KV lives; only "cpu" (the KV pool's own memory) or
+            "cuda" on a CUDA device are accepted.
+        kv_load_failure_policy: "recompute" (the decode instance computes the prompt itself
+            when the prefill instance's KV cannot be read) or "fail" (the request ends with an
+            error).
+        kv_lease_s: seconds a prefill instance keeps a finished request's pages for the decode
+            instance to read (renewed once when the decode side claims them); pages are freed
+            at the decode side's notification or at expiry (vLLM's
+            ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``, 480 s there too).
+        kv_connector_extra_config: connector options: ``backends`` (NIXL backends, ["UCX"]),
+            ``side_channel_timeout_s`` (seconds a side-channel call may take, 5),
+            ``load_delay_s`` (fault injection: seconds a decode read waits before it starts,
+            0).
+
+    Raises:
+        ValueError: from ``validate``: an unknown field or a bad value, naming it.
+    """
+
+    kv_connector: str = "NixlConnector"
+    kv_role: str = "kv_both"
+    engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = 0
+    kv_buffer_device: str = "cpu"
+    kv_load_failure_policy: str = "recompute"
+    kv_lease_s: float = 480.0
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+
+    #: keys ``kv_connector_extra_config`` may hold
+    EXTRA_KEYS = ("backends", "side_channel_timeout_s", "load_delay_s")
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def is_producer(self) -> bool:
+        """This instance may prefill for a remote decode (``do_remote_decode``)."""
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        """This instance may decode after a remote prefill (``do_remote_prefill``)."""
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    def extra(self, key: str, default: Any) -> Any:
+        """``kv_connector_extra_config[key]`` or ``default``."""
+        return self.kv_connector_extra_config.get(key, default)
+
+    def validate(self) -> None:
+        """Raises ValueError naming the field (``kv_transfer_config.<field>``)."""
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"kv_transfer_config.{name}={getattr(self, name)!r} {why}")
+
+        if self.kv_connector not in KV_CONNECTORS:
+            raise bad("kv_connector", f"is not one of {', '.join(KV_CONNECTORS)}")
+        if self.kv_role not in KV_ROLES:
+            raise bad("kv_role", f"is not one of {', '.join(KV_ROLES)}")
+        if not isinstance(self.engine_id, str) or not self.engine_id:
+            raise bad("engine_id", "must be a non-empty string")
+        if not isinstance(self.kv_ip, str) or not self.kv_ip:
+            raise bad("kv_ip", "must be a host name or address")
+        if not isinstance(self.kv_port, int) or not 0 <= self.kv_port <= 65535:
+            raise bad("kv_port", "must be in [0, 65535]")
+        if self.kv_buffer_device not in ("cpu", "cuda"):
+            raise bad("kv_buffer_device", "must be cpu or cuda")
+        if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+            raise bad("kv_load_failure_policy",
+                      f"is not one of {', '.join(KV_LOAD_FAILURE_POLICIES)}")
+        if isinstance(self.kv_lease_s, bool) or not isinstance(self.kv_lease_s, (int, float)) \
+                or not self.kv_lease_s > 0:
+            raise bad("kv_lease_s", "must be a number of seconds > 0")
+        extra = self.kv_connector_extra_config
+        if not isinstance(extra, dict):
+            raise bad("kv_connector_extra_config", "must be a JSON object")
+        unknown = sorted(set(extra) - set(self.EXTRA_KEYS))
+        if unknown:
+            raise ValueError(f"kv_transfer_config.kv_connector_extra_config: unknown key "
+                             f"{unknown[0]!r} (known: {', '.join(self.EXTRA_KEYS)})")
+        for key in ("side_channel_timeout_s", "load_delay_s"):
+            v = extra.get(key, 0.0)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                raise ValueError(f"kv_transfer_config.kv_connector_extra_config.{key}={v!r} "
+                                 f"must be a number of seconds >= 0")
+        backends = extra.get("backends", ["UCX"])
+        if not isinstance(backends, list) or not all(isinstance(b, str) for b in backends):
+            raise ValueError(f"kv_transfer_config.kv_connector_extra_config.backends="
+                             f"{backends!r} must be a list of NIXL backend names")
+
+    @classmethod
+    def parse(cls, value: KVTransferConfig | dict[str, Any] | str) -> KVTransferConfig:
+        """A config from itself, a dict or a JSON object string (the CLI flag's value).
+
+        Raises:
+            ValueError: not JSON, not an object, an unknown field or a bad value.
+        """
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"kv_transfer_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError("kv_transfer_config must be a JSON object")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"kv_transfer_config: unknown field {unknown[0]!r} "
+                             f"(known: {', '.join(sorted(known))})")
+        kw = {k: v for k, v in value.items() if not (k == "engine_id" and v is None)}
+        return cls(**kw)
 
 
 @dataclass
@@ -39,7 +174,15 @@ class EngineConfig:
         attention_backend: "auto" (the CPU paged decode kernel on CPU when it builds, else
             SDPA), "cpu" (that kernel or an error) or "torch" (SDPA over gathered pages).
         pack_weights: on CPU, pack linear weights once into oneDNN's layout (faster matmuls at
-            decode batch sizes; the dense copies are freed). Ignored on CUDA.
+            decode batch sizes; the dense copies are freed). None (default): packed or dense,
+            whichever measured faster on this machine and model (``path_choice``, cached);
+            True/False force it. Ignored on CUDA.
+        shadow_rate: fraction of steps (0..1) re-run on the reference path (SDPA attention,
+            dense linears, eager) and compared with the fast path, counted in ``/metrics``;
+            never served. 0 (default) turns shadow checks off; above 0 the reference keeps a
+            second copy of the weights.
+        kv_transfer_config: prefill/decode disaggregation (a ``KVTransferConfig``, or its
+            dict / JSON string, converted on construction); None: off.
     """
 
     model: str | None = None
@@ -58,9 +201,13 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None
     attention_backend: str = "auto"
-    pack_weights: bool = True
+    pack_weights: bool | None = None
+    shadow_rate: float = 0.0
+    kv_transfer_config: KVTransferConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.kv_transfer_config is not None:
+            self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
         self.validate()
 
     def validate(self) -> None:
@@ -77,6 +224,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory={self.kv_cache_memory} must be > 0 bytes")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
+        if not 0.0 <= self.shadow_rate <= 1.0:
+            raise ValueError(f"shadow_rate={self.shadow_rate} must be in [0, 1]")
         if self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")

@@ -9,6 +9,8 @@ so the wire format stays at the edge. This module sits below ``core``, ``fronten
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 import numpy as np
 
@@ -18,6 +20,10 @@ from radixserve.sampling_params import SamplingParams
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
 FINISH_ABORT = "abort"
+
+#: ``TokenOutput.error_code`` of a request whose prompt KV could not be loaded from the
+#: prefill instance under ``kv_load_failure_policy`` "fail" (a server-side failure: HTTP 500).
+ERROR_KV_TRANSFER_FAILED = "kv_transfer_failed"
 
 #: One generated position's logprobs: ``[[token_id, logprob], ...]``, the sampled token first,
 #: then the top N in descending order (the sampled token again where it is among them).
@@ -49,6 +55,8 @@ class EngineRequest(msgspec.Struct, kw_only=True):
         arrival_time: ``time.time()`` when the API request arrived, seconds.
         eos_token_ids: ids that end this request instead of the model's own (None: the
             model's, which the core knows; vLLM's engine request carries the same override).
+        kv_transfer_params: prefill/decode disaggregation, vLLM's dict (checked by the core:
+            ``kv_transfer.params.parse_kv_transfer_params``); None without.
     """
 
     request_id: str
@@ -56,6 +64,7 @@ class EngineRequest(msgspec.Struct, kw_only=True):
     sampling_params: SamplingParams
     arrival_time: float = 0.0
     eos_token_ids: list[int] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class TokenOutput(msgspec.Struct, kw_only=True, gc=False):
@@ -74,6 +83,10 @@ class TokenOutput(msgspec.Struct, kw_only=True, gc=False):
         error_param / error_code: see ``RequestRejected``.
         queue_time: seconds from arrival in the core to first being scheduled; set on the
             output that finishes the request (None when it never ran).
+        prompt_logprobs: with the first token, when asked: one row per prompt position from
+            the second, ``[[token, logprob, rank], [top1, logprob], ...]``.
+        kv_transfer_params: on the output that finishes a prefill request for a remote decode,
+            what the decode instance needs (vLLM's shape); None otherwise.
     """
 
     request_id: str
@@ -87,6 +100,8 @@ class TokenOutput(msgspec.Struct, kw_only=True, gc=False):
     error_param: str | None = None
     error_code: str | None = None
     queue_time: float | None = None
+    prompt_logprobs: list[list[list[float]]] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class StepOutputs(msgspec.Struct, kw_only=True):
@@ -152,6 +167,64 @@ class EngineInfo(msgspec.Struct, kw_only=True, frozen=True):
     pid: int = 0
 
 
+class ShadowStats(msgspec.Struct, kw_only=True):
+    """Shadow checks so far (``--shadow-rate``): steps re-run on the reference path and compared.
+
+    Attributes:
+        steps: steps checked.
+        tokens_agree / tokens_diverge: rows whose greedy token (argmax of the float32 logits)
+            the reference computed the same / differently.
+        max_abs_logit_diff / last_abs_logit_diff: largest absolute logit difference over all
+            checks / in the latest check.
+    """
+
+    steps: int = 0
+    tokens_agree: int = 0
+    tokens_diverge: int = 0
+    max_abs_logit_diff: float = 0.0
+    last_abs_logit_diff: float = 0.0
+
+
+class RunnerStats(msgspec.Struct, kw_only=True):
+    """Which code path each part of the forward runs, and how often (cumulative).
+
+    Attributes:
+        paths: part -> path in use, e.g. {"attention": "cpu", "linear": "packed"}.
+        fallbacks: part -> why its fast path could not be used (failed build or load); empty
+            when every fast path asked for runs.
+        steps: steps run (each on ``paths``).
+        shadow: shadow-check counts; None when shadow checks are off.
+    """
+
+    paths: dict[str, str] = {}
+    fallbacks: dict[str, str] = {}
+    steps: int = 0
+    shadow: ShadowStats | None = None
+class KVTransferStats(msgspec.Struct, kw_only=True):
+    """A KV connector's figures; counters are cumulative since start.
+
+    Attributes:
+        loads_ok / loads_failed: prompt KV loads from remote instances (requests).
+        pages_read / bytes_read: pages and bytes read from remote instances.
+        read_seconds: time spent reading (seconds, summed over reads).
+        leases_granted / leases_released / leases_expired: prefill-side page leases
+            (requests): granted, ended by the decode side, ended by expiry.
+        held_requests / held_pages: leases held now and their pages (prefill side), plus
+            pages of aborted requests whose load has not ended yet (decode side).
+    """
+
+    loads_ok: int = 0
+    loads_failed: int = 0
+    pages_read: int = 0
+    bytes_read: int = 0
+    read_seconds: float = 0.0
+    leases_granted: int = 0
+    leases_released: int = 0
+    leases_expired: int = 0
+    held_requests: int = 0
+    held_pages: int = 0
+
+
 class SchedulerStats(msgspec.Struct, kw_only=True):
     """Snapshot of the scheduler for metrics; counters are cumulative since start.
 
@@ -165,6 +238,12 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
         step_timings: per-step timer samples in seconds since the last snapshot, when step
             timers are on: {"schedule": [...], "prepare": [...], "forward": [...],
             "output": [...]}.
+        runner: the runner's code paths and shadow checks (None for runners without them).
+        prompt_tokens_local_compute / prompt_tokens_external: prompt tokens computed here and
+            loaded from a remote (prefill) instance (with ``prefix_hit_tokens``, vLLM's
+            ``prompt_tokens_by_source``), counted once per request.
+        num_waiting_for_remote_kvs: requests waiting for a remote instance's KV.
+        kv_transfer: the KV connector's figures, None without one.
     """
 
     num_running: int = 0
@@ -178,3 +257,9 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     prompt_tokens: int = 0
     generation_tokens: int = 0
     step_timings: dict[str, list[float]] = {}
+    runner: RunnerStats | None = None
+    prompt_tokens_local_compute: int = 0
+    prompt_tokens_external: int = 0
+    num_waiting_for_remote_kvs: int = 0
+    kv_transfer: KVTransferStats | None = None
+

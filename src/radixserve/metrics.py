@@ -16,7 +16,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from radixserve.engine_types import SchedulerStats
+from radixserve.engine_types import RunnerStats, SchedulerStats
 
 PREFIX = "radixserve:"
 
@@ -43,6 +43,32 @@ _STAT_COUNTERS = {
 }
 
 
+#: ``SchedulerStats`` prompt counters -> the ``source`` label of ``prompt_tokens_by_source``
+#: (vLLM's ``vllm:prompt_tokens_by_source``: where each prompt token's KV came from).
+_PROMPT_SOURCES = {
+    "prompt_tokens_local_compute": "local_compute",
+    "prefix_hit_tokens": "local_cache_hit",
+    "prompt_tokens_external": "external_kv_transfer",
+}
+#: Cumulative ``KVTransferStats`` counters -> metric name (after ``radixserve:``) and help.
+_KV_COUNTERS = {
+    "loads_ok": ("kv_transfer_loads_ok", "Prompt KV loads from a prefill instance that "
+                 "succeeded (requests)."),
+    "loads_failed": ("kv_transfer_loads_failed", "Prompt KV loads that failed (requests; "
+                     "recomputed or failed per kv_load_failure_policy)."),
+    "pages_read": ("kv_transfer_pages_read", "KV pages read from prefill instances."),
+    "bytes_read": ("kv_transfer_bytes_read", "KV bytes read from prefill instances."),
+    "read_seconds": ("kv_transfer_read_seconds", "Seconds spent reading KV from prefill "
+                     "instances."),
+    "leases_granted": ("kv_transfer_leases_granted", "Prefill requests whose pages were "
+                       "held for a decode instance."),
+    "leases_released": ("kv_transfer_leases_released", "Page leases ended by the decode "
+                        "instance."),
+    "leases_expired": ("kv_transfer_leases_expired", "Page leases ended by expiry "
+                       "(kv_lease_s)."),
+}
+
+
 class ServerMetrics:
     """The server's Prometheus metrics.
 
@@ -56,8 +82,17 @@ class ServerMetrics:
     Counters (tokens unless noted): ``prefix_cache_queries``, ``prefix_cache_hits``,
     ``num_preemptions`` (requests), ``prompt_tokens``, ``generation_tokens``,
     ``request_success`` (requests, label ``finished_reason``).
+    Code paths (from ``SchedulerStats.runner``): ``forward_path_info`` (labels part, path),
+    ``forward_path_steps`` (steps per part and path; shadow re-runs count as path
+    "reference"), ``fast_path_fallbacks`` (1 per part whose fast path failed to build or load),
+    ``shadow_steps``, ``shadow_tokens`` (label result: agree | diverge),
+    ``shadow_max_abs_logit_diff``.
     Histograms (seconds): ``time_to_first_token_seconds``, ``time_per_output_token_seconds``,
     ``e2e_request_latency_seconds``, ``request_queue_time_seconds``, ``step_<timer>_seconds``.
+    Prefill/decode disaggregation: ``prompt_tokens_by_source`` (tokens, label ``source``:
+    local_compute, local_cache_hit, external_kv_transfer), ``num_requests_waiting_for_remote_kvs``
+    and, with a KV connector, the ``kv_transfer_*`` counters of ``_KV_COUNTERS`` and the gauges
+    ``kv_transfer_held_requests`` / ``kv_transfer_held_pages``.
     """
 
     def __init__(self, registry: CollectorRegistry | None = None, model_name: str = "") -> None:
@@ -119,6 +154,42 @@ class ServerMetrics:
             for name in STEP_TIMERS
         }
         self._last_counts = dict.fromkeys(_STAT_COUNTERS, 0)
+        self._path_info = Gauge(
+            PREFIX + "forward_path_info", "1 for the code path each part of the forward runs.",
+            ["model_name", "part", "path"], registry=self.registry)
+        self._path_steps = Counter(
+            PREFIX + "forward_path_steps", "Steps run, by part of the forward and its path.",
+            ["model_name", "part", "path"], registry=self.registry)
+        self._path_fallbacks = Gauge(
+            PREFIX + "fast_path_fallbacks",
+            "1 for each part whose fast path failed to build or load (reference path in use).",
+            ["model_name", "part"], registry=self.registry)
+        self._shadow_tokens = Counter(
+            PREFIX + "shadow_tokens", "Shadow-checked rows, by whether the reference path's "
+            "greedy token agreed with the fast path's.", ["model_name", "result"],
+            registry=self.registry)
+        self.shadow_steps = counter("shadow_steps", "Steps re-run on the reference path.")
+        self.shadow_max_abs_logit_diff = gauge(
+            "shadow_max_abs_logit_diff",
+            "Largest absolute logit difference, fast path vs reference, over all shadow checks.")
+        self._last_runner = (0, 0, 0, 0)
+        by_source = Counter(PREFIX + "prompt_tokens_by_source",
+                            "Prompt tokens by where their KV came from.",
+                            ["model_name", "source"], registry=self.registry)
+        self.prompt_tokens_by_source = {
+            field: by_source.labels(model_name, src) for field, src in _PROMPT_SOURCES.items()}
+        self.num_requests_waiting_for_remote_kvs = gauge(
+            "num_requests_waiting_for_remote_kvs",
+            "Requests waiting for their prompt's KV from a prefill instance.")
+        self.kv_transfer = {field: counter(name, doc)
+                            for field, (name, doc) in _KV_COUNTERS.items()}
+        self.kv_transfer_held_requests = gauge(
+            "kv_transfer_held_requests", "Finished requests whose KV pages are held for a KV "
+            "transfer (prefill leases, aborted loads).")
+        self.kv_transfer_held_pages = gauge(
+            "kv_transfer_held_pages", "KV pages held for KV transfers.")
+        self._last_sources = dict.fromkeys(_PROMPT_SOURCES, 0)
+        self._last_kv: dict[str, float] = dict.fromkeys(_KV_COUNTERS, 0)
 
     def update_from_stats(self, stats: SchedulerStats) -> None:
         """Apply one scheduler snapshot: set gauges, add counter deltas, observe step timers.
@@ -140,11 +211,49 @@ class ServerMetrics:
             if delta > 0:
                 getattr(self, attr).inc(delta)
             self._last_counts[field] = value
+        if stats.runner is not None:
+            self._update_runner(stats.runner)
+        for field, child in self.prompt_tokens_by_source.items():
+            self._last_sources[field] = _inc(child, getattr(stats, field),
+                                             self._last_sources[field])
+        self.num_requests_waiting_for_remote_kvs.set(stats.num_waiting_for_remote_kvs)
+        kv = stats.kv_transfer
+        if kv is not None:
+            for field, child in self.kv_transfer.items():
+                self._last_kv[field] = _inc(child, getattr(kv, field), self._last_kv[field])
+            self.kv_transfer_held_requests.set(kv.held_requests)
+            self.kv_transfer_held_pages.set(kv.held_pages)
         for name, samples in stats.step_timings.items():
             hist = self.step_seconds.get(name)
             if hist is not None:
                 for s in samples:
                     hist.observe(s)
+
+    def _update_runner(self, r: RunnerStats) -> None:
+        m = self.model_name
+        for part, path in r.paths.items():
+            self._path_info.labels(m, part, path).set(1)
+        for part in r.fallbacks:
+            self._path_fallbacks.labels(m, part).set(1)
+        sh = r.shadow
+        now = (r.steps, sh.steps if sh else 0, sh.tokens_agree if sh else 0,
+               sh.tokens_diverge if sh else 0)
+        # cumulative in the engine: add the growth (from zero again after an engine restart)
+        d = [v - last if v >= last else v for v, last in zip(now, self._last_runner, strict=True)]
+        self._last_runner = now
+        if d[0] > 0:
+            for part, path in r.paths.items():
+                self._path_steps.labels(m, part, path).inc(d[0])
+        if sh is not None:
+            if d[1] > 0:
+                self.shadow_steps.inc(d[1])
+                for part in r.paths:
+                    self._path_steps.labels(m, part, "reference").inc(d[1])
+            if d[2] > 0:
+                self._shadow_tokens.labels(m, "agree").inc(d[2])
+            if d[3] > 0:
+                self._shadow_tokens.labels(m, "diverge").inc(d[3])
+            self.shadow_max_abs_logit_diff.set(sh.max_abs_logit_diff)
 
     def observe_request(
         self,
@@ -178,3 +287,12 @@ class ServerMetrics:
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition of this registry, and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def _inc(counter: Counter, value: float, last: float) -> float:
+    """Add a cumulative value's growth since ``last`` to ``counter`` (a value that went
+    backwards, a restarted engine, counts from zero again); returns ``value``."""
+    delta = value - last if value >= last else value
+    if delta > 0:
+        counter.inc(delta)
+    return value

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -60,6 +61,11 @@ class RequestOutput:
         finished: all completions finished.
         num_cached_tokens: prompt tokens served from the radix prefix cache.
         metrics: timing of the request.
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs``: per prompt position
+            ``{token_id: logprob}`` holding the prompt's token and the top N (vLLM's shape), None
+            for the first position (nothing precedes it); else None.
+        kv_transfer_params: what a prefill request for a remote decode hands the decode
+            instance (vLLM's field), else None.
     """
 
     request_id: str
@@ -69,3 +75,5 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    kv_transfer_params: dict[str, Any] | None = None

@@ -7,6 +7,7 @@ Field names and meanings follow vLLM's ``SamplingParams`` so users can switch en
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import msgspec
 
@@ -18,6 +19,78 @@ MAX_N = 128
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
 #: Token ids and token counts travel and are stored as int32.
 MAX_INT32 = 2**31 - 1
+#: ``logit_bias`` values are clamped by OpenAI's API to this range.
+MAX_LOGIT_BIAS = 100.0
+
+
+class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A constraint on the generated text, compiled by xgrammar (vLLM's
+    ``StructuredOutputsParams``, the same field names).
+
+    Exactly one of the constraint fields is set.
+
+    Attributes:
+        json: a JSON schema, as JSON text (a dict is encoded on construction, keys in their
+            given order: xgrammar generates properties in schema order).
+        regex: a regular expression the whole output matches.
+        choice: the output is exactly one of these strings.
+        grammar: an EBNF grammar (xgrammar's GBNF dialect, rule ``root``).
+        json_object: any JSON object (OpenAI's ``response_format: json_object``).
+        disable_any_whitespace: JSON without free whitespace (xgrammar's compact separators
+            ``", "`` and ``": "``); the default allows any whitespace between tokens, as JSON
+            does.
+        disable_additional_properties: objects of the schema take no properties beyond those
+            listed (``additionalProperties: false`` everywhere; xgrammar's strict mode).
+
+    Raises:
+        ValueError: none or several constraints, an empty choice list, or a JSON schema that
+            is not JSON (the message starts with ``structured_outputs``). Whether the schema,
+            regex or grammar compiles is checked by ``radixserve.structured``.
+    """
+
+    json: str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+    def __post_init__(self) -> None:
+        if self.json is not None and not isinstance(self.json, str):
+            try:
+                self.json = _json_text(self.json)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"structured_outputs.json is not JSON-encodable: {e}") from None
+        kinds = [k for k in ("json", "regex", "choice", "grammar")
+                 if getattr(self, k) is not None]
+        if self.json_object:
+            kinds.append("json_object")
+        if len(kinds) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, regex, choice, "
+                             f"grammar or json_object (got {', '.join(kinds) or 'none'})")
+        if self.choice is not None and not (
+                self.choice and all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of "
+                                 "non-empty strings")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: "json", "regex", "choice", "grammar" or "json_object"."""
+        for k in ("json", "regex", "choice", "grammar"):
+            if getattr(self, k) is not None:
+                return k
+        return "json_object"
+
+    def cache_key(self) -> bytes:
+        """A key that is equal exactly for constraints that compile to the same grammar."""
+        return msgspec.msgpack.encode(self)
+
+
+def _json_text(obj: object) -> str:
+    import json
+
+    return json.dumps(obj, ensure_ascii=False)
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -43,9 +116,19 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         stop_token_ids: token ids in [0, 2**31-1] that end the output (kept in ``token_ids``).
         ignore_eos: keep generating after EOS.
         logprobs: return the chosen token's logprob and the top ``logprobs`` (0..20) per step.
-        prompt_logprobs: accepted for vLLM compatibility; not computed (must be None).
+        prompt_logprobs: per prompt position after the first, the logprob of the prompt's
+            token there and the top ``prompt_logprobs`` (0..20) alternatives (vLLM's field). Such
+            a request takes no radix-cache prefix hit: every prompt position is recomputed, as
+            vLLM does, since a cached prefix keeps KV, not logits.
+        logit_bias: token id -> value in [-100, 100] added to that token's logit before
+            sampling (OpenAI's ``logit_bias``); ids in [0, 2**31-1] here, below the vocabulary
+            size in the engine core.
+        structured_outputs: a grammar constraint on the output (``StructuredOutputsParams``).
         skip_special_tokens: drop special tokens when detokenizing.
         include_stop_str_in_output: keep the matched stop string in the text.
+        extra_args: vLLM's per-request extension dict; radixserve reads only
+            ``{"kv_transfer_params": {...}}`` (prefill/decode disaggregation offline, as vLLM's
+            ``LLM.generate``); any other key is an error.
 
     Every int is bounded so that the struct always encodes on the engine socket (MessagePack
     ints are at most 64 bits) and fits the engine's int32/int64 arrays.
@@ -73,6 +156,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -104,8 +190,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if self.logprobs is not None:
             _check(0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", self.logprobs,
                    f"must be in [0, {MAX_LOGPROBS}]")
-        _check(self.prompt_logprobs is None, "prompt_logprobs", self.prompt_logprobs,
-               "is not supported (must be None)")
+        if self.prompt_logprobs is not None:
+            _check(0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
+                   self.prompt_logprobs, f"must be in [0, {MAX_LOGPROBS}]")
         if self.stop_token_ids is not None:
             for t in self.stop_token_ids:
                 _check(0 <= t <= MAX_INT32, "stop_token_ids", t,
@@ -113,6 +200,16 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if self.stop is not None:
             for s in self.stop:
                 _check(isinstance(s, str) and len(s) > 0, "stop", s, "must be non-empty strings")
+        if self.logit_bias is not None:
+            for t, v in self.logit_bias.items():
+                _check(0 <= t <= MAX_INT32, "logit_bias", t,
+                       f"has a token id outside [0, {MAX_INT32}]")
+                _check(math.isfinite(v) and -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS,
+                       "logit_bias", v, "has a value outside [-100, 100]")
+        if self.extra_args is not None:
+            _check(isinstance(self.extra_args, dict)
+                   and set(self.extra_args) <= {"kv_transfer_params"}, "extra_args",
+                   self.extra_args, "must be a dict whose only key is kv_transfer_params")
 
     def children(self) -> list[SamplingParams]:
         """The ``n`` single-sample requests of these params: ``n=1`` each and, when seeded,

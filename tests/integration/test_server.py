@@ -272,17 +272,20 @@ def test_length_cut_mid_character_drops_the_incomplete_tail(client: OpenAI) -> N
 
 
 @pytest.mark.timeout(90)
-def test_unknown_fields_ignored_and_sampling_fields_accepted(server, client: OpenAI) -> None:
+def test_sampling_fields_accepted_unknown_fields_refused(server, client: OpenAI) -> None:
     r = client.chat.completions.create(
         model=MODEL, messages=CHAT, max_completion_tokens=4, temperature=0.5, top_p=0.9,
         seed=1, presence_penalty=0.5, frequency_penalty=0.5, user="someone",
         extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "min_tokens": 2,
-                    "ignore_eos": True, "stop_token_ids": [2], "whatever": {"x": 1}})
+                    "ignore_eos": True, "stop_token_ids": [2], "whatever": None})
     assert r.usage.completion_tokens == 4 and r.choices[0].finish_reason == "length"
     raw = httpx.post(server.base_url + "/v1/completions",
-                     json={"prompt": "Hi", "max_tokens": 2, "best_of": 1, "foo": [1, 2],
+                     json={"prompt": "Hi", "max_tokens": 2, "best_of": 1,
                            "logit_bias": {"1": 2}, "temperature": None}, timeout=60)
     assert raw.status_code == 200, raw.text
+    raw = httpx.post(server.base_url + "/v1/completions",
+                     json={"prompt": "Hi", "max_tokens": 2, "foo": [1, 2]}, timeout=60)
+    assert raw.status_code == 400 and raw.json()["error"]["param"] == "foo"
 
 
 @pytest.mark.timeout(60)

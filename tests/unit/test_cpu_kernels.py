@@ -131,3 +131,77 @@ def test_add_rms_norm_rejects_bad_input(kernel) -> None:
         kernel.add_rms_norm(torch.randn(4, 7), r, torch.ones(8), 1e-6)
     with pytest.raises(ValueError, match="float32"):
         kernel.add_rms_norm(None, r.t(), torch.ones(4), 1e-6)
+
+
+# -- paged prefill attention -----------------------------------------------------------------
+
+
+def _prefill_case(seed: int, h: int, hkv: int, d: int, page: int, ctx: int, dtype: torch.dtype):
+    g = torch.Generator().manual_seed(seed)
+    n_pages = -(-ctx // page)
+    kv = torch.randn(2, n_pages + 4, page, hkv, d, generator=g).to(dtype)
+    pages = torch.randperm(n_pages + 3, generator=g)[:n_pages] + 1  # shuffled, never page 0
+    q = torch.randn(ctx, h + hkv, d, generator=g).to(dtype)[:, :h]  # strided like the model's
+    return kv, pages, q
+
+
+PREFILL_SHAPES = [
+    (9, 3, 64, 16, 1),      # one token
+    (9, 3, 64, 16, 97),     # SmolLM2's GQA shape, tiles of 16 rows and a partial one
+    (8, 2, 128, 1, 40),     # page size 1, head_dim 128
+    (6, 1, 24, 4, 33),      # multi-query
+    (4, 2, 20, 3, 29),      # D % 8 != 0: the scalar path
+    (2, 2, 16, 8, 70),      # no GQA
+]
+
+
+@pytest.mark.parametrize(("h", "hkv", "d", "page", "ctx"), PREFILL_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prefill_kernel_is_the_decode_kernel_row_by_row(kernel, h, hkv, d, page, ctx, dtype,
+                                                         threads) -> None:
+    """Every prefill row equals, bit for bit, a decode of that token over the same context, and
+    any chunking of the prompt gives the very same rows: the kernel's batch invariance."""
+    kv, pages, q = _prefill_case(ctx * 7 + d, h, hkv, d, page, ctx, dtype)
+    scale = d ** -0.5
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        whole = torch.full((ctx, h, d), float("nan"), dtype=dtype)
+        kernel.paged_prefill_attention(q, kv[0], kv[1], pages, ctx, whole, scale)
+        decoded = torch.full((ctx, h, d), float("nan"), dtype=dtype)
+        # one decode per position, all reading one page-table row (row stride 0)
+        kernel.paged_decode_attention(q, kv[0], kv[1], pages.unsqueeze(0).expand(ctx, -1),
+                                      torch.arange(1, ctx + 1), decoded, scale)
+        chunked = torch.full((ctx, h, d), float("nan"), dtype=dtype)
+        cuts = sorted({0, ctx // 3, ctx // 3 + 1, max(ctx - 5, 0), ctx})
+        for a, b in zip(cuts, cuts[1:], strict=False):
+            kernel.paged_prefill_attention(q[a:b], kv[0], kv[1], pages, b, chunked[a:b], scale)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(whole, decoded)
+    assert torch.equal(whole, chunked)
+    # and it is causal attention: SDPA over the gathered pages, float32 math
+    k = kv[0][pages].reshape(-1, hkv, d)[:ctx].float().transpose(0, 1)
+    v = kv[1][pages].reshape(-1, hkv, d)[:ctx].float().transpose(0, 1)
+    ref = F.scaled_dot_product_attention(q.float().transpose(0, 1), k, v, is_causal=True,
+                                         scale=scale, enable_gqa=True).transpose(0, 1)
+    tol = 2e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(whole.float(), ref, atol=tol, rtol=tol * 5)
+
+
+def test_prefill_kernel_rejects_bad_input(kernel) -> None:
+    kv, pages, q = _prefill_case(1, 4, 2, 16, 4, 8, torch.float32)
+    out = torch.empty(8, 4, 16)
+    bad = pages.clone()
+    bad[0] = kv.shape[1]  # past the pool
+    with pytest.raises(RuntimeError, match="code 4"):
+        kernel.paged_prefill_attention(q, kv[0], kv[1], bad, 8, out, 0.25)
+    with pytest.raises(RuntimeError, match="code 2"):  # more keys than the pages hold
+        kernel.paged_prefill_attention(q, kv[0], kv[1], pages, 9, out, 0.25)
+    with pytest.raises(RuntimeError, match="code 2"):  # fewer keys than queries
+        kernel.paged_prefill_attention(q, kv[0], kv[1], pages, 7, out, 0.25)
+    with pytest.raises(ValueError, match="dtypes"):
+        kernel.paged_prefill_attention(q.double(), kv[0], kv[1], pages, 8, out, 0.25)
+    with pytest.raises(ValueError, match="contiguous"):
+        kernel.paged_prefill_attention(q, kv[0], kv[1], pages, 8, out.transpose(0, 1), 0.25)

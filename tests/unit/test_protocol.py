@@ -36,14 +36,43 @@ def test_defaults_match_openai():
     assert sp.logprobs is None and sp.stop is None and sp.skip_special_tokens
 
 
-def test_extra_fields_ignored_and_null_means_default():
-    r = chat(tools=[{"type": "function"}], response_format={"type": "text"}, temperature=None,
-             top_p=None, n=None, stream=True,
-             stream_options={"include_usage": True, "whatever": 1})
+def test_null_means_default_and_no_op_fields_accepted():
+    r = chat(response_format={"type": "text"}, temperature=None, top_p=None, n=None,
+             stream=True, stream_options={"include_usage": True, "whatever": 1},
+             user="u", metadata={"a": "b"}, store=False, service_tier="auto",
+             reasoning_effort=None, functions=None)
     assert r.temperature == 1.0 and r.top_p == 1.0 and r.n == 1
-    assert not hasattr(r, "tools")
-    c = CompletionRequest.model_validate({"prompt": "x", "best_of": 3, "suffix": "ignored"})
+    r.check()  # bookkeeping fields and null unknown fields change nothing: accepted
+    c = CompletionRequest.model_validate({"prompt": "x", "best_of": 1, "suffix": None})
+    c.check()
     assert c.to_sampling_params(5).max_tokens == 5
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"foo": 1}, "foo"),
+    ({"reasoning_effort": "low"}, "reasoning_effort"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"use_beam_search": True}, "use_beam_search"),
+    ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
+    ({"truncate_prompt_tokens": 5}, "truncate_prompt_tokens"),
+    ({"priority": 3}, "priority"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}},
+     "structured_outputs.whitespace_pattern"),
+])
+def test_fields_that_would_change_output_are_refused(body, param):
+    with pytest.raises(OpenAIError) as e:
+        chat(**body).check()
+    assert e.value.status_code == 400 and e.value.param == param
+    assert e.value.code == "unsupported_parameter"
+
+
+@pytest.mark.parametrize("body,param", [({"suffix": "tail"}, "suffix"),
+                                        ({"best_of": 3}, "best_of"), ({"bar": [1]}, "bar")])
+def test_completion_fields_that_would_change_output_are_refused(body, param):
+    with pytest.raises(OpenAIError) as e:
+        CompletionRequest.model_validate({"prompt": "x", **body}).check()
+    assert e.value.param == param
 
 
 @pytest.mark.parametrize("model", [ChatCompletionRequest, CompletionRequest])

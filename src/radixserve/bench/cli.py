@@ -1,4 +1,5 @@
-"""``radixserve bench offline | serve | overhead | compare`` subcommands. Each prints a summary,
+"""``radixserve bench offline | serve | overhead | compare | prefix | pd-transfer | pd-serve``
+subcommands. Each prints a summary,
 writes JSON with ``--json PATH`` and draws PNG charts with ``--plot PATH``."""
 
 from __future__ import annotations
@@ -140,6 +141,15 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     except (httpx.HTTPError, RuntimeError) as e:
         return _err(f"cannot list models at {base}/v1/models: {e}")
     extra = json.loads(ns.extra_body) if ns.extra_body else None
+    if ns.json_schema:
+        # the same prompts, each constrained by this schema (structured-output cost)
+        text = ns.json_schema
+        if not text.lstrip().startswith("{"):
+            with open(text) as f:
+                text = f.read()
+        extra = {**(extra or {}), "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "bench", "schema": json.loads(text), "strict": True}}}
     levels: list[int | None] = list(ns.sweep_concurrency) if ns.sweep_concurrency else [
         ns.max_concurrency]
     runs = []
@@ -170,7 +180,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                       "request_rate": "inf" if math.isinf(ns.request_rate) else ns.request_rate,
                       "max_concurrency": ns.max_concurrency,
                       "sweep_concurrency": ns.sweep_concurrency,
-                      "ignore_eos": not ns.no_ignore_eos, "temperature": ns.temperature},
+                      "ignore_eos": not ns.no_ignore_eos, "temperature": ns.temperature,
+                      "json_schema": ns.json_schema},
            "runs": runs}
     print(serve.format_table(runs))
     for r in runs:
@@ -210,6 +221,33 @@ def cmd_compare(ns: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------- parser
+# ---------------------------------------------------------------------- pd
+def cmd_pd_transfer(ns: argparse.Namespace) -> int:
+    from radixserve.bench import pd
+
+    res = pd.run_transfer(ns.tokens, ns.connectors.split(","), ns.page_size, ns.model,
+                          ns.dtype, ns.repeats)
+    _write(res, ns.json, quiet=True)
+    print(pd.format_transfer(res))
+    return 0
+
+
+def cmd_pd_serve(ns: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from radixserve.bench import pd
+
+    res = pd.run_serve(connector=ns.connector, num_requests=ns.num_requests,
+                       long_every=ns.long_every, short_len=ns.short_input_len,
+                       long_len=ns.long_input_len, output_len=ns.output_len,
+                       long_output_len=ns.long_output_len, rate=ns.request_rate,
+                       threads=ns.threads, dtype=ns.dtype, num_pages=ns.num_pages,
+                       workdir=Path(ns.workdir), seed=ns.seed, setups=ns.setups.split(","))
+    _write(res, ns.json, quiet=True)
+    print(pd.format_serve(res))
+    return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``bench`` and its subcommands to the top-level parser."""
     from radixserve.entrypoints.engine_args import add_engine_args
@@ -292,6 +330,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="do not send ignore_eos (outputs may stop early)")
     s.add_argument("--temperature", type=float, default=0.0)
     s.add_argument("--extra-body", default=None, help="JSON merged into every request body")
+    s.add_argument("--json-schema", default=None,
+                   help="constrain every request by this JSON schema (a file or inline JSON), "
+                        "sent as response_format json_schema strict")
     s.add_argument("--num-warmups", type=int, default=1)
     s.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
     s.add_argument("--seed", type=int, default=0)
@@ -331,3 +372,35 @@ def register(sub: argparse._SubParsersAction) -> None:
     x.add_argument("--json", default=None)
     add_engine_args(x, skip=("seed", "enable_prefix_caching"))
     x.set_defaults(func=cmd_prefix)
+
+    t = bsub.add_parser("pd-transfer", help="KV transfer GB/s between two processes per "
+                                            "connector, vs memcpy")
+    t.add_argument("--tokens", type=int, default=4096, help="prompt tokens whose KV moves")
+    t.add_argument("--connectors", default="NixlConnector,TcpConnector")
+    t.add_argument("--page-size", type=int, default=16)
+    t.add_argument("--model", default=None)
+    t.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
+    t.add_argument("--repeats", type=int, default=5)
+    t.add_argument("--json", default=None)
+    t.set_defaults(func=cmd_pd_transfer)
+
+    d = bsub.add_parser("pd-serve", help="TTFT/ITL of 1 prefill + 1 decode instance vs two "
+                                         "colocated ones behind vllm-router")
+    d.add_argument("--connector", default="NixlConnector",
+                   choices=("NixlConnector", "TcpConnector"))
+    d.add_argument("--setups", default="pd,colocated", help="pd, colocated or both")
+    d.add_argument("--num-requests", type=int, default=64)
+    d.add_argument("--long-every", type=int, default=8,
+                   help="one long prompt per this many requests (0: none)")
+    d.add_argument("--short-input-len", type=int, default=128)
+    d.add_argument("--long-input-len", type=int, default=2048)
+    d.add_argument("--output-len", type=int, default=64)
+    d.add_argument("--long-output-len", type=int, default=16)
+    d.add_argument("--request-rate", type=float, default=1.0, help="requests/s, Poisson")
+    d.add_argument("--threads", type=int, default=1, help="torch threads per instance")
+    d.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
+    d.add_argument("--num-pages", type=int, default=1024)
+    d.add_argument("--workdir", default="pd-bench", help="server and router logs")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--json", default=None)
+    d.set_defaults(func=cmd_pd_serve)

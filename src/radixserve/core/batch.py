@@ -12,7 +12,12 @@ import numpy as np
 from radixserve.core.live_index import LiveIndex
 from radixserve.core.request import Request
 from radixserve.core.row_tables import RowTables
-from radixserve.model_executor.forward_batch import ALL_GREEDY, ForwardBatch, SamplingBatch
+from radixserve.model_executor.forward_batch import (
+    ALL_GREEDY,
+    ForwardBatch,
+    PromptLogprobsBatch,
+    SamplingBatch,
+)
 
 
 @dataclass
@@ -78,7 +83,9 @@ def build_batch(requests: list[Request], num_decodes: int, num_new: list[int],
         num_decodes=num_decodes, rows=rows, num_new=n, seq_lens=seq_lens, sample=sample,
         input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
         page_table=page_table[rows, :max_pages], logits_indices=(ends - 1)[sample],
-        sampling=_sampling_batch(samplers, srows, tables, live))
+        sampling=_sampling_batch(samplers, srows, tables, live),
+        prompt_logprobs=(_prompt_logprobs(requests, num_decodes, start, seq_lens, ends, tables)
+                         if live.prompt_logprobs else None))
     return ScheduledBatch(
         requests=requests, forward=forward,
         epochs=np.fromiter((r.num_preemptions for r in requests[num_decodes:]),
@@ -86,12 +93,44 @@ def build_batch(requests: list[Request], num_decodes: int, num_new: list[int],
         samplers=samplers, row_gens=tables.generation[srows])
 
 
+def _prompt_logprobs(requests: list[Request], num_decodes: int, start: np.ndarray,
+                     seq_lens: np.ndarray, ends: np.ndarray,
+                     tables: RowTables) -> PromptLogprobsBatch | None:
+    """The prompt positions of this step's prefill chunks whose logprobs are still owed: those
+    from ``Request.prompt_lp_next`` up to the last prompt position but one (the last one's
+    logits sample the first output token). Advances ``prompt_lp_next``, so a chunk recomputed
+    after a preemption asks for no row twice."""
+    idx: list[np.ndarray] = []
+    targets: list[np.ndarray] = []
+    want: list[np.ndarray] = []
+    counts = np.zeros(len(requests), dtype=np.int64)
+    for i in range(num_decodes, len(requests)):
+        req = requests[i]
+        if req.prompt_logprob_rows is None:
+            continue
+        lo = max(int(start[i]), req.prompt_lp_next)
+        hi = min(int(seq_lens[i]), req.num_prompt_tokens - 1)
+        if hi <= lo:
+            continue
+        first = int(ends[i]) - (int(seq_lens[i]) - lo)  # batch index of position lo
+        idx.append(np.arange(first, first + hi - lo, dtype=np.int64))
+        targets.append(tables.token_table[req.row, lo + 1:hi + 1].astype(np.int64))
+        want.append(np.full(hi - lo, req.params.prompt_logprobs, dtype=np.int64))
+        counts[i] = hi - lo
+        req.prompt_lp_next = hi
+    if not idx:
+        return None
+    return PromptLogprobsBatch(np.concatenate(idx), np.concatenate(targets),
+                               np.concatenate(want), counts)
+
+
 def _sampling_batch(samplers: list[Request], rows: np.ndarray, t: RowTables,
                     live: LiveIndex) -> SamplingBatch:
     """The sampling rows' parameters: gathered from the row tables, only the parts some live
     request needs; snapshots of request state (outputs for penalties, counts for
     ``min_tokens``) are taken now, when the step is scheduled."""
-    if not (live.random or live.logprobs or live.penalty or live.min_tokens):
+    if not (live.random or live.logprobs or live.penalty or live.min_tokens or live.structured
+            or live.logit_bias):
         return ALL_GREEDY
     sp = SamplingBatch()
     if live.random:
@@ -120,4 +159,14 @@ def _sampling_batch(samplers: list[Request], rows: np.ndarray, t: RowTables,
                    if r.min_tokens_blocked and len(r.output_token_ids) < r.params.min_tokens}
         if blocked:
             sp.blocked_tokens = blocked
+    if live.logit_bias:
+        bias = {i: r.logit_bias for i, r in enumerate(samplers) if r.logit_bias is not None}
+        if bias:
+            sp.logit_bias = bias
+    if live.structured:
+        grammars = [r.grammar for r in samplers]
+        if any(g is not None for g in grammars):
+            # the masks are filled by the engine right before the forward (see
+            # ``EngineCore._run``): they depend on the previous step's tokens
+            sp.grammars = grammars
     return sp

@@ -20,18 +20,29 @@ from radixserve.core.request import Request
 from radixserve.core.resolver import StepResolver
 from radixserve.core.scheduler import Scheduler
 from radixserve.engine_types import (
+    ERROR_KV_TRANSFER_FAILED,
     FINISH_ABORT,
     EngineInfo,
     EngineRequest,
+    KVTransferStats,
     RequestRejected,
     SchedulerStats,
     StepOutputs,
     TokenOutput,
 )
+from radixserve.kv_transfer.base import (
+    KVConnectorOutput,
+    KVConnectorScheduler,
+    KVConnectorWorker,
+)
+from radixserve.kv_transfer.factory import create_scheduler_connector
+from radixserve.kv_transfer.params import parse_kv_transfer_params
 from radixserve.kvcache.manager import KVCacheManager
 from radixserve.kvcache.sizing import pool_max_len
 from radixserve.model_executor.forward_batch import SampleResult
 from radixserve.model_executor.step_runner import StepRunner
+from radixserve.structured.compiler import GrammarCompiler, GrammarError
+from radixserve.structured.runtime import GrammarRuntime
 
 
 @dataclass
@@ -51,6 +62,8 @@ class StepTimers:
 
 
 _NO_TOKENS = np.empty(0, dtype=np.int32)
+#: Seconds a step with nothing to run but loads in flight waits for one to end (no spinning).
+KV_IDLE_WAIT_S = 0.002
 
 
 class EngineCore:
@@ -59,7 +72,12 @@ class EngineCore:
     Args:
         config: engine configuration.
         runner: the model runner (``model_executor.runner.build_runner``). The pool uses its
-            KV pages, or fewer when ``config.num_pages`` says so (never more).
+            KV pages, or fewer when ``config.num_pages`` says so (never more). With
+            ``config.kv_transfer_config`` its ``kv_connector`` is the worker-side connector.
+
+    Raises:
+        ValueError: ``kv_transfer_config`` with a runner that has no KV connector (the null
+            model).
 
     Attributes:
         info: the engine's facts (model, ``max_model_len``, pool size), typed.
@@ -75,8 +93,21 @@ class EngineCore:
                      else min(runner.num_pages, config.num_pages))
         self.max_model_len = pool_max_len(num_pages, config.page_size, runner.max_model_len)
         self.kv = KVCacheManager(num_pages, config.page_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, config.schedule_policy)
+        kv_cfg = config.kv_transfer_config
+        self.kv_worker: KVConnectorWorker | None = None
+        self.kv_connector: KVConnectorScheduler | None = None
+        self._kv_error_reasons: dict[str, str] = {}
+        if kv_cfg is not None:
+            self.kv_worker = getattr(runner, "kv_connector", None)
+            if self.kv_worker is None:
+                raise ValueError("kv_transfer_config needs a model runner with a KV pool to "
+                                 "transfer (not the null model)")
+            self.kv_connector = create_scheduler_connector(kv_cfg, config.page_size,
+                                                           self.kv_worker)
+        self.scheduler = Scheduler(
+            self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+            config.schedule_policy, connector=self.kv_connector,
+            kv_load_failure_policy=kv_cfg.kv_load_failure_policy if kv_cfg else "recompute")
         self.resolver = StepResolver(self.scheduler.tables, self.scheduler.live,
                                      self.max_model_len)
         self.step_count = 0
@@ -96,6 +127,8 @@ class EngineCore:
         self._inflight: tuple[ScheduledBatch, Future[SampleResult]] | None = None
         self._last_sampled = np.zeros(config.max_num_seqs, dtype=np.int64)
         self.eos_token_ids: frozenset[int] = frozenset(minfo.eos_token_ids)
+        self.grammars = GrammarRuntime(self._make_grammar_compiler, minfo.vocab_size,
+                                       config.max_num_seqs)
         self.info = EngineInfo(
             model_name=minfo.name, folder=minfo.folder, max_model_len=self.max_model_len,
             vocab_size=minfo.vocab_size, eos_token_ids=sorted(self.eos_token_ids),
@@ -108,7 +141,8 @@ class EngineCore:
 
         Raises:
             ValueError: empty prompt, token id out of range, prompt of ``max_model_len`` tokens
-                or more, or a request that can never fit the KV pool.
+                or more, a request that can never fit the KV pool, or ``kv_transfer_params``
+                this engine cannot serve (``RequestRejected`` naming the field).
         """
         prompt = np.asarray(er.prompt_token_ids, dtype=np.int32)
         n = len(prompt)
@@ -135,9 +169,48 @@ class EngineCore:
             gen = torch.Generator(device=self.runner.device)
             gen.manual_seed(sp.seed)
         eos = self.eos_token_ids if er.eos_token_ids is None else frozenset(er.eos_token_ids)
-        req = Request(er.request_id, prompt, sp, eos, max_tokens, generator=gen)
+        if sp.logit_bias and max(sp.logit_bias) >= self.vocab_size:
+            raise RequestRejected(f"logit_bias has token id {max(sp.logit_bias)}; token ids "
+                                  f"must be in [0, {self.vocab_size})", "logit_bias")
+        grammar = None
+        if sp.structured_outputs is not None:
+            try:
+                grammar = self.grammars.new_grammar(
+                    sp.structured_outputs, None if er.eos_token_ids is None else sorted(eos))
+            except GrammarError as e:
+                raise RequestRejected(str(e), "structured_outputs") from None
+        req = Request(er.request_id, prompt, sp, eos, max_tokens, generator=gen,
+                      grammar=grammar)
+        kv_params = er.kv_transfer_params
+        if kv_params is None and sp.extra_args:  # vLLM's offline way to pass them
+            kv_params = sp.extra_args.get("kv_transfer_params")
+        if kv_params is not None:
+            self._check_kv_transfer(req, kv_params)
         self.scheduler.add(req)
         self.prompt_tokens += n
+
+    def _check_kv_transfer(self, req: Request, params: object) -> None:
+        """Attach a request's ``kv_transfer_params`` if this engine can serve them (params
+        asking for neither a remote decode nor a remote prefill change nothing).
+
+        Raises:
+            RequestRejected: malformed, no connector configured, or not this instance's role.
+        """
+        try:
+            parsed = parse_kv_transfer_params(params)
+        except ValueError as e:
+            raise RequestRejected(str(e), "kv_transfer_params") from None
+        if not parsed or not (parsed.get("do_remote_decode") or parsed.get("do_remote_prefill")):
+            return
+        if self.kv_connector is None:
+            raise RequestRejected("kv_transfer_params asks for a remote prefill or decode, but "
+                                  "this server was started without --kv-transfer-config",
+                                  "kv_transfer_params")
+        req.kv_transfer_params = parsed
+        try:
+            self.kv_connector.check_request(req)
+        except ValueError as e:
+            raise RequestRejected(str(e), "kv_transfer_params") from None
 
     def abort_requests(self, request_ids: list[str], notify: bool = True) -> None:
         """Remove requests (waiting or running) and free their pages. With ``notify`` each
@@ -160,6 +233,12 @@ class EngineCore:
         return (self.scheduler.has_unfinished() or bool(self._pending)
                 or self._inflight is not None)
 
+    def has_kv_transfer_work(self) -> bool:
+        """KV transfers still need steps although no request may run: leases to expire or be
+        released, loads in flight, pages held for them."""
+        return self.kv_connector is not None and (self.kv_connector.has_pending_work()
+                                                  or bool(self.scheduler.held))
+
     # ------------------------------------------------------------------ step
     def step(self) -> StepOutputs | None:
         """Schedule one step and report finished work; None when there was nothing to do.
@@ -176,6 +255,11 @@ class EngineCore:
         if batch is not None:
             self.resolver.commit(batch)
         outs, self._pending = self._pending, []
+        kv_changed = False
+        if self.kv_connector is not None:
+            kv_outs, kv_changed = self._kv_step(
+                idle=batch is None and self._inflight is None and not outs)
+            outs += kv_outs
         decoded: tuple[list[str], np.ndarray] = ([], _NO_TOKENS)
         forward = 0.0
         if self.overlap:
@@ -193,7 +277,8 @@ class EngineCore:
             forward = time.perf_counter() - tw
             full, decoded = self._process(batch, result)
             outs += full
-        if batch is None and self._inflight is None and not outs and not decoded[0]:
+        if (batch is None and self._inflight is None and not outs and not decoded[0]
+                and not kv_changed):
             self.last_num_decodes = self.last_num_prefill_tokens = 0
             return None
         if batch is not None:
@@ -212,6 +297,47 @@ class EngineCore:
         return StepOutputs(step=self.step_count, outputs=outs, decode_request_ids=decoded[0],
                            decode_token_ids=decoded[1])
 
+    def _kv_step(self, idle: bool) -> tuple[list[TokenOutput], bool]:
+        """Drive the KV connector once per step (vLLM's model runner does this around each
+        forward; here transfers run beside the forward, so also in steps with none): hand the
+        worker side this step's loads, then apply the loads and leases that ended.
+
+        Args:
+            idle: nothing runs this step: if requests wait for loads, wait up to
+                ``KV_IDLE_WAIT_S`` for one to end rather than returning at once (a caller
+                looping on ``step`` would spin).
+
+        Returns:
+            (error outputs of requests whose load failed under the "fail" policy, whether
+            anything changed: then the step reports, so the stats show held pages freed).
+        """
+        conn, worker = self.kv_connector, self.kv_worker
+        assert conn is not None and worker is not None
+        worker.bind_connector_metadata(conn.build_connector_meta())
+        worker.start_load_kv()
+        worker.clear_connector_metadata()
+        if idle and self.scheduler.loading:
+            worker.wait_for_activity(KV_IDLE_WAIT_S)
+        sending, recving = worker.get_finished(set())
+        out = KVConnectorOutput(sending, recving, worker.get_block_ids_with_load_errors())
+        if out.is_empty():
+            return [], False
+        self._kv_error_reasons.update(worker.get_load_error_reasons())
+        failed = self.scheduler.update_from_kv_output(out)
+        reasons = {rid: self._kv_error_reasons.pop(rid, "") for rid in out.finished_recving}
+        outs = []
+        for req in failed:
+            self.scheduler.finish(req, FINISH_ABORT)
+            why = reasons.get(req.request_id) or "see the decode server's log"
+            outs.append(TokenOutput(
+                request_id=req.request_id, finish_reason=FINISH_ABORT,
+                num_prompt_tokens=req.num_prompt_tokens, error_code=ERROR_KV_TRANSFER_FAILED,
+                error=f"could not load the prompt's KV from the prefill instance "
+                      f"(kv_load_failure_policy is 'fail'): {why}"))
+        if self.check_integrity_each_step:
+            self.scheduler.check_integrity()
+        return outs, True
+
     def _run(self, batch: ScheduledBatch) -> SampleResult:
         """Worker side of a step: fill in placeholder inputs from the previous step's sampled
         tokens (overlap), run the model, remember what it sampled per row."""
@@ -227,9 +353,33 @@ class EngineCore:
             for i, toks in outs.items():
                 if toks and toks[-1] < 0:
                     toks[-1] = int(self._last_sampled[rows[i]])
+        grammars = fb.sampling.grammars
+        if grammars is not None:
+            # here, not at scheduling: the masks depend on the previous step's tokens, which
+            # this thread accepted into the matchers when that step finished (overlap-safe)
+            filled = self.grammars.fill(grammars)
+            if filled is not None:
+                fb.sampling.token_bitmask, fb.sampling.bitmask_rows = filled
         result = self.runner.execute(fb)
         self._last_sampled[fb.rows[fb.sample]] = result.token_ids
+        if grammars is not None:
+            result.grammar_status = self.grammars.accept(grammars, result.token_ids)
         return result
+
+    def _make_grammar_compiler(self) -> GrammarCompiler:
+        """The xgrammar compiler over the model's tokenizer (first constrained request).
+
+        Raises:
+            GrammarError: the runner has no tokenizer (the null model of a bare config).
+        """
+        from radixserve.model_executor.loader import load_tokenizer
+
+        folder = self.runner.info.folder
+        if not folder:
+            raise GrammarError("structured outputs need the model's tokenizer, and this "
+                               "engine's runner has none")
+        return GrammarCompiler(load_tokenizer(folder), self.vocab_size,
+                               sorted(self.eos_token_ids))
 
     def _process(self, batch: ScheduledBatch, result: SampleResult
                  ) -> tuple[list[TokenOutput], tuple[list[str], np.ndarray]]:
@@ -242,7 +392,10 @@ class EngineCore:
         """
         lp = result.logprobs
         self.scheduler.cache_prefills(batch)
-        res = self.resolver.resolve(batch, result.token_ids, plain=lp is None)
+        if batch.forward.prompt_logprobs is not None:
+            self.resolver.add_prompt_logprobs(batch, result.prompt_logprobs)
+        res = self.resolver.resolve(batch, result.token_ids, plain=lp is None,
+                                    grammar_status=result.grammar_status)
         for req in res.finished:
             self.scheduler.finish(req, req.finish_reason or FINISH_ABORT)
         outs = [self._output(req, [tok], req.finish_reason,
@@ -263,18 +416,25 @@ class EngineCore:
                            decode_token_ids=decoded[1])
 
     def shutdown(self) -> None:
-        """Finish the in-flight step and stop the worker thread."""
+        """Finish the in-flight step and stop the worker thread (and the KV connector's)."""
         self.drain()
         self._worker.shutdown(wait=True)
+        if self.kv_worker is not None:
+            self.kv_worker.shutdown()
 
     def _output(self, req: Request, new: list[int], finish: str | None,
                 logprobs: list[list[list[float]]] | None = None) -> TokenOutput:
+        prompt_lp = None
+        if new and req.prompt_logprob_rows is not None and not req.prompt_lp_sent:
+            prompt_lp, req.prompt_lp_sent = req.prompt_logprob_rows, True
         return TokenOutput(
             request_id=req.request_id, new_token_ids=new, finish_reason=finish,
             stop_reason=req.stop_reason, logprobs=logprobs,
             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
+            prompt_logprobs=prompt_lp,
             queue_time=None if finish is None or req.first_scheduled_time is None
-            else req.first_scheduled_time - req.arrival_time)
+            else req.first_scheduled_time - req.arrival_time,
+            kv_transfer_params=req.kv_transfer_params_out if finish is not None else None)
 
     # ------------------------------------------------------------------ stats
     def get_stats(self) -> SchedulerStats:
@@ -287,7 +447,24 @@ class EngineCore:
             kv_pages_total=kv.num_usable_pages, kv_pages_cached=kv.num_cached_pages,
             prefix_queried_tokens=s.prefix_queried_tokens, prefix_hit_tokens=s.prefix_hit_tokens,
             num_preemptions=s.num_preemptions, prompt_tokens=self.prompt_tokens,
-            generation_tokens=self.generation_tokens)
+            generation_tokens=self.generation_tokens,
+            runner=self.runner.stats() if hasattr(self.runner, "stats") else None,
+            prompt_tokens_local_compute=s.prompt_tokens_local_compute,
+            prompt_tokens_external=s.prompt_tokens_external,
+            num_waiting_for_remote_kvs=len(s.loading),
+            kv_transfer=self._kv_stats())
+
+    def _kv_stats(self) -> KVTransferStats | None:
+        if self.kv_worker is None:
+            return None
+        c = self.kv_worker.counters()
+        held = self.scheduler.held.values()
+        return KVTransferStats(
+            loads_ok=c.loads_ok, loads_failed=c.loads_failed, pages_read=c.pages_read,
+            bytes_read=c.bytes_read, read_seconds=c.read_seconds,
+            leases_granted=c.leases_granted, leases_released=c.leases_released,
+            leases_expired=c.leases_expired, held_requests=len(held),
+            held_pages=sum(len(h.pages) for h in held))
 
     def drain_step_timings(self) -> dict[str, list[float]]:
         """Step timer samples (seconds) recorded since the last call, and forget them; {} when

@@ -61,11 +61,16 @@ log = logging.getLogger("radixserve.engine")
 PARENT_CHECK_S = 0.5
 #: Milliseconds one idle wait for input lasts (bounds the reaction time to signals).
 IDLE_POLL_MS = 200
+#: Milliseconds one wait for input lasts while KV transfers (leases) are pending: how late a
+#: lease's end frees its pages at most.
+KV_POLL_MS = 10
 #: Seconds the core waits for the frontend's Hello after the model has loaded.
 HANDSHAKE_TIMEOUT_S = 60.0
 #: Milliseconds a send may find no frontend on the output socket before the core stops (a
 #: killed frontend while requests run: the send would otherwise block forever).
 SEND_TIMEOUT_MS = 2000
+#: Environment variable: "1" runs ``Scheduler.check_integrity`` after every engine step.
+CHECK_INTEGRITY_ENV = "RADIXSERVE_CHECK_INTEGRITY"
 
 
 def build_engine(config: EngineConfig, null_model: bool = False,
@@ -85,7 +90,11 @@ def build_engine(config: EngineConfig, null_model: bool = False,
     from radixserve.core.engine_core import EngineCore
     from radixserve.model_executor.runner import build_runner
 
-    return EngineCore(config, build_runner(config, null_model, null_step_s))
+    engine = EngineCore(config, build_runner(config, null_model, null_step_s))
+    # for tests of real processes: assert the KV invariants after every step (an
+    # AssertionError ends the engine with EngineError, so a broken invariant cannot pass)
+    engine.check_integrity_each_step = os.environ.get(CHECK_INTEGRITY_ENV) == "1"
+    return engine
 
 
 class EngineLoop:
@@ -119,18 +128,21 @@ class EngineLoop:
 
     def _run(self) -> str:
         engine = self.engine
+        # KV transfers (held leases) need steps even when no request runs: then the loop waits
+        # for input only briefly
+        kv_work = getattr(engine, "has_kv_transfer_work", lambda: False)
         while self.stop_reason is None:
             if engine.has_unfinished_requests() or self._rejected:
                 msgs = self.sockets.recv_nowait()
             else:
-                first = self.sockets.recv(timeout_ms=IDLE_POLL_MS)
+                first = self.sockets.recv(timeout_ms=KV_POLL_MS if kv_work() else IDLE_POLL_MS)
                 msgs = [] if first is None else [first, *self.sockets.recv_nowait()]
             self._check_parent()
             for msg in msgs:
                 self._handle(msg)
             if self.stop_reason is not None:
                 break
-            step = engine.step() if engine.has_unfinished_requests() else None
+            step = engine.step() if engine.has_unfinished_requests() or kv_work() else None
             if self._rejected:
                 rejected, self._rejected = self._rejected, []
                 if step is None:

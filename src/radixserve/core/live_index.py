@@ -15,6 +15,8 @@ class LiveIndex:
     Attributes:
         random / seeded / logprobs / penalty / min_tokens: live requests that sample at
             random, have their own seed, want logprobs, have a penalty, have ``min_tokens``.
+        structured / logit_bias / prompt_logprobs: live requests with an output constraint,
+            with a ``logit_bias``, asking for prompt logprobs.
     """
 
     def __init__(self) -> None:
@@ -23,6 +25,9 @@ class LiveIndex:
         self.logprobs = 0
         self.penalty = 0
         self.min_tokens = 0
+        self.structured = 0
+        self.logit_bias = 0
+        self.prompt_logprobs = 0
         self._stop_refs: dict[int, int] = {}
         self._stop_arr: np.ndarray | None = None
 
@@ -41,6 +46,9 @@ class LiveIndex:
         self.logprobs += delta * (p.logprobs is not None)
         self.penalty += delta * req.needs_penalty_tokens
         self.min_tokens += delta * bool(p.min_tokens)
+        self.structured += delta * (req.grammar is not None)
+        self.logit_bias += delta * (req.logit_bias is not None)
+        self.prompt_logprobs += delta * (req.prompt_logprob_rows is not None)
         refs = self._stop_refs
         for t in req.stop_ids | req.eos_token_ids:
             n = refs.get(t, 0) + delta

@@ -6,18 +6,23 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
 from radixserve.kvcache.radix_cache import RadixNode
 from radixserve.sampling_params import SamplingParams
+from radixserve.structured.runtime import RequestGrammar
 
 
 class Status(enum.Enum):
     WAITING = 0
     RUNNING = 1
     FINISHED = 2
+    #: holds a row and pages while a KV connector loads its prompt's KV from a remote
+    #: (prefill) instance; in ``Scheduler.loading``, never scheduled until the load ended
+    WAITING_FOR_REMOTE_KVS = 3
 
 
 @dataclass(eq=False, slots=True)
@@ -60,6 +65,22 @@ class Request:
     #: token ids masked while fewer than ``params.min_tokens`` are generated (stop ids, and
     #: EOS unless ``ignore_eos``); empty without ``min_tokens``
     min_tokens_blocked: list[int] = field(default_factory=list)
+    #: the output constraint's matcher (``structured_outputs``); None when unconstrained
+    grammar: RequestGrammar | None = None
+    #: ``logit_bias`` as int64 ids and float32 values, for the sampler; None without
+    logit_bias: tuple[np.ndarray, np.ndarray] | None = None
+    #: prompt logprob rows received so far (``params.prompt_logprobs``), one per prompt
+    #: position from 1; None when not asked
+    prompt_logprob_rows: list[list[list[float]]] | None = None
+    #: next prompt position whose logprob row is still to be scheduled (a preempted request
+    #: recomputes its prompt but asks no row twice)
+    prompt_lp_next: int = 0
+    #: the rows went out with the first token's output
+    prompt_lp_sent: bool = False
+    #: prefill/decode disaggregation: the request's parsed ``kv_transfer_params`` (the
+    #: connector may update it), and the ones its final output reports
+    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params_out: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         # plain attributes: these are read for every running request in every step
@@ -71,6 +92,11 @@ class Request:
         if p.min_tokens:
             blocked = self.stop_ids if p.ignore_eos else self.stop_ids | self.eos_token_ids
             self.min_tokens_blocked = sorted(blocked)
+        if p.prompt_logprobs is not None:
+            self.prompt_logprob_rows = []
+        if p.logit_bias:
+            self.logit_bias = (np.fromiter(p.logit_bias.keys(), dtype=np.int64),
+                               np.fromiter(p.logit_bias.values(), dtype=np.float32))
 
     @property
     def num_tokens(self) -> int:

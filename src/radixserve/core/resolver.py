@@ -17,7 +17,8 @@ from radixserve.core.batch import ScheduledBatch
 from radixserve.core.live_index import LiveIndex
 from radixserve.core.request import Request, Status
 from radixserve.core.row_tables import RowTables
-from radixserve.engine_types import FINISH_LENGTH, FINISH_STOP
+from radixserve.engine_types import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
+from radixserve.structured.runtime import REJECTED, TERMINATED
 
 
 @dataclass
@@ -76,13 +77,17 @@ class StepResolver:
         # the placeholder sits right after the step's last position
         self.tables.token_table[fb.rows[fb.sample], fb.seq_lens[fb.sample]] = -1
 
-    def resolve(self, batch: ScheduledBatch, sampled: np.ndarray, plain: bool = True
-                ) -> Resolved:
+    def resolve(self, batch: ScheduledBatch, sampled: np.ndarray, plain: bool = True,
+                grammar_status: np.ndarray | None = None) -> Resolved:
         """Fill in the tokens ``batch`` sampled and apply stop conditions.
 
         Args:
             sampled: int64 [S] one token per sampling request, in order.
             plain: False puts every request in ``Resolved.full`` (outputs with logprobs).
+            grammar_status: int8 [S] what each row's output constraint made of its token
+                (``structured.runtime``): a grammar that terminated finishes its request with
+                "stop" (even with ``ignore_eos``: the output is complete), one that rejected
+                the token aborts it. None: no row is constrained.
 
         Returns:
             the requests that got a token. A request that finished or was aborted meanwhile
@@ -99,12 +104,15 @@ class StepResolver:
                    | (n_out >= t.limit[rows]) | self.live.stop_candidates(sampled))
         if not plain:
             special[:] = True
+        if grammar_status is not None:
+            special |= grammar_status != 0
         full: list[tuple[Request, int, int]] = []
         finished: list[Request] = []
         if special.any():
             for k in np.flatnonzero(special).tolist():
                 req, tok = samplers[k], int(sampled[k])
-                if self._resolve_one(req, tok):
+                gs = 0 if grammar_status is None else int(grammar_status[k])
+                if self._resolve_one(req, tok, gs):
                     full.append((req, tok, k))
                     if req.finish_reason is not None:
                         finished.append(req)
@@ -120,7 +128,26 @@ class StepResolver:
             req.num_pending -= 1
         return Resolved(full, reqs, toks, finished)
 
-    def _resolve_one(self, req: Request, tok: int) -> bool:
+    def add_prompt_logprobs(self, batch: ScheduledBatch,
+                            rows: list[list[list[float]]] | None) -> None:
+        """Hand a step's prompt logprob rows to their requests (in position order: steps are
+        resolved in the order they ran). A runner that computes none (the null model) leaves
+        the requests without rows.
+
+        Args:
+            rows: ``SampleResult.prompt_logprobs``, split by
+                ``batch.forward.prompt_logprobs.counts``.
+        """
+        plp = batch.forward.prompt_logprobs
+        if plp is None or rows is None:
+            return
+        at = 0
+        for req, n in zip(batch.requests, plp.counts.tolist(), strict=True):
+            if n and req.prompt_logprob_rows is not None:
+                req.prompt_logprob_rows.extend(rows[at:at + n])
+            at += n
+
+    def _resolve_one(self, req: Request, tok: int, grammar_status: int = 0) -> bool:
         """Apply one sampled token to ``req`` (any case); False if it gets no output."""
         if req.status == Status.FINISHED:
             return False
@@ -130,6 +157,10 @@ class StepResolver:
         if req.row >= 0:
             self.tables.token_table[req.row, req.num_prompt_tokens + idx] = tok
         reason = self._stop_reason(req, tok, idx + 1)
+        if grammar_status == TERMINATED:
+            reason = FINISH_STOP
+        elif grammar_status == REJECTED:
+            reason = FINISH_ABORT
         if reason is not None:
             req.finish_reason = reason
             # drop the placeholder of a step scheduled before we knew it would stop

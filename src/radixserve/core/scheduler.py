@@ -8,6 +8,12 @@ chunk and per decoded token, never reserved for ``max_tokens`` up front; when a 
 a page, the most recently admitted running request is preempted (pages released to the radix
 cache, request back at the front of the waiting queue). This is vLLM V1's scheduling shape
 (Sarathi-Serve's stall-free batching) over SGLang's radix cache.
+
+With a KV connector (prefill/decode disaggregation) a request admitted with an asynchronous
+remote load takes its row and pages, then waits in ``loading`` (``WAITING_FOR_REMOTE_KVS``)
+while the others run; ``update_from_kv_output`` moves it to ``running`` once the load ended. A
+finished request whose pages the connector still needs (a prefill instance's lease, an aborted
+load) leaves them in ``held`` until the connector reports it.
 """
 
 from __future__ import annotations
@@ -15,12 +21,17 @@ from __future__ import annotations
 import time
 from collections import deque
 
+import numpy as np
+
 from radixserve.core.batch import ScheduledBatch, build_batch
 from radixserve.core.live_index import LiveIndex
 from radixserve.core.request import Request, Status
 from radixserve.core.row_tables import RowTables
 from radixserve.engine_types import FINISH_ABORT
-from radixserve.kvcache.manager import KVCacheManager
+from radixserve.kv_transfer.base import KVConnectorOutput, KVConnectorScheduler
+from radixserve.kvcache.manager import HeldPages, KVCacheManager
+
+_NO_PAGES = np.empty(0, dtype=np.int32)
 
 
 class Scheduler:
@@ -32,16 +43,24 @@ class Scheduler:
         max_num_batched_tokens: token budget per step.
         max_model_len: longest sequence in tokens.
         policy: "fcfs" or "lpm".
+        connector: the scheduler side of a KV connector, or None.
+        kv_load_failure_policy: "recompute" or "fail" (what a failed remote load leads to).
 
     Attributes:
         tables: the running requests' rows (``RowTables``).
         live: what the live requests need (``LiveIndex``).
+        loading: requests waiting for a remote load (they hold rows and pages).
+        held: pages of finished requests the connector still needs, by request id.
         num_preemptions / prefix_queried_tokens / prefix_hit_tokens: cumulative counters.
+        prompt_tokens_local_compute / prompt_tokens_external: prompt tokens computed here /
+            loaded from a remote instance, once per request.
         last_prepare_s: seconds the last ``schedule()`` spent in ``build_batch``.
     """
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, policy: str = "fcfs") -> None:
+                 max_model_len: int, policy: str = "fcfs",
+                 connector: KVConnectorScheduler | None = None,
+                 kv_load_failure_policy: str = "recompute") -> None:
         self.kv = kv
         self.page_size = kv.page_size
         self.max_num_seqs = max_num_seqs
@@ -56,7 +75,15 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
+        self.prompt_tokens_local_compute = 0
+        self.prompt_tokens_external = 0
         self.last_prepare_s = 0.0
+        self.connector = connector
+        self.kv_load_failure_policy = kv_load_failure_policy
+        self.loading: dict[str, Request] = {}
+        self.held: dict[str, HeldPages] = {}
+        #: local pages whose remote load failed, until their request's load is reported
+        self._load_errors: set[int] = set()
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Request) -> None:
@@ -66,7 +93,7 @@ class Scheduler:
         self.live.add(req)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     def abort(self, request_id: str) -> Request | None:
         """Remove a waiting or running request and release its pages; None if unknown."""
@@ -79,17 +106,44 @@ class Scheduler:
     def finish(self, req: Request, reason: str) -> None:
         """Take ``req`` out of its queue, release its pages (the computed prefix goes to the
         radix cache) and mark it finished with ``reason``."""
-        if req.status == Status.RUNNING:
+        status = req.status
+        if status == Status.RUNNING:
             self.running.remove(req)
-        elif req.status == Status.WAITING:
+        elif status == Status.WAITING:
             self.waiting.remove(req)
-        if req.row >= 0:
-            self._release(req)
-        if req.status != Status.FINISHED:
+        elif status == Status.WAITING_FOR_REMOTE_KVS:
+            del self.loading[req.request_id]
+        if status != Status.FINISHED:
+            req.finish_reason = reason
+            if self.connector is not None and req.kv_transfer_params:
+                self._finish_transfer(req, loading=status == Status.WAITING_FOR_REMOTE_KVS)
+            elif req.row >= 0:
+                self._release(req)
             self.live.remove(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
         self.requests.pop(req.request_id, None)
+
+    def _finish_transfer(self, req: Request, loading: bool) -> None:
+        """Finish a request the connector knows: it decides whether its pages are held (a
+        prefill instance's lease; an aborted load still writing them) and what the output's
+        ``kv_transfer_params`` are (vLLM's ``request_finished``)."""
+        assert self.connector is not None
+        if req.row < 0:
+            self.connector.request_finished(req, [])
+            return
+        pages = self.tables.page_table[req.row, :req.num_pages]
+        held = self.kv.hold(req.all_token_ids(), pages, req.num_computed, req.node,
+                            req.num_matched_pages, cache=not loading)
+        self.tables.release(req.row, req.num_pages)
+        req.row, req.num_pages, req.num_matched_pages, req.node = -1, 0, 0, None
+        req.num_computed = 0
+        delay, req.kv_transfer_params_out = self.connector.request_finished(
+            req, held.pages.tolist())
+        if delay:
+            self.held[req.request_id] = held
+        else:
+            self.kv.release_held(held)
 
     # ------------------------------------------------------------------ pages
     def _grow(self, req: Request, upto_tokens: int) -> bool:
@@ -114,7 +168,8 @@ class Scheduler:
     def _admit(self, req: Request) -> None:
         """Take a row, match the cached prefix, mark the request running."""
         tokens = req.all_token_ids()
-        pages, node = self.kv.match(tokens)
+        # prompt logprobs need every prompt position's logits: no prefix hit (as vLLM)
+        pages, node = self.kv.match(tokens if req.prompt_logprob_rows is None else tokens[:0])
         row = self.tables.acquire(tokens, req.num_prompt_tokens,
                                   min(req.max_tokens, self.max_model_len - req.num_prompt_tokens),
                                   req.params, req.generator)
@@ -124,11 +179,16 @@ class Scheduler:
         req.num_computed = len(pages) * self.page_size
         req.status = Status.RUNNING
 
-    def _account_admission(self, req: Request) -> None:
+    def _account_admission(self, req: Request, computed_here: int | None = None) -> None:
+        """First admission: cached tokens and the prefix-cache counters; prompt tokens
+        computed here are all the rest unless ``computed_here`` says (a remote load counts
+        its own when it ends)."""
         if req.first_scheduled_time is None:
             req.num_cached_tokens = req.num_computed
             self.prefix_queried_tokens += req.num_prompt_tokens
             self.prefix_hit_tokens += req.num_computed
+            self.prompt_tokens_local_compute += (req.num_prompt_tokens - req.num_computed
+                                                 if computed_here is None else computed_here)
             req.first_scheduled_time = time.monotonic()
 
     def _preempt(self, req: Request) -> None:
@@ -173,11 +233,17 @@ class Scheduler:
         # 3. admit waiting requests while budget, rows and pages allow
         if self.waiting and budget > 0 and self.policy == "lpm":
             self._sort_waiting_lpm()
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (self.waiting and budget > 0
+               and len(self.running) + len(self.loading) < self.max_num_seqs):
             req = self.waiting[0]
             if req.num_pending:
                 break  # preempted while its last token was in flight: wait for it
             self._admit(req)
+            if self.connector is not None and req.kv_transfer_params:
+                if not self._admit_transfer(req):
+                    break
+                if req.status == Status.WAITING_FOR_REMOTE_KVS:
+                    continue
             n = min(req.num_tokens - req.num_computed, budget)
             need = -(-(req.num_computed + n) // self.page_size) - req.num_pages
             # Keep one page per running decode in reserve so admitting does not force an
@@ -201,6 +267,80 @@ class Scheduler:
                             self.tables, self.page_size, self.live)
         self.last_prepare_s = time.perf_counter() - t0
         return batch
+
+    def _admit_transfer(self, req: Request) -> bool:
+        """Admission of a just ``_admit``-ted request that carries ``kv_transfer_params``: with
+        an asynchronous remote load it gets pages up to the loaded tokens and moves to
+        ``loading``; otherwise the connector is told nothing is loaded and the request goes on
+        as usual. False (request back to waiting): the pool is short."""
+        assert self.connector is not None
+        n_ext, load_async = self.connector.get_num_new_matched_tokens(req, req.num_computed)
+        if not load_async:
+            self.connector.update_state_after_alloc(req, _NO_PAGES, 0)
+            return True
+        upto = req.num_computed + n_ext
+        need = -(-upto // self.page_size) - req.num_pages
+        if (self.kv.num_available_pages - need < len(self.running)
+                or not self._grow(req, upto)):
+            self._release(req)
+            req.status = Status.WAITING
+            return False
+        self._account_admission(req, computed_here=0)
+        self.waiting.popleft()
+        req.status = Status.WAITING_FOR_REMOTE_KVS
+        self.loading[req.request_id] = req
+        first = req.num_computed // self.page_size
+        self.connector.update_state_after_alloc(
+            req, self.tables.page_table[req.row, first:req.num_pages].copy(), n_ext)
+        return True
+
+    def update_from_kv_output(self, out: KVConnectorOutput) -> list[Request]:
+        """Apply what the worker-side connector reported: free held pages it no longer needs,
+        move requests whose load ended to ``running`` (with their loaded prompt pages shared
+        through the radix tree; after a failed load they recompute from their local prefix
+        hit, or, with the "fail" policy, are returned for the engine to finish with an error).
+
+        Returns:
+            requests whose load failed under the "fail" policy (running; finish them).
+        """
+        assert self.connector is not None
+        self.connector.update_connector_output(out)
+        self._load_errors |= out.invalid_block_ids
+        for rid in out.finished_sending | out.finished_recving:
+            held = self.held.pop(rid, None)
+            if held is not None:
+                self._load_errors.difference_update(held.pages.tolist())
+                self.kv.release_held(held)
+        failed: list[Request] = []
+        for rid in out.finished_recving:
+            req = self.loading.pop(rid, None)
+            if req is None:
+                continue
+            pages = self.tables.page_table[req.row, :req.num_pages]
+            own = set(pages[req.num_computed // self.page_size:].tolist())
+            ok = not (own & self._load_errors)
+            self._load_errors -= own
+            req.status = Status.RUNNING
+            self.running.append(req)
+            hit = req.num_computed
+            if ok:
+                # every prompt token but the last is loaded: that one is computed here and
+                # samples the first output token (vLLM's decode side does the same)
+                req.num_computed = req.num_prompt_tokens - 1
+                req.num_cached_tokens = req.num_computed
+                self.prompt_tokens_external += req.num_computed - hit
+                self.prompt_tokens_local_compute += req.num_prompt_tokens - req.num_computed
+                res = self.kv.cache_prefix(req.prompt_token_ids, pages, req.num_matched_pages,
+                                           req.node, req.num_computed)
+                if res is not None:
+                    tree_pages, req.node = res
+                    pages[:len(tree_pages)] = tree_pages
+                    req.num_matched_pages = len(tree_pages)
+            elif self.kv_load_failure_policy == "fail":
+                failed.append(req)
+            else:
+                self.prompt_tokens_local_compute += req.num_prompt_tokens - hit
+        return failed
 
     def _schedule_decodes(self, budget: int) -> tuple[list[Request], list[Request]]:
         """Step 1 of ``schedule``: each running request in decode takes one token of
@@ -297,5 +437,12 @@ class Scheduler:
             assert req.num_computed <= req.num_pages * self.page_size
         for req in self.waiting:
             assert req.row < 0 and req.num_pages == 0, "waiting request holds pages"
+        for req in self.loading.values():
+            assert req.row >= 0 and req.status == Status.WAITING_FOR_REMOTE_KVS
+            live.append((self.tables.page_table[req.row, :req.num_pages].copy(), req.node,
+                         req.num_matched_pages))
+        for held in self.held.values():
+            live.append((held.pages, held.node, held.num_matched))
         self.kv.check_integrity(live)
-        assert self.tables.num_free + len(self.running) == self.max_num_seqs, "row leak"
+        assert (self.tables.num_free + len(self.running) + len(self.loading)
+                == self.max_num_seqs), "row leak"

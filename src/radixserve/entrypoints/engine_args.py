@@ -10,7 +10,13 @@ import types
 import typing
 from collections.abc import Callable
 
-from radixserve.config import ATTENTION_BACKENDS, DTYPES, SCHEDULE_POLICIES, EngineConfig
+from radixserve.config import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    SCHEDULE_POLICIES,
+    EngineConfig,
+    KVTransferConfig,
+)
 
 _SIZE = re.compile(r"^\s*([\d.]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
@@ -29,6 +35,20 @@ def parse_bytes(text: str) -> int:
 _CHOICES = {"dtype": DTYPES, "schedule_policy": SCHEDULE_POLICIES,
             "attention_backend": ATTENTION_BACKENDS}
 _ALIASES = {"enable_prefix_caching": ["--no-prefix-caching", "--no-prefix-cache"]}
+_HELP = {"kv_transfer_config": "prefill/decode disaggregation as vLLM's JSON, e.g. "
+         '\'{"kv_connector":"NixlConnector","kv_role":"kv_both"}\' (see KVTransferConfig)'}
+
+
+def parse_kv_transfer_config(text: str) -> KVTransferConfig:
+    """``--kv-transfer-config`` JSON -> ``KVTransferConfig``; argparse reports the error."""
+    try:
+        return KVTransferConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+_CONVERTERS: dict[str, Callable[[str], object]] = {
+    "kv_cache_memory": parse_bytes, "kv_transfer_config": parse_kv_transfer_config}
 
 
 def add_engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
@@ -49,9 +69,9 @@ def add_engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> N
             for alias in _ALIASES.get(f.name, []):
                 g.add_argument(alias, dest=f.name, action="store_false", help=argparse.SUPPRESS)
             continue
-        conv: Callable[[str], object] = parse_bytes if f.name == "kv_cache_memory" else base
+        conv: Callable[[str], object] = _CONVERTERS.get(f.name, base)
         g.add_argument(flag, dest=f.name, type=conv, default=f.default,
-                       choices=_CHOICES.get(f.name))
+                       choices=_CHOICES.get(f.name), help=_HELP.get(f.name))
 
 
 def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:

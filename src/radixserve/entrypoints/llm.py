@@ -206,6 +206,10 @@ def _finish(out: RequestOutput, group: list[RequestState]) -> None:
     first (as the server's usage counts them), first token time from the earliest."""
     out.finished = True
     out.num_cached_tokens = group[0].num_cached_tokens
+    rows = group[0].prompt_logprob_rows
+    if rows is not None:
+        out.prompt_logprobs = [None] + [{int(e[0]): e[1] for e in row} for row in rows]
+    out.kv_transfer_params = group[0].kv_transfer_params
     if out.metrics is not None:
         firsts = [st.first_token_time for st in group if st.first_token_time is not None]
         out.metrics.first_token_time = min(firsts) if firsts else None

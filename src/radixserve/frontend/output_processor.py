@@ -44,6 +44,8 @@ class RequestState:
         detok: incremental detokenizer with the request's stop strings.
         want_logprobs: the request asked for logprobs.
         logprob_rows: every logprob row received, one per generated token (when asked).
+        prompt_logprob_rows: one row per prompt position from the second (``prompt_logprobs``
+            asked; they come with the first token), else None.
         finish_reason: None while running; "stop", "length" or "abort".
         stop_reason: the stop string or stop token id that ended it.
         error / error_param / error_code: why the engine rejected it (finish "abort").
@@ -52,12 +54,15 @@ class RequestState:
         first_token_time: ``time.time()`` when its first token was processed, seconds.
         queue_time: seconds from arrival in the core to first being scheduled (set when the
             engine finished it; None when it never ran or a stop string ended it).
+        kv_transfer_params: what a prefill instance's finished request tells the decode
+            instance (vLLM's shape), else None.
     """
 
     __slots__ = ("request_id", "index", "prompt_token_ids", "sampling_params", "arrival_time",
-                 "detok", "want_logprobs", "logprob_rows", "finish_reason", "stop_reason",
+                 "detok", "want_logprobs", "logprob_rows", "prompt_logprob_rows",
+                 "finish_reason", "stop_reason",
                  "error", "error_param", "error_code", "num_prompt_tokens", "num_cached_tokens",
-                 "first_token_time", "queue_time", "_sent")
+                 "first_token_time", "queue_time", "kv_transfer_params", "_sent")
 
     def __init__(self, request_id: str, index: int, prompt_token_ids: Sequence[int],
                  sampling_params: SamplingParams, arrival_time: float,
@@ -70,6 +75,7 @@ class RequestState:
         self.detok = detok
         self.want_logprobs = sampling_params.logprobs is not None
         self.logprob_rows: list[LogprobRow] = []
+        self.prompt_logprob_rows: list[LogprobRow] | None = None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.error: str | None = None
@@ -79,6 +85,7 @@ class RequestState:
         self.num_cached_tokens = 0
         self.first_token_time: float | None = None
         self.queue_time: float | None = None
+        self.kv_transfer_params: dict[str, Any] | None = None
         self._sent = 0  # token ids already handed out in deltas
 
     @property
@@ -246,6 +253,8 @@ class OutputProcessor:
         if out.num_prompt_tokens:
             state.num_prompt_tokens = out.num_prompt_tokens
             state.num_cached_tokens = out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            state.prompt_logprob_rows = out.prompt_logprobs
         new = out.new_token_ids
         detok = state.detok
         text = ""
@@ -268,6 +277,7 @@ class OutputProcessor:
             del self._states[rid]
             state.finish_reason = finish
             state.queue_time = out.queue_time
+            state.kv_transfer_params = out.kv_transfer_params
         elif not text and not rows:
             return None
         return RequestDelta(rid, state, text, state._take_token_ids(), rows or None, finish,

@@ -65,19 +65,26 @@ class FrontendTokenizer:
         return self.encode(text)
 
     def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    chat_template_kwargs: dict[str, Any] | None = None) -> str:
+                    chat_template_kwargs: dict[str, Any] | None = None,
+                    **template_args: Any) -> str:
         """The chat template applied to ``messages`` (list of ``{"role", "content"}``).
 
+        Args:
+            template_args: transformers' ``apply_chat_template`` arguments: ``tools``,
+                ``documents``, ``chat_template`` (a template of the request's own),
+                ``continue_final_message``.
+
         Raises:
-            ValueError: the tokenizer has no chat template, or the template rejects the
-                messages (the template's own message).
+            ValueError: the tokenizer has no chat template (and none is given), or the template
+                rejects the messages (the template's own message).
         """
-        if not getattr(self.hf, "chat_template", None):
+        if not (template_args.get("chat_template") or getattr(self.hf, "chat_template", None)):
             raise ValueError("the model has no chat template; use /v1/completions instead")
+        args = {k: v for k, v in template_args.items() if v is not None}
         try:
             return self.hf.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                **(chat_template_kwargs or {}))
+                **{**(chat_template_kwargs or {}), **args})
         except Exception as e:  # jinja2 TemplateError, TypeError from bad kwargs, ...
             raise ValueError(f"the chat template rejected the messages: {e}") from e
 

@@ -11,10 +11,31 @@ free, even when an identical prefix was prefilled twice in one step and one copy
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from radixserve.kvcache.page_pool import PagePool
 from radixserve.kvcache.radix_cache import RadixCache, RadixNode
+
+
+@dataclass
+class HeldPages:
+    """Pages kept after their request finished, until a KV transfer no longer needs them (a
+    prefill instance's lease, or a decode instance's aborted load still writing them).
+
+    They count as a live request in ``check_integrity``: ``pages[:num_matched]`` are locked in
+    the radix tree through ``node`` (so they also serve local prefix hits), the rest are owned.
+
+    Attributes:
+        pages: int32 [k] page ids, in prompt order.
+        node: the tree node holding the lock, or None.
+        num_matched: leading pages that are tree pages.
+    """
+
+    pages: np.ndarray
+    node: RadixNode | None
+    num_matched: int
 
 
 class KVCacheManager:
@@ -142,6 +163,45 @@ class KVCacheManager:
             self.pool.free(pages[n_full:])
         if node is not None:
             self.tree.unlock(node)
+
+    def hold(self, tokens: np.ndarray, pages: np.ndarray, num_computed: int,
+             node: RadixNode | None, num_matched: int, cache: bool = True) -> HeldPages:
+        """Keep a finished request's pages instead of releasing them.
+
+        Args:
+            tokens: the request's tokens, int32 [>= num_computed].
+            pages: its page table, int32 [k]; ``pages[:num_matched]`` its locked prefix.
+            num_computed: tokens whose KV is written.
+            node: the node it holds locked (None: nothing matched).
+            cache: True: its computed full pages enter the tree (locked by the hold: other
+                requests hit them) and pages past the computed tokens are freed; the partial
+                last page stays owned. False: every page is kept as it is (their contents are
+                still being written: an aborted load).
+
+        Returns:
+            the hold; give it back with ``release_held``.
+        """
+        pages = np.asarray(pages, dtype=np.int32).copy()
+        if not cache:
+            return HeldPages(pages, node, num_matched)
+        n_pages = min(-(-num_computed // self.page_size), len(pages))
+        if len(pages) > n_pages:
+            self.pool.free(pages[n_pages:])
+            pages = pages[:n_pages]
+        res = self.cache_prefix(tokens, pages, num_matched, node, num_computed)
+        if res is not None:
+            tree_pages, node = res
+            pages[:len(tree_pages)] = tree_pages
+            num_matched = len(tree_pages)
+        return HeldPages(pages, node, num_matched)
+
+    def release_held(self, held: HeldPages) -> None:
+        """End a hold: the tree lock is dropped (its pages stay cached), owned pages freed."""
+        owned = held.pages[held.num_matched:]
+        if len(owned):
+            self.pool.free(owned)
+        if held.node is not None and self.tree is not None:
+            self.tree.unlock(held.node)
 
     def check_integrity(self, live: list[tuple[np.ndarray, RadixNode | None, int]]) -> None:
         """Assert DESIGN §4's invariants.

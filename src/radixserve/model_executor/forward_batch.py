@@ -38,6 +38,14 @@ class SamplingBatch:
             by the engine before the forward runs.
         blocked_tokens: row -> token ids that may not be sampled this step (EOS and stop ids
             below ``min_tokens``); None when no row is below its ``min_tokens``.
+        logit_bias: row -> (int64 token ids, float32 values) added to those logits; None
+            when no row has a ``logit_bias``.
+        grammars: per row its output constraint's matcher state or None; None when no row is
+            constrained. The sampler never reads it: the engine fills ``token_bitmask`` from it
+            just before the forward.
+        token_bitmask: int32 [S, ceil(V / 32)] CPU tensor, bit j of row i set when token j is
+            allowed (xgrammar's layout); only the rows in ``bitmask_rows`` are meaningful.
+        bitmask_rows: the rows ``token_bitmask`` applies to.
     """
 
     temperature: np.ndarray | None = None
@@ -53,10 +61,33 @@ class SamplingBatch:
     penalty_prompts: dict[int, np.ndarray] | None = None
     penalty_outputs: dict[int, list[int]] | None = None
     blocked_tokens: dict[int, list[int]] | None = None
+    logit_bias: dict[int, tuple[np.ndarray, np.ndarray]] | None = None
+    grammars: list[Any] | None = None
+    token_bitmask: Any = None
+    bitmask_rows: list[int] | None = None
 
 
 #: The sampling parameters of a step whose rows are all greedy and plain.
 ALL_GREEDY = SamplingBatch()
+
+
+@dataclass
+class PromptLogprobsBatch:
+    """Prompt positions of the step that need logprobs (requests with ``prompt_logprobs``):
+    the logits at a position score the prompt's next token.
+
+    Attributes:
+        indices: int64 [K] rows of the step's hidden states (token indices in the batch).
+        targets: int64 [K] the prompt token following each such position.
+        want: int64 [K] top logprobs wanted at each position.
+        counts: int64 [B] positions per request of the batch (0 for most), in order, so the
+            K rows split back per request.
+    """
+
+    indices: np.ndarray
+    targets: np.ndarray
+    want: np.ndarray
+    counts: np.ndarray
 
 
 @dataclass
@@ -81,6 +112,7 @@ class ForwardBatch:
         logits_indices: int64 [S] index of the token whose hidden state gives each sampling
             row's logits.
         sampling: the S sampling rows' parameters.
+        prompt_logprobs: prompt positions that need logprobs, or None (almost every step).
     """
 
     num_decodes: int
@@ -94,6 +126,7 @@ class ForwardBatch:
     page_table: np.ndarray
     logits_indices: np.ndarray
     sampling: SamplingBatch
+    prompt_logprobs: PromptLogprobsBatch | None = None
 
     @property
     def num_requests(self) -> int:
@@ -116,7 +149,15 @@ class SampleResult:
         token_ids: int64 [S] one token per sampling row.
         logprobs: per row a ``LogprobRow`` (``[[token, logprob], ...]``, the sampled token
             first, then the top N) or None for rows that did not ask; None when no row asked.
+        grammar_status: int8 [S] per row what its output constraint made of the token
+            (``structured.runtime``: 0 running, 1 terminated, 2 rejected); None when no row is
+            constrained. Set by the engine after sampling.
+        prompt_logprobs: K rows for ``ForwardBatch.prompt_logprobs``, in its order, each
+            ``[[target, logprob, rank], [top1, logprob], ...]`` (rank 1-based among the whole
+            vocabulary, vLLM's); None when the step asked for none.
     """
 
     token_ids: np.ndarray
     logprobs: list[list[list[float]] | None] | None = None
+    grammar_status: np.ndarray | None = None
+    prompt_logprobs: list[list[list[float]]] | None = None

@@ -5,20 +5,25 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
+import msgspec
 import numpy as np
 import torch
 
 from radixserve.config import EngineConfig
+from radixserve.engine_types import RunnerStats
 from radixserve.kvcache.sizing import plan_kv_pool
 from radixserve.kvcache.storage import KVStorage
 from radixserve.model_executor.attention.paged_attention import AttentionMetadata
 from radixserve.model_executor.forward_batch import ForwardBatch, SampleResult
 from radixserve.model_executor.kernels.cpu import CpuKernels
 from radixserve.model_executor.models.llama import CausalLM, ModelArgs, rope_inv_freq
-from radixserve.model_executor.sampler import sample
+from radixserve.model_executor.path_choice import choose_linear_path
+from radixserve.model_executor.sampler import prompt_logprob_rows, sample
+from radixserve.model_executor.shadow import ShadowChecker, reference_copy
 from radixserve.model_executor.step_runner import ModelInfo, StepRunner
 
 log = logging.getLogger(__name__)
@@ -80,6 +85,37 @@ _REQUIRED = ("architectures", "vocab_size", "hidden_size", "intermediate_size",
              "num_hidden_layers", "num_attention_heads", "rms_norm_eps")
 
 
+@dataclass
+class ForwardPaths:
+    """The code path each part of the forward runs ("attention": "cpu" | "torch", "linear":
+    "packed" | "dense"), why, which fast paths fell back, and the steps run."""
+
+    paths: dict[str, str] = field(default_factory=dict)
+    reasons: dict[str, str] = field(default_factory=dict)
+    fallbacks: dict[str, str] = field(default_factory=dict)
+    steps: int = 0
+
+    def pick(self, part: str, path: str, reason: str, fallback: bool = False) -> None:
+        self.paths[part] = path
+        self.reasons[part] = reason
+        if fallback:
+            self.fallbacks[part] = reason
+            log.warning("%s: fast path unavailable, using %s: %s", part, path, reason)
+
+
+def _attention_reason(asked: str, device: torch.device, dtype: torch.dtype,
+                      built: bool) -> tuple[str, bool]:
+    """Why the attention path is what it is, and whether that is a fall-back."""
+    if asked == "torch":
+        return "--attention-backend torch", False
+    if built:
+        return ("radixserve's C kernels: prefill and decode rows share one arithmetic "
+                "(batch-invariant), faster decode than SDPA (docs/benchmarks.md)"), False
+    if not CpuKernels.supports(dtype, device):
+        return f"the C kernels run on CPU in float32/bfloat16, not {device.type} {dtype}", False
+    return "the C kernels failed to build or load (see the log above)", True
+
+
 def read_config(folder: Path) -> SimpleNamespace | None:
     """``config.json`` as attributes, without importing transformers (~2.5 s per process).
 
@@ -108,6 +144,7 @@ class ModelRunner:
 
     Raises:
         ValueError: unreadable model, unsupported architecture, bad dtype/device.
+        RuntimeError: ``kv_transfer_config`` names a connector whose transport is missing.
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -142,17 +179,28 @@ class ModelRunner:
         self.kernels = select_cpu_kernels(config.attention_backend, self.device, self.dtype)
         #: "cpu" (radixserve's decode kernel) or "torch" (SDPA)
         self.attention_backend = "cpu" if self.kernels is not None else "torch"
+        paths = ForwardPaths()
+        paths.pick("attention", self.attention_backend, *_attention_reason(
+            config.attention_backend, self.device, self.dtype, self.kernels is not None))
         model = CausalLM(args, inv_freq, rope_scale, max(model_len, self.max_model_len) + 1,
                          self.kernels)
         model.load_weights(iter_safetensors(files.folder))
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
-        self.packed_weights = bool(
-            config.pack_weights and self.device.type == "cpu"
-            # tuned for decode-sized batches: prefill-sized calls lose only a few %
-            and self.model.pack_linears(batch_hint=min(config.max_num_seqs, 64)))
+        self.shadow = (ShadowChecker(reference_copy(self.model), config.shadow_rate, config.seed)
+                       if config.shadow_rate > 0 else None)
+        self.packed_weights = self._pick_linears(config, paths)
+        self.paths = paths
         self.model.move_rope_tables(self.device)
         self.kv = KVStorage(args.num_layers, num_pages, page_size, args.num_kv_heads,
                           args.head_dim, self.dtype, self.device)
+        #: the worker side of the KV connector (prefill/decode disaggregation), or None
+        self.kv_connector = None
+        if config.kv_transfer_config is not None:
+            from radixserve.kv_transfer.factory import create_worker_connector
+
+            self.kv_connector = create_worker_connector(config.kv_transfer_config, files.name)
+            self.kv_connector.register_kv_caches(
+                {f"model.layers.{i}.self_attn": t for i, t in enumerate(self.kv.layers)})
         self.page_size = page_size
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
@@ -160,12 +208,59 @@ class ModelRunner:
             name=files.name, folder=str(files.folder), max_model_len=self.max_model_len,
             vocab_size=args.vocab_size, eos_token_ids=eos_token_ids(files.folder, hf_config),
             dtype=str(self.dtype).removeprefix("torch."), device=str(self.device))
-        log.info("loaded %s: %s on %s, %d KV pages x %d tokens (%.1f MiB), %s attention, "
-                 "%s linears", files.name, self.dtype, self.device, num_pages, page_size,
-                 num_pages * per_page / 2**20, self.attention_backend,
-                 "packed" if self.packed_weights else "dense")
+        log.info("loaded %s: %s on %s, %d KV pages x %d tokens (%.1f MiB)", files.name,
+                 self.dtype, self.device, num_pages, page_size, num_pages * per_page / 2**20)
+        for part, path in paths.paths.items():
+            log.info("%s path: %s (%s)", part, path, paths.reasons[part])
+        if self.shadow is not None:
+            log.info("shadow checks: %.0f%% of steps re-run on the reference path "
+                     "(SDPA, dense, eager)", 100 * config.shadow_rate)
 
-    def _metadata(self, batch: ForwardBatch) -> AttentionMetadata:
+    def _pick_linears(self, config: EngineConfig, paths: ForwardPaths) -> bool:
+        """Pack the linears or keep them dense (``--pack-weights``: on, off, or measured on
+        this machine when unset); records the path and why. Returns True when packed."""
+        if config.pack_weights is False:
+            paths.pick("linear", "dense", "--no-pack-weights")
+            return False
+        if self.device.type != "cpu":
+            paths.pick("linear", "dense", f"weights are packed on CPU only, not "
+                       f"{self.device.type}")
+            return False
+        # tuned for decode-sized batches: prefill-sized calls lose only a few %
+        hint = min(config.max_num_seqs, 64)
+        if config.pack_weights is None:
+            m, a = self.model, self.args
+            layer = m.layers[0]
+            head = m.embed if m.lm_head is None else m.lm_head
+            choice = choose_linear_path(
+                [layer.qkv.detach(), layer.o.detach(), layer.gate_up.detach(),
+                 layer.down.detach(), head.detach()], hint,
+                f"{a.arch} {a.hidden_size} {a.intermediate_size} {a.num_heads} "
+                f"{a.num_kv_heads} {a.head_dim} {a.vocab_size} {self.dtype}")
+            if choice.path == "dense":
+                paths.pick("linear", "dense", choice.reason)
+                return False
+            reason = choice.reason
+        else:
+            reason = "--pack-weights"
+        if self.model.pack_linears(batch_hint=hint):
+            paths.pick("linear", "packed", reason)
+            return True
+        paths.pick("linear", "dense", "oneDNN packing unavailable in this torch build",
+                   fallback=True)
+        return False
+
+    def stats(self) -> RunnerStats:
+        """The paths in use, steps run and shadow-check counts (cumulative)."""
+        p = self.paths
+        return RunnerStats(paths=dict(p.paths), fallbacks=dict(p.fallbacks), steps=p.steps,
+                           shadow=None if self.shadow is None
+                           else msgspec.structs.replace(self.shadow.stats))
+
+    def _metadata(self, batch: ForwardBatch, kernels: bool | None = None) -> AttentionMetadata:
+        """The step's attention metadata; ``kernels`` (default: this runner's backend) picks
+        the decode layout: page table and lengths for the C kernel, or key masks for SDPA."""
+        use_kernel = self.kernels is not None if kernels is None else kernels
         dev, ps = self.device, self.page_size
         d = batch.num_decodes
         pt, pd_lens, pd_mask = None, None, None
@@ -173,7 +268,7 @@ class ModelRunner:
             seq = batch.seq_lens[:d]
             n_pages = int(-(-seq.max() // ps))
             pt = torch.from_numpy(batch.page_table[:d, :n_pages].astype(np.int64)).to(dev)
-            if self.kernels is not None:
+            if use_kernel:
                 pd_lens = torch.from_numpy(seq.astype(np.int64))
             else:
                 keys = np.arange(n_pages * ps)[None, :] < seq[:, None]
@@ -200,11 +295,19 @@ class ModelRunner:
         ids = torch.from_numpy(batch.input_ids).to(self.device)
         pos = torch.from_numpy(batch.positions).to(self.device)
         hidden = self.model(ids, pos, self.kv.layers, meta)
+        self.paths.steps += 1
+        plp = (None if batch.prompt_logprobs is None else
+               prompt_logprob_rows(self.model.compute_logits, hidden, batch.prompt_logprobs))
         if not len(batch.logits_indices):
-            return SampleResult(np.empty(0, np.int64), None)
+            return SampleResult(np.empty(0, np.int64), None, prompt_logprobs=plp)
         idx = torch.from_numpy(batch.logits_indices).to(self.device)
         logits = self.model.compute_logits(hidden[idx])
-        return sample(logits, batch.sampling, self.generator)
+        if self.shadow is not None and self.shadow.wants_step():
+            self.shadow.check(ids, pos, self.kv.layers, lambda: self._metadata(batch, False),
+                              idx, logits)
+        result = sample(logits, batch.sampling, self.generator)
+        result.prompt_logprobs = plp
+        return result
 
 
 def build_runner(config: EngineConfig, null_model: bool = False,

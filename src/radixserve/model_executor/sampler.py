@@ -1,5 +1,11 @@
 """Batched per-request sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds,
-repetition/presence/frequency penalties, logprobs.
+repetition/presence/frequency penalties, ``logit_bias``, ``min_tokens``, output constraints
+(xgrammar token bitmasks), logprobs.
+
+Logits are processed in this order: penalties, ``logit_bias``, ``min_tokens`` blocking, then the
+grammar bitmask (so a constrained row can only pick a token its grammar allows), then
+temperature and the top-k / top-p / min-p filters. Logprobs are those of the raw logits (vLLM's
+default ``raw_logprobs``).
 
 Sampling draws ``argmax(probs / q)`` with ``q ~ Exp(1)`` (the exponential race, equivalent to
 sampling from ``probs``; vLLM's and SGLang's samplers use it too). A seeded request draws its
@@ -8,10 +14,20 @@ sampling from ``probs``; vLLM's and SGLang's samplers use it too). A seeded requ
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
-from radixserve.model_executor.forward_batch import SampleResult, SamplingBatch
+from radixserve.model_executor.forward_batch import (
+    PromptLogprobsBatch,
+    SampleResult,
+    SamplingBatch,
+)
+
+#: Prompt positions whose logits are materialised at once (float32 [512, V]: ~100 MB for a
+#: 49k vocabulary), so a long prompt chunk never holds all its logits.
+PROMPT_LOGPROBS_SLICE = 512
 
 
 def _apply_penalties(logits: torch.Tensor, sp: SamplingBatch) -> None:
@@ -46,6 +62,38 @@ def _block_tokens(logits: torch.Tensor, blocked: dict[int, list[int]]) -> None:
         ids = [t for t in ids if t < vocab]
         if ids:
             logits[i, ids] = float("-inf")
+def _add_logit_bias(logits: torch.Tensor, bias: dict[int, tuple[np.ndarray, np.ndarray]]
+                    ) -> None:
+    """In place: ``logits[i, ids] += values`` per row (ids checked below the vocab size by the
+    engine core)."""
+    dev = logits.device
+    for i, (ids, vals) in bias.items():
+        logits[i, torch.from_numpy(ids).to(dev)] += torch.from_numpy(vals).to(dev)
+
+
+def _apply_bitmask(logits: torch.Tensor, sp: SamplingBatch,
+                   unblocked: dict[int, torch.Tensor] | None) -> None:
+    """In place: -inf for every token a constrained row's grammar forbids (xgrammar's CPU or
+    CUDA kernel). ``unblocked`` holds rows as they were before ``min_tokens`` blocking: a row
+    whose grammar allows only tokens that blocking removed (its grammar is complete and only
+    EOS may follow) takes the grammar-only mask instead, so the grammar wins over
+    ``min_tokens``."""
+    import xgrammar as xgr
+
+    bitmask = sp.token_bitmask
+    if bitmask.device != logits.device:
+        bitmask = bitmask.to(logits.device, non_blocking=True)
+    rows = sp.bitmask_rows
+    assert rows is not None
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1], indices=rows)
+    if unblocked:
+        for i, before in unblocked.items():
+            if bool(torch.isneginf(logits[i]).all()):
+                logits[i] = before
+                xgr.apply_token_bitmask_inplace(logits[i:i + 1], bitmask[i:i + 1],
+                                                vocab_size=logits.shape[1])
+
+
 def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
             min_p: torch.Tensor) -> torch.Tensor:
     """Probabilities [R, V] after top-k, top-p (nucleus, Holtzman et al. 2019) and min-p."""
@@ -79,7 +127,9 @@ def sample(logits: torch.Tensor, sp: SamplingBatch,
     overlap scheduling the engine mutates its requests while this runs.
 
     Args:
-        logits: float32 [S, V], one row per sampling request.
+        logits: float32 [S, V], one row per sampling request; ``logit_bias`` and the grammar
+            bitmask are applied to it in place (no copy of a [S, V] tensor per step: the
+            runner's logits are not used after sampling, and logprobs are taken before).
         sp: the rows' sampling parameters (``SamplingBatch``).
         generator: engine-wide generator for unseeded random rows.
 
@@ -91,9 +141,18 @@ def sample(logits: torch.Tensor, sp: SamplingBatch,
     if sp.penalty_outputs:
         logits = logits.clone()
         _apply_penalties(logits, sp)
+    if sp.logit_bias:
+        _add_logit_bias(logits, sp.logit_bias)
+    masked = sp.token_bitmask is not None
+    unblocked = None
     if sp.blocked_tokens:
+        if masked:
+            rows = set(sp.bitmask_rows or ())
+            unblocked = {i: logits[i].clone() for i in sp.blocked_tokens if i in rows}
         logits = logits.clone()
         _block_tokens(logits, sp.blocked_tokens)
+    if masked:
+        _apply_bitmask(logits, sp, unblocked)
     tokens = logits.argmax(dim=-1)
     if sp.greedy is not None:
         rand = np.flatnonzero(~sp.greedy)
@@ -169,3 +228,44 @@ def logprob_rows(logprobs: torch.Tensor, tokens: torch.Tensor, token_ids: np.nda
             row += [[float(t), v] for t, v in zip(ids, vals, strict=True)]
         out.append(row)
     return out
+
+
+def prompt_logprob_rows(compute_logits: Callable[[torch.Tensor], torch.Tensor],
+                        hidden: torch.Tensor, plp: PromptLogprobsBatch
+                        ) -> list[list[list[float]]]:
+    """Logprob rows of prompt positions: per position the prompt's next token, its logprob
+    and rank, then the top ``want`` tokens.
+
+    Args:
+        compute_logits: hidden [k, H] -> float32 logits [k, V] (the model's LM head).
+        hidden: the step's final hidden states [T, H].
+        plp: which positions, their target tokens and top counts.
+
+    Returns:
+        K rows ``[[target, logprob, rank], [top1, logprob], ...]``: the log-softmax of the raw
+        logits (no sampling parameters apply to the prompt), rank 1-based over the whole
+        vocabulary (1 + tokens with a strictly higher logprob), as vLLM reports it.
+    """
+    dev = hidden.device
+    idx = torch.from_numpy(plp.indices).to(dev)
+    targets = torch.from_numpy(plp.targets).to(dev)
+    want = plp.want
+    rows: list[list[list[float]]] = []
+    for lo in range(0, len(idx), PROMPT_LOGPROBS_SLICE):
+        hi = min(lo + PROMPT_LOGPROBS_SLICE, len(idx))
+        lp = torch.log_softmax(compute_logits(hidden[idx[lo:hi]]).float(), dim=-1)
+        tgt = targets[lo:hi]
+        chosen = lp.gather(1, tgt[:, None]).squeeze(1)
+        rank = ((lp > chosen[:, None]).sum(dim=-1) + 1).tolist()
+        n = int(want[lo:hi].max())
+        top_v = top_i = None
+        if n > 0:
+            v, i = lp.topk(n, dim=-1)
+            top_v, top_i = v.tolist(), i.tolist()
+        for j, (t, c, r) in enumerate(zip(tgt.tolist(), chosen.tolist(), rank, strict=True)):
+            row = [[float(t), c, float(r)]]
+            k = int(want[lo + j])
+            if k and top_v is not None and top_i is not None:
+                row += [[float(a), b] for a, b in zip(top_i[j][:k], top_v[j][:k], strict=True)]
+            rows.append(row)
+    return rows

@@ -13,6 +13,7 @@ never mix: the engine-core process converts at its socket (``request_from_wire``
 from __future__ import annotations
 
 import struct
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -24,8 +25,10 @@ from radixserve.sampling_params import SamplingParams
 #: Bumped on any incompatible change; checked by the Hello handshake at connect.
 #: 3: Wire* names, no eos_token_ids in requests, rejections carry error_param/error_code,
 #: Hello carries a typed EngineInfo, no timestamp in step outputs, no StatsRequest.
-#: 4: FlushCache / FlushCacheDone.
-SCHEMA_VERSION = 4
+#: 4: SamplingParams carries logit_bias and structured_outputs; outputs carry prompt_logprobs.
+#: 5: FlushCache / FlushCacheDone.
+#: 6: kv_transfer_params in requests and outputs (prefill/decode disaggregation).
+SCHEMA_VERSION = 6
 
 
 _I32 = struct.Struct("<i")
@@ -60,12 +63,14 @@ class WireRequest(msgspec.Struct, tag="req", array_like=True):
         prompt_token_ids: int32 [P] as raw little-endian bytes.
         sampling_params: with ``n`` 1 (see ``SamplingParams.children``).
         arrival_time: ``time.time()`` when the API request arrived, seconds.
+        kv_transfer_params: prefill/decode disaggregation (vLLM's dict), or None.
     """
 
     request_id: str
     prompt_token_ids: bytes
     sampling_params: SamplingParams
     arrival_time: float
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
@@ -115,6 +120,8 @@ class WireOutput(msgspec.Struct, array_like=True):
     error_param: str | None = None
     error_code: str | None = None
     queue_time: float | None = None
+    prompt_logprobs: list[list[list[float]]] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class WireStepOutputs(msgspec.Struct, tag="outputs", array_like=True):
@@ -164,7 +171,7 @@ def request_to_wire(req: et.EngineRequest) -> WireRequest:
     """The wire form of an engine request (prompt ids -> int32 bytes). ``eos_token_ids`` does
     not travel: the core knows the model's own."""
     return WireRequest(req.request_id, pack_ids(req.prompt_token_ids), req.sampling_params,
-                       req.arrival_time)
+                       req.arrival_time, req.kv_transfer_params)
 
 
 def request_from_wire(msg: WireRequest) -> et.EngineRequest:
@@ -172,7 +179,8 @@ def request_from_wire(msg: WireRequest) -> et.EngineRequest:
     return et.EngineRequest(request_id=msg.request_id,
                             prompt_token_ids=unpack_ids(msg.prompt_token_ids),
                             sampling_params=msg.sampling_params,
-                            arrival_time=msg.arrival_time)
+                            arrival_time=msg.arrival_time,
+                            kv_transfer_params=msg.kv_transfer_params)
 
 
 def step_to_wire(step: et.StepOutputs, stats: SchedulerStats | None = None) -> WireStepOutputs:
@@ -181,7 +189,9 @@ def step_to_wire(step: et.StepOutputs, stats: SchedulerStats | None = None) -> W
         step.step,
         [WireOutput(o.request_id, pack_ids(o.new_token_ids), o.finish_reason, o.stop_reason,
                     o.logprobs, o.num_prompt_tokens, o.num_cached_tokens, o.error,
-                    o.error_param, o.error_code, o.queue_time) for o in step.outputs],
+                    o.error_param, o.error_code, o.queue_time, o.prompt_logprobs,
+                    o.kv_transfer_params)
+         for o in step.outputs],
         stats, step.decode_request_ids,
         step.decode_token_ids.astype("<i4", copy=False).tobytes())
 
@@ -196,6 +206,7 @@ def step_from_wire(msg: WireStepOutputs) -> et.StepOutputs:
             finish_reason=o.finish_reason, stop_reason=o.stop_reason, logprobs=o.logprobs,
             num_prompt_tokens=o.num_prompt_tokens, num_cached_tokens=o.num_cached_tokens,
             error=o.error, error_param=o.error_param, error_code=o.error_code,
-            queue_time=o.queue_time) for o in msg.outputs],
+            queue_time=o.queue_time, prompt_logprobs=o.prompt_logprobs,
+            kv_transfer_params=o.kv_transfer_params) for o in msg.outputs],
         decode_request_ids=msg.decode_request_ids,
         decode_token_ids=unpack_ids(msg.decode_token_ids))

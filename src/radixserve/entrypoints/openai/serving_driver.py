@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from radixserve.engine_types import FINISH_ABORT, EngineRequest
+from radixserve.engine_types import ERROR_KV_TRANSFER_FAILED, FINISH_ABORT, EngineRequest
 from radixserve.entrypoints.openai.errors import OpenAIError
 from radixserve.entrypoints.openai.serving_state import ServingState
 from radixserve.entrypoints.openai.sse import SSE_DONE, sse
@@ -95,7 +95,8 @@ def abort_error(d: RequestDelta, prompt_field: str) -> OpenAIError:
     abort the engine did on its own."""
     if d.error is not None:
         param = prompt_field if d.error_param == "prompt" else d.error_param
-        return OpenAIError(d.error, param=param, code=d.error_code)
+        status = 500 if d.error_code == ERROR_KV_TRANSFER_FAILED else 400
+        return OpenAIError(d.error, status, param=param, code=d.error_code)
     return OpenAIError("The request was aborted by the engine.", 500)
 
 
@@ -172,9 +173,19 @@ class ResponseFormatter:
         """Chunk choices sent before any token (chat: the role; completions: the echo)."""
         return []
 
+    def prelude_extra(self, states: Sequence[RequestState]) -> dict[str, Any]:
+        """Top-level fields of the first streamed chunk only (vLLM's ``prompt_token_ids``)."""
+        return {}
+
     def delta(self, d: RequestDelta) -> dict[str, Any] | None:
         """The chunk choice for one delta, or None when there is nothing to send."""
         raise NotImplementedError
+
+    def deltas(self, d: RequestDelta) -> list[dict[str, Any]]:
+        """The chunk choices for one delta, in order (one chunk each); by default ``delta``'s
+        one choice."""
+        part = self.delta(d)
+        return [] if part is None else [part]
 
     def response(self, states: Sequence[RequestState]) -> dict[str, Any]:
         """The non-streamed response body once every request finished."""
@@ -183,7 +194,8 @@ class ResponseFormatter:
 
 async def run_requests(raw: Request, state: ServingState, fmt: ResponseFormatter,
                        requests: list[EngineRequest], stream: bool, include_usage: bool,
-                       arrival: float, prompt_field: str) -> Any:
+                       arrival: float, prompt_field: str,
+                       continuous_usage: bool = False) -> Any:
     """Send the engine requests and answer: a JSON body, or an SSE ``StreamingResponse``.
 
     A streamed chunk carries exactly one choice (the final usage chunk none). A disconnect
@@ -195,6 +207,8 @@ async def run_requests(raw: Request, state: ServingState, fmt: ResponseFormatter
         requests: the response's engine requests; request i is choice i.
         arrival: ``time.time()`` when the API request arrived.
         prompt_field: "messages" or "prompt": what the engine's "prompt" errors name.
+        continuous_usage: every streamed chunk carries the usage so far (vLLM's
+            ``stream_options.continuous_usage_stats``).
 
     Raises:
         OpenAIError: 429 (concurrency limit), 400 (engine rejection, unencodable request), 503
@@ -246,17 +260,26 @@ async def run_requests(raw: Request, state: ServingState, fmt: ResponseFormatter
         raise
 
     async def events() -> AsyncIterator[bytes]:
-        extra = {"usage": None} if include_usage else {}
-        delta = fmt.delta
+        extra: dict[str, Any] = {"usage": None} if include_usage else {}
+
+        def usage() -> dict[str, Any]:
+            if continuous_usage:
+                return {**extra, "usage": usage_dict(states, fmt.n)}
+            return extra
+
+        deltas = fmt.deltas
         try:
             # one choice per chunk, as vLLM sends them: many clients read only choices[0]
+            once = fmt.prelude_extra(states)
             for part in fmt.prelude(states):
-                yield sse(fmt.chunk([part], **extra))
+                yield sse(fmt.chunk([part], **usage(), **once))
+                once = {}
             batch = first
             while batch is not None:
-                for part in map(delta, batch):
-                    if part is not None:
-                        yield sse(fmt.chunk([part], **extra))
+                for d in batch:
+                    for part in deltas(d):
+                        yield sse(fmt.chunk([part], **usage(), **once))
+                        once = {}
                 batch = await anext(it, None)
             if include_usage:
                 yield sse(fmt.chunk([], usage=usage_dict(states, fmt.n)))

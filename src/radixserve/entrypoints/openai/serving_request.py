@@ -13,18 +13,19 @@ from pydantic import BaseModel
 
 from radixserve.engine_types import EngineRequest
 from radixserve.entrypoints.openai.errors import OpenAIError, error_from_value_error
-from radixserve.sampling_params import SamplingParams
+from radixserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 M = TypeVar("M", bound=BaseModel)
 
 
 async def parse_body(raw: Request, model: type[M]) -> M:
-    """Read and validate a JSON body.
+    """Read and validate a JSON body; a model with a ``check`` method (the generation
+    requests) is also checked for fields this server cannot honour.
 
     Raises:
-        OpenAIError: 400 for a body that is not JSON (or not an object); pydantic's
-            ``ValidationError`` (the app turns it into a 400 naming the field) for wrong types or
-            missing fields.
+        OpenAIError: 400 for a body that is not JSON (or not an object), or naming an
+            unsupported field; pydantic's ``ValidationError`` (the app turns it into a 400
+            naming the field) for wrong types or missing fields.
     """
     body = await raw.body()
     try:
@@ -33,11 +34,16 @@ async def parse_body(raw: Request, model: type[M]) -> M:
         raise OpenAIError(f"Invalid JSON body: {e}") from None
     if not isinstance(data, dict):
         raise OpenAIError("The request body must be a JSON object.")
-    return model.model_validate(data)
+    req = model.model_validate(data)
+    check = getattr(req, "check", None)
+    if check is not None:
+        check()
+    return req
 
 
 def sampling_params_for(req: Any, prompt_len: int, max_model_len: int,
-                        default_max_tokens: int | None, prompt_field: str) -> SamplingParams:
+                        default_max_tokens: int | None, prompt_field: str,
+                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
     """Build the engine's SamplingParams.
 
     A prompt too long on its own is the engine core's to reject (``EngineCore.add_request``
@@ -51,6 +57,7 @@ def sampling_params_for(req: Any, prompt_len: int, max_model_len: int,
         default_max_tokens: max_tokens when the request gives none, lowered to the room the
             prompt leaves; None: all the room left (the engine core fills it in).
         prompt_field: "messages" or "prompt", named in errors about the prompt.
+        structured: the output constraint (``constraints.structured_outputs_for``).
 
     Raises:
         OpenAIError: 400 naming the numbers when prompt + max_tokens exceeds the context, or a
@@ -61,7 +68,7 @@ def sampling_params_for(req: Any, prompt_len: int, max_model_len: int,
     if default is not None and room >= 1:
         default = min(default, room)
     try:
-        sp = req.to_sampling_params(default)
+        sp = req.to_sampling_params(default, structured)
     except ValueError as e:
         raise error_from_value_error(e) from None
     # OpenAI's API rule, not an engine limit: the engine can run such a request (it ends with
@@ -90,21 +97,38 @@ def check_token_ids(ids: list[int], vocab_size: int, field_name: str) -> None:
                           f"[0, {vocab_size})", param=field_name)
 
 
+def kv_transfer_field(states: Any) -> dict[str, Any]:
+    """``{"kv_transfer_params": ...}`` for a non-streamed response body when its request
+    reported some (a prefill instance's answer, vLLM's top-level field), else {}."""
+    params = next((s.kv_transfer_params for s in states if s.kv_transfer_params), None)
+    return {} if params is None else {"kv_transfer_params": params}
+
+
 def new_request_id(prefix: str) -> str:
     """A fresh id such as ``chatcmpl-3f2a...``."""
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def engine_requests(prompts: list[list[int]], sp: SamplingParams, prefix: str,
-                    arrival_time: float) -> list[EngineRequest]:
+                    arrival_time: float,
+                    kv_transfer_params: dict[str, Any] | None = None) -> list[EngineRequest]:
     """``sp.n`` engine requests per prompt (``SamplingParams.children``); request ``p * n + i``
-    is the i-th sample of prompt p, which is also its choice index."""
+    is the i-th sample of prompt p, which is also its choice index.
+
+    Raises:
+        OpenAIError: 400 naming ``kv_transfer_params`` when they come with more than one
+            engine request (one prompt's KV moves for one request, as in vLLM).
+    """
     base = new_request_id(prefix)
     children = sp.children()
+    if kv_transfer_params is not None and len(prompts) * len(children) != 1:
+        raise OpenAIError("kv_transfer_params needs exactly one prompt and n=1",
+                          param="kv_transfer_params")
     out = []
     for ids in prompts:
         prompt = np.asarray(ids, dtype=np.int32)
         for child in children:
             out.append(EngineRequest(request_id=f"{base}-{len(out)}", prompt_token_ids=prompt,
-                                     sampling_params=child, arrival_time=arrival_time))
+                                     sampling_params=child, arrival_time=arrival_time,
+                                     kv_transfer_params=kv_transfer_params))
     return out

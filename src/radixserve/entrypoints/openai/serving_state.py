@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+import threading
+from dataclasses import dataclass, field
 
 from radixserve.engine_types import EngineInfo
 from radixserve.entrypoints.openai.errors import OpenAIError
 from radixserve.frontend.async_client import AsyncEngineClient
 from radixserve.frontend.tokenizer import FrontendTokenizer
 from radixserve.metrics import ServerMetrics
+from radixserve.sampling_params import StructuredOutputsParams
+from radixserve.structured.compiler import GrammarCompiler, GrammarError
 
 
 @dataclass
@@ -23,6 +27,8 @@ class ServingState:
         metrics: Prometheus metrics.
         max_concurrent_requests: generation requests in flight at most (None: no limit).
         active_requests: generation requests in flight now (see ``ConcurrencySlot``).
+        grammar_compiler: the xgrammar compiler over this tokenizer, made at the first
+            constrained request (``check_constraint``).
     """
 
     client: AsyncEngineClient
@@ -33,6 +39,34 @@ class ServingState:
     metrics: ServerMetrics
     max_concurrent_requests: int | None = None
     active_requests: int = 0
+    grammar_compiler: GrammarCompiler | None = None
+    _compiler_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def _compiler(self) -> GrammarCompiler:
+        with self._compiler_lock:
+            if self.grammar_compiler is None:
+                self.grammar_compiler = GrammarCompiler(
+                    self.tokenizer.hf, self.info.vocab_size, list(self.info.eos_token_ids))
+            return self.grammar_compiler
+
+    async def check_constraint(self, spec: StructuredOutputsParams | None, param: str) -> None:
+        """Compile ``spec`` here, before it is submitted, so a bad schema, regex or grammar is
+        a 400 naming ``param`` and the engine core never sees it (compiled grammars are
+        cached; compiling runs in a worker thread, off the event loop).
+
+        Raises:
+            OpenAIError: 400 with xgrammar's reason.
+        """
+        if spec is None:
+            return
+
+        def compile_() -> None:
+            self._compiler().compile(spec)
+
+        try:
+            await asyncio.to_thread(compile_)
+        except GrammarError as e:
+            raise OpenAIError(f"{param}: {e}", param=param) from None
 
     def check_model(self, model: str | None) -> None:
         """Raises OpenAIError 404 for a model name this server does not serve (None is fine)."""

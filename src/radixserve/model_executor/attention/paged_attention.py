@@ -148,3 +148,9 @@ class CpuKernelPagedAttention(SdpaPagedAttention):
         assert meta.decode_page_table is not None and meta.decode_seq_lens is not None
         self.kernels.paged_decode_attention(q[:d], k_cache, v_cache, meta.decode_page_table,
                                             meta.decode_seq_lens, out[:d], self.scale)
+
+    def _prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 meta: AttentionMetadata, out: torch.Tensor) -> None:
+        for start, end, ctx, pages in meta.prefill:
+            self.kernels.paged_prefill_attention(q[start:end], k_cache, v_cache, pages, ctx,
+                                                 out[start:end], self.scale)

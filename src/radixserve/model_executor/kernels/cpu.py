@@ -37,7 +37,9 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
-def _cpu_signature() -> str:
+def cpu_signature() -> str:
+    """The CPU's model name and flags from /proc/cpuinfo ("unknown" where unreadable): the
+    key of per-machine caches."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
@@ -57,7 +59,7 @@ def build(compiler: str | None = None) -> Path:
         raise RuntimeError("no C compiler found (set CC or install gcc)")
     src = SOURCE.read_bytes()
     key = hashlib.sha256(src + " ".join([cc, *CFLAGS]).encode()
-                         + _cpu_signature().encode()).hexdigest()[:16]
+                         + cpu_signature().encode()).hexdigest()[:16]
     out = cache_dir("kernels") / f"cpu_kernels-{key}.so"
     if out.exists():
         return out
@@ -88,6 +90,11 @@ class CpuKernels:
                        i64, i64, i64, i64, c_float, c_int]
         fn.restype = c_int
         self._attn = fn
+        fn = lib.rs_paged_prefill_attention
+        fn.argtypes = [c_int, ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64, i64, ptr, i64, i64,
+                       i64, i64, c_float, c_int]
+        fn.restype = c_int
+        self._prefill = fn
         fn = lib.rs_add_rms_norm
         fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, c_float, c_int]
         fn.restype = c_int
@@ -116,7 +123,9 @@ class CpuKernels:
         Args:
             q: [B, H, D] float32/bfloat16, last dim contiguous (other strides free).
             k_cache, v_cache: contiguous [num_pages, page_size, Hkv, D], q's dtype.
-            page_table: contiguous int64 [B, >= ceil(max(seq_lens) / page_size)].
+            page_table: int64 [B, >= ceil(max(seq_lens) / page_size)], rows contiguous; the
+                row stride is free (0: every query reads one sequence's pages, as the queries
+                of a prefill chunk do).
             seq_lens: contiguous int64 [B], keys per sequence (>= 1).
             out: contiguous [B, H, D], q's dtype.
             scale: softmax scale (usually D ** -0.5).
@@ -135,9 +144,10 @@ class CpuKernels:
         if dk != d or v_cache.shape != k_cache.shape or h % hkv:
             raise ValueError(f"q {tuple(q.shape)} does not fit KV {tuple(k_cache.shape)}")
         if q.stride(2) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()
-                                    and out.is_contiguous() and page_table.is_contiguous()
+                                    and out.is_contiguous() and page_table.stride(1) == 1
                                     and seq_lens.is_contiguous()):
-            raise ValueError("k/v cache, out, page_table and seq_lens must be contiguous")
+            raise ValueError("k/v cache, out and seq_lens must be contiguous, page_table rows "
+                             "too")
         if page_table.dtype != torch.int64 or seq_lens.dtype != torch.int64:
             raise ValueError("page_table and seq_lens must be int64")
         if tuple(out.shape) != (b, h, d) or page_table.shape[0] != b or seq_lens.shape != (b,):
@@ -149,6 +159,48 @@ class CpuKernels:
                       page_size, scale, torch.get_num_threads())
         if rc:
             raise RuntimeError(f"paged decode attention kernel failed with code {rc}")
+
+    def paged_prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor,
+                                v_cache: torch.Tensor, pages: torch.Tensor, ctx: int,
+                                out: torch.Tensor, scale: float) -> None:
+        """Causal attention of one sequence's prefill chunk over its pages, into ``out``.
+
+        The ``n = q.shape[0]`` queries sit at positions ``[ctx - n, ctx)``; row r sees keys
+        ``[0, ctx - n + r]``. Each row is computed with exactly the arithmetic of
+        ``paged_decode_attention`` for that context, so results do not depend on chunking.
+
+        Args:
+            q: [n, H, D] float32/bfloat16, last dim contiguous.
+            k_cache, v_cache: contiguous [num_pages, page_size, Hkv, D], q's dtype.
+            pages: contiguous int64 [>= ceil(ctx / page_size)], the sequence's page ids.
+            ctx: keys of the sequence after this chunk (tokens), ``n <= ctx``.
+            out: contiguous [n, H, D], q's dtype.
+            scale: softmax scale.
+
+        Raises:
+            ValueError: bad shapes, layouts or dtypes.
+            RuntimeError: the kernel reported an error (2: ctx outside [n, pages * page_size];
+                4: a page id outside the pool; 3: out of memory).
+        """
+        n, h, d = q.shape
+        _, page_size, hkv, dk = k_cache.shape
+        if (q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype
+                or out.dtype != q.dtype):
+            raise ValueError(f"dtypes must all be float32 or bfloat16, got q {q.dtype}, "
+                             f"k {k_cache.dtype}, v {v_cache.dtype}, out {out.dtype}")
+        if dk != d or v_cache.shape != k_cache.shape or h % hkv:
+            raise ValueError(f"q {tuple(q.shape)} does not fit KV {tuple(k_cache.shape)}")
+        if q.stride(2) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()
+                                    and out.is_contiguous() and pages.is_contiguous()):
+            raise ValueError("k/v cache, out and pages must be contiguous")
+        if pages.dtype != torch.int64 or tuple(out.shape) != (n, h, d):
+            raise ValueError("pages must be int64 and out [n, H, D]")
+        rc = self._prefill(_DTYPES[q.dtype], q.data_ptr(), q.stride(0), q.stride(1),
+                           k_cache.data_ptr(), v_cache.data_ptr(), pages.data_ptr(),
+                           pages.shape[0], k_cache.shape[0], ctx, n, out.data_ptr(), h, hkv, d,
+                           page_size, scale, torch.get_num_threads())
+        if rc:
+            raise RuntimeError(f"paged prefill attention kernel failed with code {rc}")
 
     def add_rms_norm(self, x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> torch.Tensor:

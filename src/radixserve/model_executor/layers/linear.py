@@ -26,9 +26,31 @@ LinearFn = Callable[[torch.Tensor], torch.Tensor]
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def batch_invariant(fn: LinearFn) -> LinearFn:
+    """``fn`` with a single-row input computed as two equal rows, so that a row's result never
+    depends on how many rows share the call.
+
+    Why: oneDNN and MKL run M = 1 through a matrix-vector kernel whose reduction order over K
+    differs from their GEMM kernels, which agree with each other for every M >= 2 (measured in
+    bfloat16 on the default model's activations, Zen 5, packed and dense: SmolLM2's ``down``
+    projection, K = 1536, gave a different bf16 result for 1 row in 3 calls at M = 1 and
+    none for M = 2..950). A request decoding alone then drifts from the same request in a
+    batch; with this, 24 prompts give the same greedy tokens alone and together. The second
+    row costs little at M = 1: the call is bound by reading the weights.
+    """
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1:
+            return fn(x.expand(2, -1).contiguous())[:1]
+        return fn(x)
+
+    return call
+
+
 def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> LinearFn:
-    """``x [M, K] -> [M, N]`` with ``weight [N, K]`` as stored (any device)."""
-    return lambda x: F.linear(x, weight, bias)
+    """``x [M, K] -> [M, N]`` with ``weight [N, K]`` as stored (any device); row results do
+    not depend on M (see ``batch_invariant``)."""
+    return batch_invariant(lambda x: F.linear(x, weight, bias))
 
 
 def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None,
@@ -59,4 +81,4 @@ def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None,
         log.warning("oneDNN packed linear disagrees with F.linear: dense linears")
         return None
     op = mkldnn._linear_pointwise
-    return lambda x: op(x, packed, bias, "none", [], "")
+    return batch_invariant(lambda x: op(x, packed, bias, "none", [], ""))

@@ -136,6 +136,11 @@ class DecoderLayer(nn.Module):
                      CpuKernelPagedAttention(a.num_heads, a.num_kv_heads, a.head_dim, scale,
                                              kernels))
         self.kernels = kernels
+        self.bind_dense_linears()
+
+    def bind_dense_linears(self) -> None:
+        """Run the four projections as ``F.linear`` over this layer's own parameters (a deep
+        copy of the layer must call it: the bound callables capture the parameters)."""
         self.qkv_proj: LinearFn = dense_linear(self.qkv, self.qkv_bias)
         self.o_proj: LinearFn = dense_linear(self.o)
         self.gate_up_proj: LinearFn = dense_linear(self.gate_up)
@@ -259,10 +264,11 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] -> float32 logits [S, vocab]."""
-        if self._lm_head_proj is not None:
-            return self._lm_head_proj(hidden).float()
-        w = self.embed if self.lm_head is None else self.lm_head
-        return F.linear(hidden, w).float()
+        if self._lm_head_proj is None:
+            # bound lazily: the dense weight may move device or dtype after construction
+            self._lm_head_proj = dense_linear(self.embed if self.lm_head is None
+                                              else self.lm_head)
+        return self._lm_head_proj(hidden).float()
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -54,17 +54,9 @@ static inline void prefetch_row(int dtype, const void *base, int64_t off, int64_
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 3);
 }
 
-static inline float dot(const float *a, const float *b, int64_t n) {
-    float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-    for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
-    return acc;
-}
-
 /* 8 floats in one register (AVX) or two (SSE): GCC/Clang vector extensions, so the same code
  * builds on any x86-64 or Arm compiler without intrinsics. */
 typedef float v8f __attribute__((vector_size(32)));
-#define MAX_GROUP 16
 
 static inline v8f load8(const float *p) {
     v8f v;
@@ -76,25 +68,40 @@ static inline float hsum8(v8f v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
-/* Scores of the G query heads against two key rows at once: 2 * G independent FMA chains keep
- * the FMA units busy where a single dot product would wait on its own latency.
- * Needs D % 8 == 0 and G <= MAX_GROUP. */
-static inline void scores2(const float *qg, const float *k0, const float *k1, int64_t G,
-                           int64_t D, float *s0, float *s1) {
-    v8f a0[MAX_GROUP], a1[MAX_GROUP];
-    for (int64_t g = 0; g < G; ++g) a0[g] = a1[g] = (v8f){0};
+/* Decode and prefill attention share their per-row arithmetic, so a token's attention is
+ * bit-identical whether it is computed in a prefill chunk of any size or as a decode in a batch
+ * of any size. Every reduction therefore spells its order out: 8 lanes over the vector, then
+ * `hsum8`'s fixed tree, then a scalar tail. (`omp simd reduction` lets the compiler pick the
+ * order, and its alignment peeling made the result depend on the address.) Element-wise code
+ * has no order and is left to the compiler. */
+static inline float dot(const float *a, const float *b, int64_t n) {
+    v8f acc = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) acc += load8(a + i) * load8(b + i);
+    float s = hsum8(acc);
+    for (; i < n; ++i) s += a[i] * b[i];
+    return s;
+}
+
+/* Scores of one query row (q: D floats, already scaled; D % 8 == 0, D <= 8 * MAX_D8) against
+ * four key rows: four independent 8-lane FMA chains, then `hsum8`. Both kernels score every
+ * key through this one function: a one-key loop compiled to a different rounding (measured: 1
+ * ulp off in float32), so a group of fewer than four keys repeats its last key instead. */
+#define MAX_D8 32
+static inline void scores4(const float *q, const float *k0, const float *k1, const float *k2,
+                           const float *k3, int64_t D, float r[4]) {
+    v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
     for (int64_t i = 0; i < D; i += 8) {
-        const v8f x0 = load8(k0 + i), x1 = load8(k1 + i);
-        for (int64_t g = 0; g < G; ++g) {
-            const v8f qv = load8(qg + g * D + i);
-            a0[g] += qv * x0;
-            a1[g] += qv * x1;
-        }
+        const v8f qv = load8(q + i);
+        a0 += qv * load8(k0 + i);
+        a1 += qv * load8(k1 + i);
+        a2 += qv * load8(k2 + i);
+        a3 += qv * load8(k3 + i);
     }
-    for (int64_t g = 0; g < G; ++g) {
-        s0[g] = hsum8(a0[g]);
-        s1[g] = hsum8(a1[g]);
-    }
+    r[0] = hsum8(a0);
+    r[1] = hsum8(a1);
+    r[2] = hsum8(a2);
+    r[3] = hsum8(a3);
 }
 
 /* exp(x) for x <= 0 in float32, vectorizable (no libm call): Cephes' expf (S. L. Moshier), the
@@ -116,6 +123,37 @@ static inline float exp_nonpos(float x) {
     float scale;
     memcpy(&scale, &bits, 4);
     return p * scale;
+}
+
+/* s[0..L) <- softmax(s[0..L)) in place: exact two passes (max; exp and sum), then a scale. */
+static inline void softmax_row(float *s, int64_t L) {
+    float m = s[0];
+    for (int64_t u = 1; u < L; ++u) m = s[u] > m ? s[u] : m;
+    for (int64_t u = 0; u < L; ++u) s[u] = exp_nonpos(s[u] - m);
+    v8f acc = {0};
+    int64_t u = 0;
+    for (; u + 8 <= L; u += 8) acc += load8(s + u);
+    float sum = hsum8(acc);
+    for (; u < L; ++u) sum += s[u];
+    const float inv = 1.f / sum;
+    for (u = 0; u < L; ++u) s[u] *= inv;
+}
+
+/* acc[0..D) += p * v[0..D): element-wise fused multiply-adds, so any vectorization gives the
+ * same result per element (inlined freely) */
+static inline void axpy(float *acc, float p, const float *v, int64_t D) {
+#pragma omp simd
+    for (int64_t i = 0; i < D; ++i) acc[i] += p * v[i];
+}
+
+/* One output row of D floats: copied (float32) or rounded to bfloat16. */
+static inline void store_row(int dtype, void *out, int64_t off, const float *acc, int64_t D) {
+    if (dtype == 0) {
+        memcpy((float *)out + off, acc, sizeof(float) * (size_t)D);
+    } else {
+        uint16_t *dst = (uint16_t *)out + off;
+        for (int64_t i = 0; i < D; ++i) dst[i] = f32_to_bf16(acc[i]);
+    }
 }
 
 int rs_paged_decode_attention(int dtype, const void *q, int64_t q_stride_b, int64_t q_stride_h,
@@ -145,13 +183,13 @@ int rs_paged_decode_attention(int dtype, const void *q, int64_t q_stride_b, int6
     const int64_t tasks_per_seq = Hkv / per_task;
     const int64_t HG = per_task * G; /* query heads per task */
     const int64_t row = Hkv * D;     /* elements of one token's K (or V) row */
-    const int fast = D % 8 == 0 && G <= MAX_GROUP;
+    const int fast = D % 8 == 0 && D / 8 <= MAX_D8;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        /* scores [HG, max_len], queries [HG, D], accumulators [HG, D], two rows [2, row] */
+        /* scores [HG, max_len], queries [HG, D], accumulators [HG, D], four rows [4, row] */
         float *buf = (float *)malloc(sizeof(float) *
-                                     (size_t)(HG * max_len + 2 * HG * D + 2 * row));
+                                     (size_t)(HG * max_len + 2 * HG * D + 4 * row));
         if (buf == NULL) {
 #pragma omp atomic write
             failed = 3;
@@ -170,22 +208,22 @@ int rs_paged_decode_attention(int dtype, const void *q, int64_t q_stride_b, int6
                 for (int64_t i = 0; i < D; ++i) qs[j * D + i] = qr[i] * scale;
             }
             int64_t t = 0;
-            for (; fast && t + 1 < L; t += 2) {
-                for (int64_t a = t + PREFETCH_AHEAD; a < t + PREFETCH_AHEAD + 2 && a < L; ++a)
+            for (; fast && t < L; t += 4) {
+                for (int64_t a = t + PREFETCH_AHEAD; a < t + PREFETCH_AHEAD + 4 && a < L; ++a)
                     prefetch_row(dtype, k_cache, (pages[a / P] * P + a % P) * row + kh0 * D,
                                  per_task * D);
-                const int64_t s0 = pages[t / P] * P + t % P;
-                const int64_t s1 = pages[(t + 1) / P] * P + (t + 1) % P;
-                const float *k0 = row_f32(dtype, k_cache, s0 * row + kh0 * D, per_task * D, tmp);
-                const float *k1 = row_f32(dtype, k_cache, s1 * row + kh0 * D, per_task * D,
-                                          tmp + row);
-                for (int64_t kh = 0; kh < per_task; ++kh) {
-                    float r0[MAX_GROUP], r1[MAX_GROUP];
-                    scores2(qs + kh * G * D, k0 + kh * D, k1 + kh * D, G, D, r0, r1);
-                    for (int64_t g = 0; g < G; ++g) {
-                        scores[(kh * G + g) * max_len + t] = r0[g];
-                        scores[(kh * G + g) * max_len + t + 1] = r1[g];
-                    }
+                const float *kr[4];
+                for (int64_t u = 0; u < 4; ++u) {
+                    const int64_t tu = t + u < L ? t + u : L - 1;
+                    const int64_t slot = pages[tu / P] * P + tu % P;
+                    kr[u] = row_f32(dtype, k_cache, slot * row + kh0 * D, per_task * D,
+                                    tmp + u * row);
+                }
+                for (int64_t j = 0; j < HG; ++j) {
+                    const int64_t o = (j / G) * D;
+                    float r[4];
+                    scores4(qs + j * D, kr[0] + o, kr[1] + o, kr[2] + o, kr[3] + o, D, r);
+                    for (int64_t u = 0; u < 4 && t + u < L; ++u) scores[j * max_len + t + u] = r[u];
                 }
             }
             for (; t < L; ++t) {
@@ -194,19 +232,7 @@ int rs_paged_decode_attention(int dtype, const void *q, int64_t q_stride_b, int6
                 for (int64_t j = 0; j < HG; ++j)
                     scores[j * max_len + t] = dot(qs + j * D, kr + (j / G) * D, D);
             }
-            for (int64_t j = 0; j < HG; ++j) {
-                float *s = scores + j * max_len;
-                float m = s[0];
-                for (int64_t u = 1; u < L; ++u) m = s[u] > m ? s[u] : m;
-                float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-                for (int64_t u = 0; u < L; ++u) {
-                    s[u] = exp_nonpos(s[u] - m);
-                    sum += s[u];
-                }
-                const float inv = 1.f / sum;
-                for (int64_t u = 0; u < L; ++u) s[u] *= inv;
-            }
+            for (int64_t j = 0; j < HG; ++j) softmax_row(scores + j * max_len, L);
             memset(acc, 0, sizeof(float) * (size_t)(HG * D));
             for (t = 0; t < L; ++t) {
                 const int64_t a = t + PREFETCH_AHEAD;
@@ -215,23 +241,157 @@ int rs_paged_decode_attention(int dtype, const void *q, int64_t q_stride_b, int6
                                  per_task * D);
                 const int64_t slot = pages[t / P] * P + t % P;
                 const float *vr = row_f32(dtype, v_cache, slot * row + kh0 * D, per_task * D, tmp);
-                for (int64_t j = 0; j < HG; ++j) {
-                    const float p = scores[j * max_len + t];
-                    const float *v = vr + (j / G) * D;
-                    float *a = acc + j * D;
-#pragma omp simd
-                    for (int64_t i = 0; i < D; ++i) a[i] += p * v[i];
+                for (int64_t j = 0; j < HG; ++j)
+                    axpy(acc + j * D, scores[j * max_len + t], vr + (j / G) * D, D);
+            }
+            for (int64_t j = 0; j < HG; ++j)
+                store_row(dtype, out, (b * H + kh0 * G + j) * D, acc + j * D, D);
+        }
+        free(buf);
+    }
+    return failed;
+}
+
+/* Paged prefill (extend) attention of one sequence's chunk: the n queries at positions
+ * [ctx - n, ctx) attend causally over the sequence's first ctx keys, read in place from its
+ * pages. Row r (position ctx - n + r) gets exactly the decode kernel's arithmetic for a context
+ * of ctx - n + r + 1 keys: each score is the same 8-lane dot product and `hsum8`, the same out-of-line `softmax_row`, and each output
+ * element the same chain of fused multiply-adds in key order. So a token's result depends
+ * neither on how its prompt was chunked nor on what else ran in the step, and equals what a
+ * decode of that token would compute.
+ *
+ * Work is tiled for reuse: a task is one KV head and PREFILL_TILE query rows; keys and values
+ * are converted to float32 a block of PREFILL_KB rows at a time and shared by every query row of
+ * the tile; a query row's lanes and an output row's accumulators stay in registers across the
+ * block.
+ *   q:     [n, H, D] with strides (q_stride_t, q_stride_h, 1)
+ *   pages: int64 [>= ceil(ctx / P)] page ids of the sequence
+ *   out:   [n, H, D] contiguous */
+#define PREFILL_TILE 16
+#define PREFILL_KB 32
+
+/* Scores of one query row against keys kb[0..nk) of a block ([nk, D] float32), through
+ * `scores4` as the decode kernel does. */
+static inline void scores_block(const float *q, const float *kb, int64_t nk, int64_t D,
+                                float *s) {
+    for (int64_t j = 0; j < nk; j += 4) {
+        const int64_t last = nk - 1;
+        float r[4];
+        scores4(q, kb + j * D, kb + (j + 1 < last ? j + 1 : last) * D,
+                kb + (j + 2 < last ? j + 2 : last) * D, kb + (j + 3 < last ? j + 3 : last) * D,
+                D, r);
+        for (int64_t u = 0; u < 4 && j + u < nk; ++u) s[j + u] = r[u];
+    }
+}
+
+/* acc[0..D) += sum over j < nk of p[j] * vb[j] ([nk, D]), one fused multiply-add per element
+ * and key in key order (the decode kernel's `axpy` chain), accumulators in registers. */
+static inline void pv_block(const float *p, const float *vb, int64_t nk, int64_t D, float *acc) {
+    const int64_t D8 = D / 8;
+    v8f a[MAX_D8];
+    for (int64_t i = 0; i < D8; ++i) a[i] = load8(acc + 8 * i);
+    for (int64_t j = 0; j < nk; ++j) {
+        const v8f pj = (v8f){0} + p[j];
+        for (int64_t i = 0; i < D8; ++i) a[i] += pj * load8(vb + j * D + 8 * i);
+    }
+    for (int64_t i = 0; i < D8; ++i) memcpy(acc + 8 * i, &a[i], sizeof(v8f));
+}
+
+int rs_paged_prefill_attention(int dtype, const void *q, int64_t q_stride_t, int64_t q_stride_h,
+                               const void *k_cache, const void *v_cache, const int64_t *pages,
+                               int64_t num_page_ids, int64_t num_pages, int64_t ctx, int64_t n,
+                               void *out, int64_t H, int64_t Hkv, int64_t D, int64_t P,
+                               float scale, int num_threads) {
+    if (n <= 0) return 0;
+    if (Hkv <= 0 || H % Hkv != 0 || D <= 0 || P <= 0) return 1;
+    if (n > ctx || ctx > num_page_ids * P) return 2;
+    for (int64_t j = 0; j < (ctx + P - 1) / P; ++j)
+        if (pages[j] < 0 || pages[j] >= num_pages) return 4;
+    const int64_t G = H / Hkv;
+    const int64_t row = Hkv * D;
+    const int64_t tiles = (n + PREFILL_TILE - 1) / PREFILL_TILE;
+    /* the decode kernel's condition for `scores4`; otherwise both score with `dot` */
+    const int fast = D % 8 == 0 && D / 8 <= MAX_D8;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int64_t HG = PREFILL_TILE * G;
+        /* scores [HG, ctx], queries [HG, D], accumulators [HG, D], K/V block [KB, D] */
+        float *buf = (float *)malloc(sizeof(float) *
+                                     (size_t)(HG * ctx + 2 * HG * D + PREFILL_KB * D + D));
+        if (buf == NULL) {
+#pragma omp atomic write
+            failed = 3;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < Hkv * tiles; ++task) {
+            if (buf == NULL) continue;
+            /* the longest tiles (last rows) first: better balance at the end */
+            const int64_t tile = tiles - 1 - task / Hkv, kh = task % Hkv;
+            const int64_t r0 = tile * PREFILL_TILE;
+            const int64_t nr = n - r0 < PREFILL_TILE ? n - r0 : PREFILL_TILE;
+            const int64_t L0 = ctx - n + r0 + 1; /* keys of the tile's first row */
+            const int64_t Lmax = L0 + nr - 1;
+            float *scores = buf, *qs = buf + HG * ctx, *acc = qs + HG * D;
+            float *blk = acc + HG * D, *tmp = blk + PREFILL_KB * D;
+            for (int64_t r = 0; r < nr; ++r)
+                for (int64_t g = 0; g < G; ++g) {
+                    const float *qr = row_f32(dtype, q, (r0 + r) * q_stride_t +
+                                              (kh * G + g) * q_stride_h, D, tmp);
+                    for (int64_t i = 0; i < D; ++i) qs[(r * G + g) * D + i] = qr[i] * scale;
+                }
+            /* scores, a block of keys at a time */
+            for (int64_t t0 = 0; t0 < Lmax; t0 += PREFILL_KB) {
+                const int64_t nk = Lmax - t0 < PREFILL_KB ? Lmax - t0 : PREFILL_KB;
+                for (int64_t j = 0; j < nk; ++j) {
+                    const int64_t t = t0 + j, slot = pages[t / P] * P + t % P;
+                    const float *kr = row_f32(dtype, k_cache, slot * row + kh * D, D, tmp);
+                    if (kr != blk + j * D) memcpy(blk + j * D, kr, sizeof(float) * (size_t)D);
+                }
+                for (int64_t r = 0; r < nr; ++r) {
+                    const int64_t L = L0 + r;
+                    if (t0 >= L) continue;
+                    const int64_t m = L - t0 < nk ? L - t0 : nk;
+                    for (int64_t g = 0; g < G; ++g) {
+                        float *sr = scores + (r * G + g) * ctx + t0;
+                        if (fast) {
+                            scores_block(qs + (r * G + g) * D, blk, m, D, sr);
+                        } else {
+                            for (int64_t j = 0; j < m; ++j)
+                                sr[j] = dot(qs + (r * G + g) * D, blk + j * D, D);
+                        }
+                    }
                 }
             }
-            for (int64_t j = 0; j < HG; ++j) {
-                const int64_t o = (b * H + kh0 * G + j) * D;
-                if (dtype == 0) {
-                    memcpy((float *)out + o, acc + j * D, sizeof(float) * (size_t)D);
-                } else {
-                    uint16_t *dst = (uint16_t *)out + o;
-                    for (int64_t i = 0; i < D; ++i) dst[i] = f32_to_bf16(acc[j * D + i]);
+            for (int64_t r = 0; r < nr; ++r)
+                for (int64_t g = 0; g < G; ++g) softmax_row(scores + (r * G + g) * ctx, L0 + r);
+            memset(acc, 0, sizeof(float) * (size_t)(nr * G * D));
+            for (int64_t t0 = 0; t0 < Lmax; t0 += PREFILL_KB) {
+                const int64_t nk = Lmax - t0 < PREFILL_KB ? Lmax - t0 : PREFILL_KB;
+                for (int64_t j = 0; j < nk; ++j) {
+                    const int64_t t = t0 + j, slot = pages[t / P] * P + t % P;
+                    const float *vr = row_f32(dtype, v_cache, slot * row + kh * D, D, tmp);
+                    if (vr != blk + j * D) memcpy(blk + j * D, vr, sizeof(float) * (size_t)D);
+                }
+                for (int64_t r = 0; r < nr; ++r) {
+                    const int64_t L = L0 + r;
+                    if (t0 >= L) continue;
+                    const int64_t m = L - t0 < nk ? L - t0 : nk;
+                    for (int64_t g = 0; g < G; ++g) {
+                        const float *pr = scores + (r * G + g) * ctx + t0;
+                        float *ar = acc + (r * G + g) * D;
+                        if (fast) {
+                            pv_block(pr, blk, m, D, ar);
+                        } else {
+                            for (int64_t j = 0; j < m; ++j) axpy(ar, pr[j], blk + j * D, D);
+                        }
+                    }
                 }
             }
+            for (int64_t r = 0; r < nr; ++r)
+                for (int64_t g = 0; g < G; ++g)
+                    store_row(dtype, out, ((r0 + r) * H + kh * G + g) * D, acc + (r * G + g) * D,
+                              D);
         }
         free(buf);
     }

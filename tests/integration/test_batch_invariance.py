@@ -1,0 +1,77 @@
+"""Greedy batch invariance in the machine's default dtype (bfloat16 where the CPU has native
+bf16, float32 elsewhere; DESIGN §5: the same answer under load).
+
+Each of 24 prompts is generated alone, then all 24 run together with staggered arrivals and a
+small step token budget, so their prefills are chunked at other boundaries than alone, steps mix
+prefill chunks with decodes, and later prompts take prefix hits on the shared chat-template
+prefix. Every request must give the very same tokens both ways."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from radixserve import LLM, SamplingParams
+from radixserve.engine_types import EngineRequest
+
+pytestmark = pytest.mark.slow
+
+NUM_PROMPTS = 24
+
+
+@pytest.fixture(scope="module")
+def auto_llm() -> LLM:
+    """The default model in the default dtype, with a 48-token step budget: a ~40-token chat
+    prompt is prefilled in one chunk alone and split across steps among others."""
+    return LLM(dtype="auto", seed=0, num_pages=512, max_num_batched_tokens=48)
+
+
+def _drop_prefix_cache(llm: LLM) -> None:
+    kv = llm.engine.scheduler.kv
+    if kv.tree is not None:
+        kv.tree.evict(kv.num_usable_pages)
+    assert kv.num_cached_pages == 0
+
+
+def test_greedy_tokens_alone_equal_batched_in_default_dtype(auto_llm: LLM) -> None:
+    llm = auto_llm
+    tok = llm.get_tokenizer()
+    prompts = [tok.apply_chat_template(
+        [{"role": "user", "content": f"Write one sentence about the number {i}."}],
+        tokenize=False, add_generation_prompt=True) for i in range(NUM_PROMPTS)]
+    ids = [tok.encode(p, add_special_tokens=False) for p in prompts]
+    max_toks = [16 + i % 9 for i in range(NUM_PROMPTS)]
+    sps = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_toks]
+
+    alone = []
+    for x, sp in zip(ids, sps, strict=True):
+        # nothing cached between the runs: alone means no prefix hit either
+        _drop_prefix_cache(llm)
+        out = llm.generate({"prompt_token_ids": x}, sp, use_tqdm=False)
+        alone.append(out[0].outputs[0].token_ids)
+    _drop_prefix_cache(llm)
+
+    core = llm.engine
+    got: dict[int, list[int]] = {}
+    pending = list(range(NUM_PROMPTS))
+    step = mixed_steps = 0
+    while pending or core.has_unfinished_requests():
+        # four requests join every other step while earlier ones decode
+        for i in [i for i in pending if i // 4 * 2 <= step]:
+            core.add_request(EngineRequest(
+                request_id=str(i), prompt_token_ids=np.asarray(ids[i], dtype=np.int32),
+                sampling_params=sps[i]))
+            got[i] = []
+            pending.remove(i)
+        out = core.step()
+        step += 1
+        mixed_steps += core.last_num_decodes > 0 and core.last_num_prefill_tokens > 0
+        if out:
+            for o in out.all_outputs():
+                got[int(o.request_id)] += o.new_token_ids
+    core.scheduler.check_integrity()
+    assert mixed_steps >= 3, "the schedule never mixed prefill chunks with decodes"
+
+    differ = [i for i in range(NUM_PROMPTS) if got[i] != alone[i]]
+    assert not differ, (f"{len(differ)}/{NUM_PROMPTS} requests changed when batched "
+                        f"(dtype {llm.model_info.dtype}): {differ}")

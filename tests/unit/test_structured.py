@@ -1,0 +1,219 @@
+"""Structured outputs without the model: constraint fields -> ``StructuredOutputsParams``, the
+xgrammar compiler (real, over the default tokenizer) and its cache, the engine's matchers and
+bitmasks, and the sampler applying a bitmask (with ``min_tokens`` and ``logit_bias``)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from radixserve.entrypoints.openai.constraints import (
+    required_tools_schema,
+    structured_outputs_for,
+)
+from radixserve.entrypoints.openai.errors import OpenAIError
+from radixserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from radixserve.model_executor.forward_batch import SamplingBatch
+from radixserve.model_executor.sampler import sample
+from radixserve.sampling_params import SamplingParams, StructuredOutputsParams
+from radixserve.structured.compiler import GrammarCompiler, GrammarError
+from radixserve.structured.runtime import REJECTED, RUNNING, TERMINATED, GrammarRuntime
+
+MSGS = [{"role": "user", "content": "hi"}]
+SCHEMA = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}},
+          "required": ["b", "a"]}
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}},
+         {"type": "function", "function": {"name": "g"}}]
+
+
+def chat(**kw) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": MSGS, **kw})
+
+
+# -- request fields -> constraint -------------------------------------------------------------
+
+
+def test_params_need_exactly_one_constraint_and_keep_schema_order():
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams(regex="a", choice=["a"])
+    with pytest.raises(ValueError, match="choice"):
+        StructuredOutputsParams(choice=[])
+    sp = StructuredOutputsParams(json=SCHEMA)
+    assert list(json.loads(sp.json)["properties"]) == ["b", "a"]  # generation order kept
+    assert sp.kind == "json" and StructuredOutputsParams(json_object=True).kind == "json_object"
+    assert sp.cache_key() == StructuredOutputsParams(json=json.dumps(SCHEMA)).cache_key()
+
+
+@pytest.mark.parametrize("body,field,kind", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA,
+                                                                 "strict": True}}},
+     "response_format", "json"),
+    ({"response_format": {"type": "json_object"}}, "response_format", "json_object"),
+    ({"structured_outputs": {"regex": "[0-9]+"}}, "structured_outputs", "regex"),
+    ({"structured_outputs": {"choice": ["a", "b"]}}, "structured_outputs", "choice"),
+    ({"structured_outputs": {"grammar": 'root ::= "x"'}}, "structured_outputs", "grammar"),
+    ({"structured_outputs": {"json": SCHEMA}}, "structured_outputs", "json"),
+    ({"guided_json": SCHEMA}, "guided_json", "json"),
+    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice", "json"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     "tool_choice", "json"),
+])
+def test_constraint_fields(body, field, kind):
+    spec, where = structured_outputs_for(chat(**body))
+    assert spec is not None and where == field and spec.kind == kind
+    if "tools" not in body:  # completions take the same constraint fields
+        spec2, _ = structured_outputs_for(CompletionRequest.model_validate({"prompt": "x",
+                                                                            **body}))
+        assert spec2 == spec
+
+
+def test_no_constraint_for_text_auto_and_none():
+    for body in ({}, {"response_format": {"type": "text"}}, {"tools": TOOLS},
+                 {"tools": TOOLS, "tool_choice": "none"}):
+        assert structured_outputs_for(chat(**body)) == (None, None)
+
+
+def test_two_constraints_and_malformed_ones_are_400s():
+    with pytest.raises(OpenAIError) as e:
+        structured_outputs_for(chat(response_format={"type": "json_object"},
+                                    structured_outputs={"regex": "a"}))
+    assert e.value.param == "structured_outputs"
+    with pytest.raises(OpenAIError) as e:
+        structured_outputs_for(chat(structured_outputs={"regex": "a", "choice": ["b"]}))
+    assert e.value.param == "structured_outputs" and "exactly one" in e.value.message
+    with pytest.raises(Exception, match="schema"):
+        chat(response_format={"type": "json_schema", "json_schema": {"name": "n"}})
+
+
+def test_required_tools_schema_shape():
+    req = chat(tools=TOOLS)
+    schema = required_tools_schema(req.tools, parallel=True)
+    assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema
+    names = [it["properties"]["name"]["enum"] for it in schema["items"]["anyOf"]]
+    assert names == [["f"], ["g"]]
+    assert schema["items"]["anyOf"][1]["properties"]["parameters"] == {"type": "object",
+                                                                       "properties": {}}
+    assert required_tools_schema(req.tools, parallel=False)["maxItems"] == 1
+
+
+# -- compiling (real xgrammar, the default tokenizer) -----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def compiler(tok) -> GrammarCompiler:
+    return GrammarCompiler(tok, len(tok), [tok.convert_tokens_to_ids("<|im_end|>")])
+
+
+@pytest.mark.parametrize("spec,words", [
+    (StructuredOutputsParams(json={"type": "objec"}), "JSON schema"),
+    (StructuredOutputsParams(json="{not json"), "not valid JSON"),
+    (StructuredOutputsParams(regex="a(b"), "regex"),
+    (StructuredOutputsParams(grammar='root ::= "a" |'), "EBNF grammar"),
+    (StructuredOutputsParams(grammar='start ::= "a"'), "EBNF grammar"),
+])
+def test_invalid_constraints_name_the_problem(compiler, spec, words):
+    with pytest.raises(GrammarError) as e:
+        compiler.compile(spec)
+    assert words in str(e.value) and ".cc:" not in str(e.value)
+
+
+def test_compiled_grammars_are_cached(compiler):
+    spec = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    hits = compiler.hits
+    first = compiler.compile(spec)
+    again = compiler.compile(StructuredOutputsParams(json=json.dumps(SCHEMA),
+                                                     disable_any_whitespace=True))
+    assert again is first and compiler.hits == hits + 1
+    other = compiler.compile(StructuredOutputsParams(json=SCHEMA))  # whitespace differs
+    assert other is not first
+
+
+def _tokens(tok, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False)
+
+
+def test_runtime_masks_accepts_and_terminates(compiler, tok):
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    rt = GrammarRuntime(lambda: compiler, len(tok), max_rows=4)
+    g = rt.new_grammar(StructuredOutputsParams(choice=["yes", "no"]))
+    filled = rt.fill([None, g])
+    assert filled is not None
+    bitmask, rows = filled
+    assert rows == [1] and bitmask.shape[0] == 2
+    allowed = _allowed(bitmask[1], len(tok))
+    yes = _tokens(tok, "yes")
+    assert yes[0] in allowed and _tokens(tok, "maybe")[0] not in allowed
+    for t in yes:
+        assert rt.accept([g], np.array([t])).tolist() == [RUNNING]
+    assert _allowed(rt.fill([g])[0][0], len(tok)) == {eos}  # complete: only EOS may follow
+    assert rt.accept([g], np.array([eos])).tolist() == [TERMINATED]
+    assert rt.fill([g]) is None  # a finished matcher is left out
+    bad = rt.new_grammar(StructuredOutputsParams(choice=["yes", "no"]))
+    assert rt.accept([bad], np.array(_tokens(tok, "maybe")[:1])).tolist() == [REJECTED]
+
+
+def _allowed(row: torch.Tensor, vocab: int) -> set[int]:
+    bits = ((row[:, None].to(torch.int64) >> torch.arange(32)) & 1).flatten()[:vocab]
+    return set(torch.nonzero(bits).flatten().tolist())
+
+
+# -- the sampler applies the mask ----------------------------------------------------------------
+
+
+def _mask(vocab: int, allowed: list[int]) -> torch.Tensor:
+    words = -(-vocab // 32)
+    m = torch.zeros((1, words), dtype=torch.int32)
+    for t in allowed:
+        m[0, t // 32] |= torch.tensor(1 << (t % 32)).to(torch.int32)
+    return m
+
+
+def test_sampler_picks_only_allowed_tokens_greedy_and_random():
+    vocab = 100
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(0))
+    mask = torch.cat([_mask(vocab, [5, 77]), _mask(vocab, [5, 77])])
+    sp = SamplingBatch(token_bitmask=mask, bitmask_rows=[0, 1], greedy=np.array([True, False]),
+                       temperature=np.array([0.0, 1.5], np.float32),
+                       top_k=np.array([-1, -1]), top_p=np.ones(2, np.float32),
+                       min_p=np.zeros(2, np.float32), logprobs=np.array([1, -1]))
+    for seed in range(20):
+        res = sample(logits.clone(), sp, torch.Generator().manual_seed(seed))
+        assert set(res.token_ids.tolist()) <= {5, 77}
+    want = torch.log_softmax(logits, -1)[0, res.token_ids[0]]
+    assert res.logprobs[0][0][1] == pytest.approx(float(want))  # logprobs stay raw
+
+
+def test_grammar_wins_over_min_tokens_when_only_eos_is_allowed():
+    vocab, eos = 50, 2
+    logits = torch.zeros(1, vocab)
+    sp = SamplingBatch(token_bitmask=_mask(vocab, [eos]), bitmask_rows=[0],
+                       blocked_tokens={0: [eos]})
+    assert sample(logits, sp, None).token_ids.tolist() == [eos]
+    sp = SamplingBatch(token_bitmask=_mask(vocab, [eos, 9]), bitmask_rows=[0],
+                       blocked_tokens={0: [eos]})
+    assert sample(logits, sp, None).token_ids.tolist() == [9]  # min_tokens still holds
+
+
+def test_logit_bias_changes_greedy_choice():
+    logits = torch.zeros(1, 10)
+    logits[0, 3] = 5.0
+    sp = SamplingBatch(logit_bias={0: (np.array([7]), np.array([100.0], np.float32))})
+    assert sample(logits, sp, None).token_ids.tolist() == [7]
+    sp = SamplingBatch(logit_bias={0: (np.array([3]), np.array([-100.0], np.float32))})
+    assert sample(logits, sp, None).token_ids.tolist() != [3]
+
+
+@pytest.mark.parametrize("bias,ok", [({5: 100.0}, True), ({5: -100.0}, True), ({5: 101.0}, False),
+                                     ({-1: 1.0}, False), ({5: float("nan")}, False)])
+def test_logit_bias_bounds(bias, ok):
+    if ok:
+        assert SamplingParams(logit_bias=bias).logit_bias == bias
+    else:
+        with pytest.raises(ValueError, match="logit_bias"):
+            SamplingParams(logit_bias=bias)
