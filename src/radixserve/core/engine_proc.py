@@ -14,7 +14,8 @@ so no fork ever happens after torch has started threads. The process
    busy), add requests and aborts, answer ``FlushCache`` at once, run one ``step()``, send
    one ``WireStepOutputs`` per step with the scheduler's stats attached;
 3. exits 0 on ``Shutdown``, SIGTERM or SIGINT, or when its parent is gone (checked every
-   ``PARENT_CHECK_S``), so no orphan survives a killed frontend; on any other exception it sends
+   ``PARENT_CHECK_S``, and noticed by a send that finds no frontend for ``SEND_TIMEOUT_MS``),
+   so no orphan survives a killed frontend; on any other exception it sends
    ``EngineError`` and exits 1.
 
 The wire format stops at the socket: received ``WireRequest``s become
@@ -27,6 +28,7 @@ The wire format stops at the socket: received ``WireRequest``s become
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import logging
@@ -51,7 +53,7 @@ from radixserve.transport.messages import (
     request_from_wire,
     step_to_wire,
 )
-from radixserve.transport.zmq_io import CoreSockets, cleanup_ipc
+from radixserve.transport.zmq_io import CoreSockets, PeerGone, cleanup_ipc
 
 log = logging.getLogger("radixserve.engine")
 
@@ -64,6 +66,9 @@ IDLE_POLL_MS = 200
 KV_POLL_MS = 10
 #: Seconds the core waits for the frontend's Hello after the model has loaded.
 HANDSHAKE_TIMEOUT_S = 60.0
+#: Milliseconds a send may find no frontend on the output socket before the core stops (a
+#: killed frontend while requests run: the send would otherwise block forever).
+SEND_TIMEOUT_MS = 2000
 #: Environment variable: "1" runs ``Scheduler.check_integrity`` after every engine step.
 CHECK_INTEGRITY_ENV = "RADIXSERVE_CHECK_INTEGRITY"
 
@@ -116,6 +121,12 @@ class EngineLoop:
 
     def run(self) -> str:
         """Loop until Shutdown, a signal or the parent's death; returns the reason."""
+        try:
+            return self._run()
+        except PeerGone:
+            return "the frontend is gone (no peer on the output socket)"
+
+    def _run(self) -> str:
         engine = self.engine
         # KV transfers (held leases) need steps even when no request runs: then the loop waits
         # for input only briefly
@@ -185,7 +196,7 @@ def run_engine_process(input_addr: str, output_addr: str, config: EngineConfig,
                        parent_pid: int | None = None, null_model: bool = False,
                        null_step_s: float = 0.0) -> int:
     """Bind, load, handshake, loop. Returns the process exit status (0 clean, 1 error)."""
-    sockets = CoreSockets(input_addr, output_addr, bind=True)
+    sockets = CoreSockets(input_addr, output_addr, bind=True, send_timeout_ms=SEND_TIMEOUT_MS)
     loop: EngineLoop | None = None
     pending_signal: list[str] = []
 
@@ -213,7 +224,8 @@ def run_engine_process(input_addr: str, output_addr: str, config: EngineConfig,
             return 0
         except Exception as e:  # noqa: BLE001 - any load failure is reported to the frontend
             log.error("engine core failed to start: %s", e)
-            sockets.send(EngineError(f"{type(e).__name__}: {e}"))
+            with contextlib.suppress(PeerGone):  # nobody left to tell
+                sockets.send(EngineError(f"{type(e).__name__}: {e}"))
             return 1
         loop = EngineLoop(engine, sockets, parent_pid)
         if pending_signal:
@@ -223,7 +235,8 @@ def run_engine_process(input_addr: str, output_addr: str, config: EngineConfig,
             reason = loop.run()
         except Exception as e:  # noqa: BLE001 - report, then exit non-zero
             log.error("engine core failed: %s", traceback.format_exc())
-            sockets.send(EngineError(f"{type(e).__name__}: {e}"))
+            with contextlib.suppress(PeerGone):  # nobody left to tell
+                sockets.send(EngineError(f"{type(e).__name__}: {e}"))
             return 1
         log.info("engine core exiting: %s", reason)
         shutdown = getattr(engine, "shutdown", None)

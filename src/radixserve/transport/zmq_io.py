@@ -129,6 +129,11 @@ def _open(sock: zmq.Socket, addr: str, bind: bool) -> None:
 # -- engine-core side (blocking) -----------------------------------------------------------------
 
 
+class PeerGone(RuntimeError):
+    """A send found no peer on the output socket for ``send_timeout_ms``: the frontend is gone
+    (a PUSH socket without a peer blocks instead of queueing, whatever its high-water mark)."""
+
+
 class CoreSockets:
     """The engine core's end: PULL ``ClientMessage`` from input, PUSH ``CoreMessage`` to output.
 
@@ -136,11 +141,13 @@ class CoreSockets:
         input_addr / output_addr: from ``make_ipc_paths``.
         bind: bind both sockets (default) rather than connect.
         linger_ms: how long ``close`` waits to flush queued output.
+        send_timeout_ms: how long ``send`` may wait for a peer before raising ``PeerGone``
+            (None: forever).
     """
 
     def __init__(
         self, input_addr: str, output_addr: str, bind: bool = True,
-        linger_ms: int = DEFAULT_LINGER_MS,
+        linger_ms: int = DEFAULT_LINGER_MS, send_timeout_ms: int | None = None,
     ) -> None:
         self.input_addr, self.output_addr = input_addr, output_addr
         self._ctx = zmq.Context()
@@ -149,6 +156,8 @@ class CoreSockets:
         for sock, addr in ((self._in, input_addr), (self._out, output_addr)):
             _configure(sock, linger_ms)
             _open(sock, addr, bind)
+        if send_timeout_ms is not None:
+            self._out.setsockopt(zmq.SNDTIMEO, send_timeout_ms)
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(ClientMessage)
 
@@ -173,9 +182,17 @@ class CoreSockets:
             msgs.append(self._dec.decode(buf))
 
     def send(self, msg: CoreMessage) -> None:
-        """Queue one message for the frontend; does not block (unbounded high-water mark)."""
+        """Queue one message for the frontend; does not block while it is connected (unbounded
+        high-water mark).
+
+        Raises:
+            PeerGone: no frontend connected for ``send_timeout_ms``.
+        """
         buf = self._enc.encode(msg)
-        self._out.send(buf, copy=len(buf) < 65536)
+        try:
+            self._out.send(buf, copy=len(buf) < 65536)
+        except zmq.Again:
+            raise PeerGone("no frontend on the output socket") from None
 
     def handshake(self, timeout_s: float = 60.0, info: EngineInfo | None = None) -> Hello:
         """Wait for the frontend's Hello, check its schema version, answer with ours (carrying
