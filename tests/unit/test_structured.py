@@ -217,3 +217,42 @@ def test_logit_bias_bounds(bias, ok):
     else:
         with pytest.raises(ValueError, match="logit_bias"):
             SamplingParams(logit_bias=bias)
+
+
+def test_masking_only_forbidden_rows_equals_masking_every_row():
+    """The sampler masks only rows whose unmasked pick the grammar forbids (and filtered random
+    rows); the tokens equal masking every constrained row first, greedy or seeded-random."""
+    vocab, rows = 300, 12
+    gen = torch.Generator().manual_seed(1)
+    greedy = np.array([i % 3 == 0 for i in range(rows)])
+    top_k = np.array([5 if i % 5 == 1 else -1 for i in range(rows)])
+    top_p = np.array([0.8 if i % 5 == 2 else 1.0 for i in range(rows)], np.float32)
+
+    def params(seed: int, bitmask) -> SamplingBatch:
+        return SamplingBatch(
+            greedy=greedy, temperature=np.where(greedy, 0.0, 0.9).astype(np.float32),
+            top_k=top_k, top_p=top_p, min_p=np.zeros(rows, np.float32),
+            generators=[torch.Generator().manual_seed(seed + i) for i in range(rows)],
+            token_bitmask=bitmask,
+            bitmask_rows=None if bitmask is None else list(range(rows)))
+
+    for trial in range(30):
+        logits = torch.randn(rows, vocab, generator=gen) * 3
+        mask = torch.zeros((rows, -(-vocab // 32)), dtype=torch.int32)
+        allowed = {}
+        for i in range(rows):
+            k = [1, 3, 40, vocab][i % 4]  # from one token up to everything
+            ids = torch.randperm(vocab, generator=gen)[:k].tolist()
+            if trial % 2 and i % 3 == 0:
+                ids.append(int(logits[i].argmax()))  # the unmasked winner allowed
+            allowed[i] = set(ids)
+            mask[i:i + 1] = _mask(vocab, ids)
+        got = sample(logits.clone(), params(trial, mask), None).token_ids
+        ref_logits = logits.clone()
+        for i in range(rows):
+            forbid = torch.ones(vocab, dtype=torch.bool)
+            forbid[list(allowed[i])] = False
+            ref_logits[i, forbid] = float("-inf")
+        want = sample(ref_logits, params(trial, None), None).token_ids
+        assert got.tolist() == want.tolist(), trial
+        assert all(int(t) in allowed[i] for i, t in enumerate(got.tolist()))
