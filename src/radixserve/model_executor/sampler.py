@@ -71,7 +71,7 @@ def _add_logit_bias(logits: torch.Tensor, bias: dict[int, tuple[np.ndarray, np.n
         logits[i, torch.from_numpy(ids).to(dev)] += torch.from_numpy(vals).to(dev)
 
 
-def _apply_bitmask(logits: torch.Tensor, sp: SamplingBatch,
+def _apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
                    unblocked: dict[int, torch.Tensor] | None, rows: list[int]) -> None:
     """In place, for ``rows``: -inf for every token the row's grammar forbids (xgrammar's CPU
     or CUDA kernel). ``unblocked`` holds rows as they were before ``min_tokens`` blocking: a row
@@ -80,7 +80,6 @@ def _apply_bitmask(logits: torch.Tensor, sp: SamplingBatch,
     ``min_tokens``."""
     import xgrammar as xgr
 
-    bitmask = sp.token_bitmask
     if bitmask.device != logits.device:
         bitmask = bitmask.to(logits.device, non_blocking=True)
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1], indices=rows)
@@ -143,26 +142,33 @@ def sample(logits: torch.Tensor, sp: SamplingBatch,
         _apply_penalties(logits, sp)
     if sp.logit_bias:
         _add_logit_bias(logits, sp.logit_bias)
-    masked = sp.token_bitmask is not None
+    cons = sp.constraints if sp.constraints is not None and sp.constraints.rows else None
     unblocked = None
     if sp.blocked_tokens:
-        if masked:
-            rows = set(sp.bitmask_rows or ())
+        if cons is not None:
+            rows = set(cons.rows)
             unblocked = {i: logits[i].clone() for i in sp.blocked_tokens if i in rows}
         logits = logits.clone()
         _block_tokens(logits, sp.blocked_tokens)
     tokens, race = _pick(logits, sp, generator)
-    if masked:
-        # The grammar mask is applied only to the rows whose pick it forbids (and to random
-        # rows with a top-k/top-p/min-p filter, which must see masked probabilities): for a
-        # greedy or plain-temperature row whose unmasked winner is allowed, the masked pick
-        # is the same token (the argmax, or the exponential race's winner with the same
-        # draws, is also the winner among the allowed tokens). Exact, and most rows of a
-        # model that follows its schema skip the [V]-wide mask.
-        redo = _forbidden_rows(sp, tokens)
+    if cons is not None:
+        # Constrained rows offer their unmasked pick to their grammar first; only refused
+        # rows (and random rows with a top-k/top-p/min-p filter, which must see masked
+        # probabilities) get a token bitmask, applied, and a new pick. For a greedy or
+        # plain-temperature row whose unmasked winner is allowed, the masked pick is the
+        # same token (the argmax, or the exponential race's winner with the same draws, is
+        # also the winner among the allowed tokens): exact, and a model that follows its
+        # schema costs no [V]-wide mask fill or apply for most rows.
+        forced = _filtered_rows(sp, cons.rows)
+        picks = tokens.cpu().numpy()
+        redo = cons.accept(picks, [r for r in cons.rows if r not in forced]) + forced
         if redo:
-            _apply_bitmask(logits, sp, unblocked, redo)
+            redo.sort()
+            _apply_bitmask(logits, cons.fill(redo), unblocked, redo)
             _repick(logits, sp, tokens, race, redo)
+            bad = cons.accept(tokens.cpu().numpy(), redo)
+            if bad:
+                cons.reject(bad)
     token_ids = tokens.cpu().numpy().astype(np.int64)
     if raw_logprobs is None:
         return SampleResult(token_ids, None)
@@ -211,22 +217,16 @@ def _filtered(logits: torch.Tensor, sp: SamplingBatch, rows: np.ndarray) -> torc
                    torch.from_numpy(sp.min_p[rows]).to(dev))
 
 
-def _forbidden_rows(sp: SamplingBatch, tokens: torch.Tensor) -> list[int]:
-    """Constrained rows that must be masked and picked again: the grammar forbids their
-    token, or they sample with a top-k/top-p/min-p filter."""
-    rows = sp.bitmask_rows
-    assert rows is not None and sp.token_bitmask is not None
-    r = torch.tensor(rows, dtype=torch.int64)
-    t = tokens[r.to(tokens.device)].cpu()
-    words = sp.token_bitmask[r, t // 32]
-    ok = ((words >> (t % 32).to(words.dtype)) & 1).bool()
-    if sp.greedy is not None:
-        assert sp.top_k is not None and sp.top_p is not None and sp.min_p is not None
-        idx = np.asarray(rows)
-        filtered = ~sp.greedy[idx] & ((sp.top_k[idx] > 0) | (sp.top_p[idx] < 1.0)
-                                      | (sp.min_p[idx] > 0))
-        ok &= torch.from_numpy(~filtered)
-    return [row for row, good in zip(rows, ok.tolist(), strict=True) if not good]
+def _filtered_rows(sp: SamplingBatch, rows: list[int]) -> list[int]:
+    """The random ``rows`` with a top-k, top-p or min-p filter (their pick needs the masked
+    probabilities: the filter renormalises over the allowed tokens)."""
+    if sp.greedy is None or not rows:
+        return []
+    assert sp.top_k is not None and sp.top_p is not None and sp.min_p is not None
+    idx = np.asarray(rows)
+    filtered = ~sp.greedy[idx] & ((sp.top_k[idx] > 0) | (sp.top_p[idx] < 1.0)
+                                  | (sp.min_p[idx] > 0))
+    return idx[filtered].tolist()
 
 
 def _repick(logits: torch.Tensor, sp: SamplingBatch, tokens: torch.Tensor,
