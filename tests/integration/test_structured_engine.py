@@ -22,7 +22,7 @@ SCHEMA = {"type": "object", "properties": {
     "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3}},
     "required": ["name", "age", "tags"]}
 CHATS = [[{"role": "user", "content": f"Give me person number {i} as JSON."}]
-         for i in range(8)]
+         for i in range(6)]
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def _texts(outs) -> list[list[str]]:
 def test_constrained_outputs_identical_under_overlap_chunking_preemption(busy_llm,
                                                                           default_llm) -> None:
     assert busy_llm.engine.overlap and not default_llm.engine.overlap
-    sp = SamplingParams(n=2, temperature=1.0, seed=11, max_tokens=120,
+    sp = SamplingParams(n=2, temperature=1.0, seed=11, max_tokens=100,
                         structured_outputs=StructuredOutputsParams(json=SCHEMA))
     before = busy_llm.engine.scheduler.num_preemptions
     busy_llm.engine.check_integrity_each_step = True

@@ -134,33 +134,37 @@ def test_compiled_grammars_are_cached(compiler):
     assert other is not first
 
 
+def _allowed(row: torch.Tensor, vocab: int) -> set[int]:
+    bits = ((row[:, None].to(torch.int64) >> torch.arange(32)) & 1).flatten()[:vocab]
+    return set(torch.nonzero(bits).flatten().tolist())
+
+
 def _tokens(tok, text: str) -> list[int]:
     return tok.encode(text, add_special_tokens=False)
 
 
-def test_runtime_masks_accepts_and_terminates(compiler, tok):
+def test_grammar_step_accepts_masks_and_terminates(compiler, tok):
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     rt = GrammarRuntime(lambda: compiler, len(tok), max_rows=4)
     g = rt.new_grammar(StructuredOutputsParams(choice=["yes", "no"]))
-    filled = rt.fill([None, g])
-    assert filled is not None
-    bitmask, rows = filled
-    assert rows == [1] and bitmask.shape[0] == 2
-    allowed = _allowed(bitmask[1], len(tok))
+    step = rt.step([None, g])
+    assert step.rows == [1]
     yes = _tokens(tok, "yes")
-    assert yes[0] in allowed and _tokens(tok, "maybe")[0] not in allowed
+    maybe = _tokens(tok, "maybe")[0]
+    picks = np.array([maybe, maybe])
+    assert step.accept(picks, [1]) == [1]  # refused, matcher unchanged
+    allowed = _allowed(step.fill([1])[1], len(tok))
+    assert yes[0] in allowed and maybe not in allowed
     for t in yes:
-        assert rt.accept([g], np.array([t])).tolist() == [RUNNING]
-    assert _allowed(rt.fill([g])[0][0], len(tok)) == {eos}  # complete: only EOS may follow
-    assert rt.accept([g], np.array([eos])).tolist() == [TERMINATED]
-    assert rt.fill([g]) is None  # a finished matcher is left out
+        assert rt.step([g]).accept(np.array([t]), [0]) == []
+    done = rt.step([g])
+    assert _allowed(done.fill([0])[0], len(tok)) == {eos}  # complete: only EOS may follow
+    assert done.accept(np.array([eos]), [0]) == [] and done.status.tolist() == [TERMINATED]
+    assert rt.step([g]).rows == []  # a finished matcher is left out
     bad = rt.new_grammar(StructuredOutputsParams(choice=["yes", "no"]))
-    assert rt.accept([bad], np.array(_tokens(tok, "maybe")[:1])).tolist() == [REJECTED]
-
-
-def _allowed(row: torch.Tensor, vocab: int) -> set[int]:
-    bits = ((row[:, None].to(torch.int64) >> torch.arange(32)) & 1).flatten()[:vocab]
-    return set(torch.nonzero(bits).flatten().tolist())
+    s = rt.step([bad])
+    s.reject([0])
+    assert s.status.tolist() == [REJECTED] and bad.done and RUNNING == 0
 
 
 # -- the sampler applies the mask ----------------------------------------------------------------
@@ -174,29 +178,63 @@ def _mask(vocab: int, allowed: list[int]) -> torch.Tensor:
     return m
 
 
+class Allowed:
+    """``StepConstraints`` over fixed allowed-token sets per row (a stand-in for the engine's
+    ``GrammarStep`` on a synthetic vocabulary); records what the sampler asked."""
+
+    def __init__(self, vocab: int, allowed: dict[int, set[int]]) -> None:
+        self.vocab, self.allowed = vocab, allowed
+        self.rows = sorted(allowed)
+        self.accepted: dict[int, int] = {}
+        self.filled: list[int] = []
+        self.rejected: list[int] = []
+
+    def accept(self, tokens, rows):
+        refused = [r for r in rows if int(tokens[r]) not in self.allowed[r]]
+        self.accepted.update({r: int(tokens[r]) for r in rows if r not in refused})
+        return refused
+
+    def fill(self, rows):
+        self.filled += list(rows)
+        n = max(self.rows) + 1
+        return torch.cat([_mask(self.vocab, sorted(self.allowed.get(i, range(self.vocab))))
+                          for i in range(n)])
+
+    def reject(self, rows):
+        self.rejected += list(rows)
+
+
 def test_sampler_picks_only_allowed_tokens_greedy_and_random():
     vocab = 100
     logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(0))
-    mask = torch.cat([_mask(vocab, [5, 77]), _mask(vocab, [5, 77])])
-    sp = SamplingBatch(token_bitmask=mask, bitmask_rows=[0, 1], greedy=np.array([True, False]),
-                       temperature=np.array([0.0, 1.5], np.float32),
-                       top_k=np.array([-1, -1]), top_p=np.ones(2, np.float32),
-                       min_p=np.zeros(2, np.float32), logprobs=np.array([1, -1]))
     for seed in range(20):
+        cons = Allowed(vocab, {0: {5, 77}, 1: {5, 77}})
+        sp = SamplingBatch(constraints=cons, greedy=np.array([True, False]),
+                           temperature=np.array([0.0, 1.5], np.float32),
+                           top_k=np.array([-1, -1]), top_p=np.ones(2, np.float32),
+                           min_p=np.zeros(2, np.float32), logprobs=np.array([1, -1]))
         res = sample(logits.clone(), sp, torch.Generator().manual_seed(seed))
         assert set(res.token_ids.tolist()) <= {5, 77}
+        assert cons.accepted == {0: res.token_ids[0], 1: res.token_ids[1]}
+        assert not cons.rejected
     want = torch.log_softmax(logits, -1)[0, res.token_ids[0]]
     assert res.logprobs[0][0][1] == pytest.approx(float(want))  # logprobs stay raw
+
+
+def test_no_mask_is_filled_when_the_pick_is_allowed():
+    logits = torch.zeros(1, 50)
+    logits[0, 9] = 5.0
+    cons = Allowed(50, {0: {9, 10}})
+    assert sample(logits, SamplingBatch(constraints=cons), None).token_ids.tolist() == [9]
+    assert cons.filled == [] and cons.accepted == {0: 9}
 
 
 def test_grammar_wins_over_min_tokens_when_only_eos_is_allowed():
     vocab, eos = 50, 2
     logits = torch.zeros(1, vocab)
-    sp = SamplingBatch(token_bitmask=_mask(vocab, [eos]), bitmask_rows=[0],
-                       blocked_tokens={0: [eos]})
+    sp = SamplingBatch(constraints=Allowed(vocab, {0: {eos}}), blocked_tokens={0: [eos]})
     assert sample(logits, sp, None).token_ids.tolist() == [eos]
-    sp = SamplingBatch(token_bitmask=_mask(vocab, [eos, 9]), bitmask_rows=[0],
-                       blocked_tokens={0: [eos]})
+    sp = SamplingBatch(constraints=Allowed(vocab, {0: {eos, 9}}), blocked_tokens={0: [eos]})
     assert sample(logits, sp, None).token_ids.tolist() == [9]  # min_tokens still holds
 
 
@@ -217,3 +255,44 @@ def test_logit_bias_bounds(bias, ok):
     else:
         with pytest.raises(ValueError, match="logit_bias"):
             SamplingParams(logit_bias=bias)
+
+
+def test_masking_only_refused_rows_equals_masking_every_row():
+    """The sampler masks only rows whose unmasked pick the grammar refuses (and filtered random
+    rows); the tokens equal masking every constrained row first, greedy or seeded-random."""
+    vocab, rows = 300, 12
+    gen = torch.Generator().manual_seed(1)
+    greedy = np.array([i % 3 == 0 for i in range(rows)])
+    top_k = np.array([5 if i % 5 == 1 else -1 for i in range(rows)])
+    top_p = np.array([0.8 if i % 5 == 2 else 1.0 for i in range(rows)], np.float32)
+
+    def params(seed: int, cons) -> SamplingBatch:
+        return SamplingBatch(
+            greedy=greedy, temperature=np.where(greedy, 0.0, 0.9).astype(np.float32),
+            top_k=top_k, top_p=top_p, min_p=np.zeros(rows, np.float32),
+            generators=[torch.Generator().manual_seed(seed + i) for i in range(rows)],
+            constraints=cons)
+
+    skipped = 0
+    for trial in range(30):
+        logits = torch.randn(rows, vocab, generator=gen) * 3
+        allowed = {}
+        for i in range(rows):
+            k = [1, 3, 40, vocab][i % 4]  # from one token up to everything
+            ids = torch.randperm(vocab, generator=gen)[:k].tolist()
+            if trial % 2 and i % 3 == 0:
+                ids.append(int(logits[i].argmax()))  # the unmasked winner allowed
+            allowed[i] = set(ids)
+        cons = Allowed(vocab, allowed)
+        got = sample(logits.clone(), params(trial, cons), None).token_ids
+        skipped += rows - len(set(cons.filled))
+        ref_logits = logits.clone()
+        for i in range(rows):
+            forbid = torch.ones(vocab, dtype=torch.bool)
+            forbid[list(allowed[i])] = False
+            ref_logits[i, forbid] = float("-inf")
+        want = sample(ref_logits, params(trial, None), None).token_ids
+        assert got.tolist() == want.tolist(), trial
+        assert all(int(t) in allowed[i] for i, t in enumerate(got.tolist()))
+        assert cons.accepted == dict(enumerate(got.tolist())) and not cons.rejected
+    assert skipped > 0  # some rows really skipped the mask

@@ -354,16 +354,15 @@ class EngineCore:
                 if toks and toks[-1] < 0:
                     toks[-1] = int(self._last_sampled[rows[i]])
         grammars = fb.sampling.grammars
+        step = None
         if grammars is not None:
             # here, not at scheduling: the masks depend on the previous step's tokens, which
-            # this thread accepted into the matchers when that step finished (overlap-safe)
-            filled = self.grammars.fill(grammars)
-            if filled is not None:
-                fb.sampling.token_bitmask, fb.sampling.bitmask_rows = filled
+            # this thread's sampler accepted into the matchers (overlap-safe)
+            step = fb.sampling.constraints = self.grammars.step(grammars)
         result = self.runner.execute(fb)
         self._last_sampled[fb.rows[fb.sample]] = result.token_ids
-        if grammars is not None:
-            result.grammar_status = self.grammars.accept(grammars, result.token_ids)
+        if step is not None:
+            result.grammar_status = step.status
         return result
 
     def _make_grammar_compiler(self) -> GrammarCompiler:

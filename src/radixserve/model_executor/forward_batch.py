@@ -8,10 +8,36 @@ Defined here, below the engine core, so the runner and the sampler never see a s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
+
+
+class StepConstraints(Protocol):
+    """A step's output constraints as the sampler drives them (implemented engine-side by
+    ``structured.runtime.GrammarStep``).
+
+    Attributes:
+        rows: sampling rows that are constrained this step.
+    """
+
+    rows: list[int]
+
+    def accept(self, tokens: np.ndarray, rows: Sequence[int]) -> list[int]:
+        """Advance the constraints of ``rows`` by ``tokens[row]`` (int64 [S]); returns the rows
+        whose token is refused (left unchanged)."""
+        ...
+
+    def fill(self, rows: Sequence[int]) -> Any:
+        """int32 [S, ceil(V / 32)] CPU token bitmask with ``rows`` filled (bit j of row i set
+        when token j is allowed)."""
+        ...
+
+    def reject(self, rows: Sequence[int]) -> None:
+        """``rows`` got a token their constraint refuses even after masking."""
+        ...
 
 
 @dataclass
@@ -41,11 +67,10 @@ class SamplingBatch:
         logit_bias: row -> (int64 token ids, float32 values) added to those logits; None
             when no row has a ``logit_bias``.
         grammars: per row its output constraint's matcher state or None; None when no row is
-            constrained. The sampler never reads it: the engine fills ``token_bitmask`` from it
-            just before the forward.
-        token_bitmask: int32 [S, ceil(V / 32)] CPU tensor, bit j of row i set when token j is
-            allowed (xgrammar's layout); only the rows in ``bitmask_rows`` are meaningful.
-        bitmask_rows: the rows ``token_bitmask`` applies to.
+            constrained. The sampler never reads it: the engine turns it into ``constraints``
+            right before the forward (they depend on the previous step's tokens).
+        constraints: the step's output constraints, which the sampler offers its picks to
+            and masks refused rows with; None when no row is constrained.
     """
 
     temperature: np.ndarray | None = None
@@ -63,8 +88,7 @@ class SamplingBatch:
     blocked_tokens: dict[int, list[int]] | None = None
     logit_bias: dict[int, tuple[np.ndarray, np.ndarray]] | None = None
     grammars: list[Any] | None = None
-    token_bitmask: Any = None
-    bitmask_rows: list[int] | None = None
+    constraints: StepConstraints | None = None
 
 
 #: The sampling parameters of a step whose rows are all greedy and plain.
@@ -151,7 +175,7 @@ class SampleResult:
             first, then the top N) or None for rows that did not ask; None when no row asked.
         grammar_status: int8 [S] per row what its output constraint made of the token
             (``structured.runtime``: 0 running, 1 terminated, 2 rejected); None when no row is
-            constrained. Set by the engine after sampling.
+            constrained. Set by the engine after the step.
         prompt_logprobs: K rows for ``ForwardBatch.prompt_logprobs``, in its order, each
             ``[[target, logprob, rank], [top1, logprob], ...]`` (rank 1-based among the whole
             vocabulary, vLLM's); None when the step asked for none.

@@ -71,23 +71,22 @@ def _add_logit_bias(logits: torch.Tensor, bias: dict[int, tuple[np.ndarray, np.n
         logits[i, torch.from_numpy(ids).to(dev)] += torch.from_numpy(vals).to(dev)
 
 
-def _apply_bitmask(logits: torch.Tensor, sp: SamplingBatch,
-                   unblocked: dict[int, torch.Tensor] | None) -> None:
-    """In place: -inf for every token a constrained row's grammar forbids (xgrammar's CPU or
-    CUDA kernel). ``unblocked`` holds rows as they were before ``min_tokens`` blocking: a row
+def _apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
+                   unblocked: dict[int, torch.Tensor] | None, rows: list[int]) -> None:
+    """In place, for ``rows``: -inf for every token the row's grammar forbids (xgrammar's CPU
+    or CUDA kernel). ``unblocked`` holds rows as they were before ``min_tokens`` blocking: a row
     whose grammar allows only tokens that blocking removed (its grammar is complete and only
     EOS may follow) takes the grammar-only mask instead, so the grammar wins over
     ``min_tokens``."""
     import xgrammar as xgr
 
-    bitmask = sp.token_bitmask
     if bitmask.device != logits.device:
         bitmask = bitmask.to(logits.device, non_blocking=True)
-    rows = sp.bitmask_rows
-    assert rows is not None
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1], indices=rows)
     if unblocked:
         for i, before in unblocked.items():
+            if i not in rows:
+                continue
             if bool(torch.isneginf(logits[i]).all()):
                 logits[i] = before
                 xgr.apply_token_bitmask_inplace(logits[i:i + 1], bitmask[i:i + 1],
@@ -143,46 +142,108 @@ def sample(logits: torch.Tensor, sp: SamplingBatch,
         _apply_penalties(logits, sp)
     if sp.logit_bias:
         _add_logit_bias(logits, sp.logit_bias)
-    masked = sp.token_bitmask is not None
+    cons = sp.constraints if sp.constraints is not None and sp.constraints.rows else None
     unblocked = None
     if sp.blocked_tokens:
-        if masked:
-            rows = set(sp.bitmask_rows or ())
+        if cons is not None:
+            rows = set(cons.rows)
             unblocked = {i: logits[i].clone() for i in sp.blocked_tokens if i in rows}
         logits = logits.clone()
         _block_tokens(logits, sp.blocked_tokens)
-    if masked:
-        _apply_bitmask(logits, sp, unblocked)
-    tokens = logits.argmax(dim=-1)
-    if sp.greedy is not None:
-        rand = np.flatnonzero(~sp.greedy)
-        dev = logits.device
-        ridx = torch.from_numpy(rand).to(dev)
-        assert sp.temperature is not None and sp.top_k is not None
-        assert sp.top_p is not None and sp.min_p is not None
-        temp = torch.from_numpy(sp.temperature[rand]).to(dev)
-        probs = _filter(logits[ridx] / temp[:, None], torch.from_numpy(sp.top_k[rand]).to(dev),
-                        torch.from_numpy(sp.top_p[rand]).to(dev),
-                        torch.from_numpy(sp.min_p[rand]).to(dev))
-        q = torch.empty_like(probs)
-        gens = sp.generators
-        unseeded = []
-        for j, i in enumerate(rand.tolist()):
-            g = None if gens is None else gens[i]
-            if g is not None:
-                q[j].exponential_(generator=g)
-            else:
-                unseeded.append(j)
-        if unseeded:
-            u = torch.tensor(unseeded, dtype=torch.int64, device=dev)
-            q[u] = torch.empty(len(unseeded), probs.shape[1], device=dev
-                               ).exponential_(generator=generator)
-        tokens[ridx] = (probs / q).argmax(dim=-1)
+    tokens, race = _pick(logits, sp, generator)
+    if cons is not None:
+        # Constrained rows offer their unmasked pick to their grammar first; only refused
+        # rows (and random rows with a top-k/top-p/min-p filter, which must see masked
+        # probabilities) get a token bitmask, applied, and a new pick. For a greedy or
+        # plain-temperature row whose unmasked winner is allowed, the masked pick is the
+        # same token (the argmax, or the exponential race's winner with the same draws, is
+        # also the winner among the allowed tokens): exact, and a model that follows its
+        # schema costs no [V]-wide mask fill or apply for most rows.
+        forced = _filtered_rows(sp, cons.rows)
+        picks = tokens.cpu().numpy()
+        redo = cons.accept(picks, [r for r in cons.rows if r not in forced]) + forced
+        if redo:
+            redo.sort()
+            _apply_bitmask(logits, cons.fill(redo), unblocked, redo)
+            _repick(logits, sp, tokens, race, redo)
+            bad = cons.accept(tokens.cpu().numpy(), redo)
+            if bad:
+                cons.reject(bad)
     token_ids = tokens.cpu().numpy().astype(np.int64)
     if raw_logprobs is None:
         return SampleResult(token_ids, None)
     assert sp.logprobs is not None
     return SampleResult(token_ids, logprob_rows(raw_logprobs, tokens, token_ids, sp.logprobs))
+
+
+def _pick(logits: torch.Tensor, sp: SamplingBatch, generator: torch.Generator | None
+          ) -> tuple[torch.Tensor, tuple[np.ndarray, torch.Tensor] | None]:
+    """int64 [S] tokens: the argmax for greedy rows, the exponential race over the filtered
+    probabilities for random rows. Also returns the random rows and their draws ``q`` [R, V]
+    (None without random rows), so a row can be re-picked with the same draws."""
+    tokens = logits.argmax(dim=-1)
+    if sp.greedy is None:
+        return tokens, None
+    rand = np.flatnonzero(~sp.greedy)
+    dev = logits.device
+    ridx = torch.from_numpy(rand).to(dev)
+    probs = _filtered(logits, sp, rand)
+    q = torch.empty_like(probs)
+    gens = sp.generators
+    unseeded = []
+    for j, i in enumerate(rand.tolist()):
+        g = None if gens is None else gens[i]
+        if g is not None:
+            q[j].exponential_(generator=g)
+        else:
+            unseeded.append(j)
+    if unseeded:
+        u = torch.tensor(unseeded, dtype=torch.int64, device=dev)
+        q[u] = torch.empty(len(unseeded), probs.shape[1], device=dev
+                           ).exponential_(generator=generator)
+    tokens[ridx] = (probs / q).argmax(dim=-1)
+    return tokens, (rand, q)
+
+
+def _filtered(logits: torch.Tensor, sp: SamplingBatch, rows: np.ndarray) -> torch.Tensor:
+    """Probabilities [len(rows), V] of random ``rows`` after temperature and the filters."""
+    assert sp.temperature is not None and sp.top_k is not None
+    assert sp.top_p is not None and sp.min_p is not None
+    dev = logits.device
+    idx = torch.from_numpy(rows).to(dev)
+    temp = torch.from_numpy(sp.temperature[rows]).to(dev)
+    return _filter(logits[idx] / temp[:, None], torch.from_numpy(sp.top_k[rows]).to(dev),
+                   torch.from_numpy(sp.top_p[rows]).to(dev),
+                   torch.from_numpy(sp.min_p[rows]).to(dev))
+
+
+def _filtered_rows(sp: SamplingBatch, rows: list[int]) -> list[int]:
+    """The random ``rows`` with a top-k, top-p or min-p filter (their pick needs the masked
+    probabilities: the filter renormalises over the allowed tokens)."""
+    if sp.greedy is None or not rows:
+        return []
+    assert sp.top_k is not None and sp.top_p is not None and sp.min_p is not None
+    idx = np.asarray(rows)
+    filtered = ~sp.greedy[idx] & ((sp.top_k[idx] > 0) | (sp.top_p[idx] < 1.0)
+                                  | (sp.min_p[idx] > 0))
+    return idx[filtered].tolist()
+
+
+def _repick(logits: torch.Tensor, sp: SamplingBatch, tokens: torch.Tensor,
+            race: tuple[np.ndarray, torch.Tensor] | None, rows: list[int]) -> None:
+    """Pick ``rows`` again from their masked logits, random rows with their original draws."""
+    rand_pos = {} if race is None else {int(i): j for j, i in enumerate(race[0].tolist())}
+    greedy = [r for r in rows if r not in rand_pos]
+    dev = logits.device
+    if greedy:
+        g = torch.tensor(greedy, dtype=torch.int64, device=dev)
+        tokens[g] = logits[g].argmax(dim=-1)
+    rand = [r for r in rows if r in rand_pos]
+    if rand:
+        assert race is not None
+        q = race[1][torch.tensor([rand_pos[r] for r in rand], device=dev)]
+        probs = _filtered(logits, sp, np.asarray(rand))
+        tokens[torch.tensor(rand, dtype=torch.int64, device=dev)] = (probs / q).argmax(dim=-1)
 
 
 def logprob_rows(logprobs: torch.Tensor, tokens: torch.Tensor, token_ids: np.ndarray,

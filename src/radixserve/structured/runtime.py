@@ -1,10 +1,9 @@
 """The engine side of structured outputs: one xgrammar ``GrammarMatcher`` per constrained
-request, the step's token bitmask filled for the constrained rows only, and each sampled token
-accepted into its matcher.
+request, and per step a ``GrammarStep`` that the sampler drives: tokens offered to the
+matchers, token bitmasks filled for the constrained rows that need one, accepted tokens.
 
-``EngineCore`` calls ``fill`` just before a step's forward and ``accept`` right after its
-sampling, both in the thread that runs steps (in order), so with overlap scheduling a step's
-mask is always filled after the previous step's tokens were accepted: no resolve has to wait.
+The sampler runs in the thread that runs steps (in order), so with overlap scheduling a step's
+masks are always built after the previous step's tokens were accepted: no resolve has to wait.
 A matcher has accepted exactly its request's generated tokens, which a preempted request keeps
 (recompute re-runs the KV, never the sampling), so preemption needs no rollback.
 """
@@ -85,53 +84,83 @@ class GrammarRuntime:
         override = sorted(stop_token_ids) if stop_token_ids else None
         return RequestGrammar(xgr.GrammarMatcher(compiled, override_stop_tokens=override))
 
-    def fill(self, grammars: Sequence[RequestGrammar | None]) -> tuple[Any, list[int]] | None:
-        """The step's token bitmask for its sampling rows.
-
-        Args:
-            grammars: per sampling row its grammar or None (unconstrained).
-
-        Returns:
-            (int32 [S, ceil(V / 32)] bitmask on CPU, the rows whose mask must be applied), or
-            None when no row is constrained now. A finished matcher's row is left out (its
-            request ended in an earlier step still being resolved; its token is dropped).
-        """
+    def step(self, grammars: Sequence[RequestGrammar | None]) -> GrammarStep:
+        """The constraints of one step's sampling rows, for the sampler."""
         import xgrammar as xgr
 
         if self._bitmask is None:
             self._bitmask = xgr.allocate_token_bitmask(self.max_rows, self.vocab_size)
-        bitmask = self._bitmask
-        rows = []
-        for i, g in enumerate(grammars):
-            if g is None or g.done:
-                continue
-            # False: every token is allowed here, nothing to apply
-            if g.matcher.fill_next_token_bitmask(bitmask, i):
-                rows.append(i)
-        if not rows:
-            return None
-        return bitmask[:len(grammars)], rows
+        return GrammarStep(grammars, self._bitmask)
 
-    def accept(self, grammars: Sequence[RequestGrammar | None],
-               tokens: np.ndarray) -> np.ndarray:
-        """Advance each constrained row's matcher by its sampled token.
+
+class GrammarStep:
+    """One step's output constraints as the sampler uses them (the
+    ``model_executor.forward_batch.StepConstraints`` protocol).
+
+    The sampler first picks every row as if unconstrained and offers the constrained rows'
+    tokens to their matchers (``accept``: a few microseconds a row, no state change on a
+    refusal); only refused rows, and rows whose filters need masked probabilities, get their
+    token bitmask filled (``fill``), applied and a new pick, which is accepted in turn. A
+    grammar that follows the model's own preference costs no mask at all; the result equals
+    masking first (see ``model_executor.sampler``). The same shape as llama.cpp's grammar
+    sampling, over xgrammar's matchers and masks.
+
+    Args:
+        grammars: per sampling row its grammar or None (unconstrained).
+        bitmask: int32 [>= S, ceil(V / 32)] CPU buffer for the rows' masks (the runtime's).
+
+    Attributes:
+        rows: the constrained rows still generating (a finished matcher's row is left out:
+            its request ended in an earlier step still being resolved; its token is dropped).
+        status: int8 [S] ``RUNNING``, ``TERMINATED`` (the token was a stop token completing
+            the grammar) or ``REJECTED`` per row, for this step.
+    """
+
+    def __init__(self, grammars: Sequence[RequestGrammar | None], bitmask: Any) -> None:
+        self.grammars = grammars
+        self.rows = [i for i, g in enumerate(grammars) if g is not None and not g.done]
+        self.status = np.zeros(len(grammars), dtype=np.int8)
+        self._bitmask = bitmask
+
+    def accept(self, tokens: np.ndarray, rows: Sequence[int]) -> list[int]:
+        """Advance the matchers of ``rows`` by their tokens; the rows whose token the grammar
+        refuses (their matchers unchanged).
 
         Args:
-            tokens: int64 [S] the step's sampled tokens.
-
-        Returns:
-            int8 [S]: ``RUNNING`` (0), ``TERMINATED`` (1: the token was a stop token that
-            completed the grammar) or ``REJECTED`` (2) per row, for this step.
+            tokens: int64 [S] the step's picks.
         """
-        status = np.zeros(len(grammars), dtype=np.int8)
-        for i, (g, tok) in enumerate(zip(grammars, tokens.tolist(), strict=True)):
-            if g is None or g.done:
-                continue
+        refused = []
+        for i in rows:
+            g = self.grammars[i]
+            assert g is not None
             m = g.matcher
-            if not m.accept_token(tok):
-                g.rejected = True
-                status[i] = REJECTED
+            if not m.accept_token(int(tokens[i])):
+                refused.append(i)
             elif m.is_terminated():
                 g.terminated = True
-                status[i] = TERMINATED
-        return status
+                self.status[i] = TERMINATED
+        return refused
+
+    def fill(self, rows: Sequence[int]) -> Any:
+        """The token bitmask with ``rows`` filled from their matchers' current state.
+
+        Returns:
+            int32 [S, ceil(V / 32)] CPU tensor; only ``rows`` are meaningful (bit j of row i
+            set when token j is allowed, xgrammar's layout).
+        """
+        bitmask = self._bitmask
+        for i in rows:
+            g = self.grammars[i]
+            assert g is not None
+            if not g.matcher.fill_next_token_bitmask(bitmask, i):
+                bitmask[i] = -1  # every token allowed here
+        return bitmask[:len(self.grammars)]
+
+    def reject(self, rows: Sequence[int]) -> None:
+        """Mark ``rows`` as refused even after masking (cannot happen while the mask holds; the
+        request is ended rather than left outside its grammar)."""
+        for i in rows:
+            g = self.grammars[i]
+            assert g is not None
+            g.rejected = True
+            self.status[i] = REJECTED

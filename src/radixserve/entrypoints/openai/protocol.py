@@ -314,8 +314,8 @@ class _SamplingRequest(BaseModel):
     @property
     def continuous_usage(self) -> bool:
         """True when every streamed chunk carries the usage so far (vLLM's
-        ``continuous_usage_stats``)."""
-        return bool(self.stream and self.stream_options
+        ``continuous_usage_stats``, which like vLLM needs ``include_usage`` too)."""
+        return bool(self.include_usage and self.stream_options
                     and self.stream_options.continuous_usage_stats)
 
     def logit_bias_ids(self) -> dict[int, float] | None:

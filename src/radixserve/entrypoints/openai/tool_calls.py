@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from radixserve.entrypoints.openai.errors import OpenAIError
@@ -107,8 +107,9 @@ class ToolPrompt:
     hermes: bool
 
 
-def _renders_tools(tok: FrontendTokenizer, messages: list[dict[str, Any]],
-                   tools: list[dict[str, Any]], kwargs: dict[str, Any]) -> bool:
+def _renders_tools(tok: FrontendTokenizer, tools: list[dict[str, Any]],
+                   kwargs: dict[str, Any]) -> bool:
+    """Whether the chat template renders ``tools`` (a probe conversation differs with them)."""
     probe = [{"role": "user", "content": "x"}]
     try:
         with_tools = tok.chat_prompt(probe, True, None, tools=tools, **kwargs)
@@ -130,7 +131,7 @@ def tool_prompt(req: ChatCompletionRequest, tok: FrontendTokenizer,
     if not req.tools:
         return ToolPrompt(messages, None, False, False)
     tools = [t.model_dump(exclude_none=True) for t in req.tools]
-    native = _renders_tools(tok, messages, tools, template_kwargs)
+    native = _renders_tools(tok, tools, template_kwargs)
     template = template_kwargs.get("chat_template") or getattr(tok.hf, "chat_template", "") or ""
     if native:
         if choice == "auto" and TOOL_CALL_START not in template:
@@ -276,8 +277,6 @@ class ToolStreamer:
     pos: int = 0
     calls: int = 0
     started: bool = False
-    held: str = ""
-    deltas: list[dict[str, Any]] = field(default_factory=list)
 
     def _call_delta(self, call: dict[str, Any]) -> dict[str, Any] | None:
         if self.calls and not self.out.parallel:
