@@ -249,17 +249,19 @@ class EngineCore:
         write of step N happens before any read of step N+1.
         """
         t0 = time.perf_counter()
+        kv_outs: list[TokenOutput] = []
+        kv_changed = False
+        if self.kv_connector is not None:
+            kv_outs, kv_changed = self._kv_collect()
         batch = self.scheduler.schedule()
         t1 = time.perf_counter()
         prepare = self.scheduler.last_prepare_s if batch is not None else 0.0
         if batch is not None:
             self.resolver.commit(batch)
         outs, self._pending = self._pending, []
-        kv_changed = False
+        outs += kv_outs
         if self.kv_connector is not None:
-            kv_outs, kv_changed = self._kv_step(
-                idle=batch is None and self._inflight is None and not outs)
-            outs += kv_outs
+            self._kv_start(idle=batch is None and self._inflight is None and not outs)
         decoded: tuple[list[str], np.ndarray] = ([], _NO_TOKENS)
         forward = 0.0
         if self.overlap:
@@ -297,19 +299,14 @@ class EngineCore:
         return StepOutputs(step=self.step_count, outputs=outs, decode_request_ids=decoded[0],
                            decode_token_ids=decoded[1])
 
-    def _kv_step(self, idle: bool) -> tuple[list[TokenOutput], bool]:
-        """Drive the KV connector once per step (vLLM's model runner does this around each
-        forward; here transfers run beside the forward, so also in steps with none): hand the
-        worker side this step's loads, then apply the loads and leases that ended.
+    def _kv_start(self, idle: bool) -> None:
+        """Hand the worker side the loads this step's ``schedule`` set up (they start at
+        once, beside the forward; vLLM's model runner makes this call around each forward).
 
         Args:
             idle: nothing runs this step: if requests wait for loads, wait up to
                 ``KV_IDLE_WAIT_S`` for one to end rather than returning at once (a caller
                 looping on ``step`` would spin).
-
-        Returns:
-            (error outputs of requests whose load failed under the "fail" policy, whether
-            anything changed: then the step reports, so the stats show held pages freed).
         """
         conn, worker = self.kv_connector, self.kv_worker
         assert conn is not None and worker is not None
@@ -318,6 +315,17 @@ class EngineCore:
         worker.clear_connector_metadata()
         if idle and self.scheduler.loading:
             worker.wait_for_activity(KV_IDLE_WAIT_S)
+
+    def _kv_collect(self) -> tuple[list[TokenOutput], bool]:
+        """Apply the loads and leases that ended, before ``schedule``, so a request whose
+        load ended is scheduled in this very step.
+
+        Returns:
+            (error outputs of requests whose load failed under the "fail" policy, whether
+            anything changed: then the step reports, so the stats show held pages freed).
+        """
+        worker = self.kv_worker
+        assert worker is not None
         sending, recving = worker.get_finished(set())
         out = KVConnectorOutput(sending, recving, worker.get_block_ids_with_load_errors())
         if out.is_empty():
