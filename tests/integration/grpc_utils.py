@@ -61,15 +61,16 @@ def descendants(pid: int) -> list[int]:
 
 
 class Proc:
-    """A child process with its output in ``workdir/NAME.log``."""
+    """A child process with its output in ``workdir/NAME.log`` (``env``: extra variables)."""
 
-    def __init__(self, name: str, cmd: list[str], workdir: Path) -> None:
+    def __init__(self, name: str, cmd: list[str], workdir: Path,
+                 env: dict[str, str] | None = None) -> None:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.workdir / f"{name}.log"
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=_env(self.workdir))
+                                     env={**_env(self.workdir), **(env or {})})
 
     def log_tail(self, n: int = 6000) -> str:
         with contextlib.suppress(OSError):
@@ -118,12 +119,17 @@ def _radixserve() -> list[str]:
 class GrpcWorker(Proc):
     """A ``radixserve serve --grpc`` worker with a side ``/metrics`` port."""
 
-    def __init__(self, args: list[str], workdir: Path, name: str = "worker") -> None:
+    def __init__(self, args: list[str], workdir: Path, name: str = "worker",
+                 env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.metrics_port = free_port()
         super().__init__(name, [*_radixserve(), "serve", "--grpc", "--host", "127.0.0.1",
                                 "--port", str(self.port), "--metrics-port",
-                                str(self.metrics_port), *args], workdir)
+                                str(self.metrics_port), *args], workdir, env)
+
+    @property
+    def url(self) -> str:
+        return f"grpc://127.0.0.1:{self.port}"
 
     @property
     def metrics_url(self) -> str:
@@ -140,17 +146,22 @@ class GrpcWorker(Proc):
 
 
 class Smg(Proc):
-    """``smg launch`` over ``worker_urls``."""
+    """``smg launch`` over ``worker_urls``, or with ``pd=(prefill_url, decode_url)`` in
+    prefill/decode disaggregation (``--pd-disaggregation --prefill P --decode D``; no
+    bootstrap port: vLLM's NIXL-style handoff travels in ``kv_transfer_params_json``)."""
 
     def __init__(self, worker_urls: list[str], policy: str, workdir: Path,
-                 extra: list[str] = (), name: str = "smg") -> None:
+                 extra: list[str] = (), name: str = "smg",
+                 pd: tuple[str, str] | None = None) -> None:
         self.port = free_port()
         self.prometheus_port = free_port()
         smg = str(Path(sys.executable).parent / "smg")
+        workers = (["--worker-urls", *worker_urls] if pd is None else
+                   ["--pd-disaggregation", "--prefill", pd[0], "--decode", pd[1]])
         super().__init__(name, [
             smg, "launch", "--host", "127.0.0.1", "--port", str(self.port),
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.prometheus_port),
-            "--worker-urls", *worker_urls, "--policy", policy,
+            *workers, "--policy", policy,
             "--health-check-interval-secs", "1", "--shutdown-grace-period-secs", "1",
             "--log-level", "warn", *extra], workdir)
 

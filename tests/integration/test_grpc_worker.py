@@ -1,11 +1,14 @@
 """``radixserve serve --grpc`` spoken to directly with grpcio and smg-grpc-proto's stubs (the
 ``vllm.grpc.engine.VllmEngine`` service smg calls): every RPC, every sampling field the engine
-supports, refusals naming the field, Abort / cancel / FlushCache freeing KV pages, SIGTERM."""
+supports (output constraints and ``logit_bias`` included), refusals naming the field, Abort /
+cancel / FlushCache freeing KV pages, SIGTERM."""
 
 from __future__ import annotations
 
 import hashlib
 import io
+import json
+import re
 import signal
 import threading
 import time
@@ -13,6 +16,7 @@ import zipfile
 
 import grpc
 import httpx
+import jsonschema
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_utils import GrpcWorker, descendants
@@ -38,6 +42,15 @@ def worker(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="module")
 def stub(worker: GrpcWorker):
     return worker.stub()
+
+
+@pytest.fixture(scope="module")
+def hf_tok(stub):
+    """The worker's tokenizer (``GetModelInfo.tokenizer_path``), to read outputs as text."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(stub.GetModelInfo(pb.GetModelInfoRequest())
+                                         .tokenizer_path)
 
 
 def _gen(rid: str, stream: bool = False, prompt: list[int] = PROMPT, **sp) -> pb.GenerateRequest:
@@ -67,6 +80,8 @@ def test_info_rpcs(worker: GrpcWorker, stub) -> None:
     assert server.server_type == "radixserve-grpc" and server.max_num_seqs == 16
     assert server.block_size == 16 and server.kv_connector == "" and server.model_dtype == (
         "float32")
+    assert server.kv_role == server.kv_engine_id == server.pairing_protocol == ""
+    assert server.constrained_decoding_start == "first_token"
     loads = stub.GetLoads(pb.GetLoadsRequest(include=["core"]))
     assert loads.dp_rank_count == 1 and len(loads.loads) == 1
     assert loads.loads[0].max_total_num_tokens == (NUM_PAGES - 1) * 16
@@ -157,12 +172,85 @@ def test_penalties_min_tokens_and_stops(stub) -> None:
     assert len(by_str.output_ids) < 10 and stop not in tok.decode(by_str.output_ids[:-1])
 
 
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 20},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "city": {"type": "string", "enum": ["Paris", "Rome", "Lima"]}},
+    "required": ["name", "age", "city"], "additionalProperties": False}
+
+
+def _chat_ids(hf_tok, text: str) -> list[int]:
+    text = hf_tok.apply_chat_template([{"role": "user", "content": text}],
+                                      add_generation_prompt=True, tokenize=False)
+    return hf_tok.encode(text, add_special_tokens=False)
+
+
+def test_json_schema_constrained_output_validates(stub, hf_tok) -> None:
+    """The ``json_schema`` member of the constraint oneof: greedy or sampled, streamed or not,
+    the output is JSON that validates against the schema."""
+    prompt = _chat_ids(hf_tok, "Describe a fictional person as JSON.")
+    schema = json.dumps(PERSON)
+    (greedy,) = _completes(stub, _gen("js0", prompt=prompt, max_tokens=60,
+                                      json_schema=schema))
+    assert greedy.finish_reason == "stop", hf_tok.decode(greedy.output_ids)
+    streamed, finish = [], None
+    for r in stub.Generate(_gen("js1", stream=True, prompt=prompt, max_tokens=60,
+                                json_schema=schema, temperature=1.0, seed=9),
+                           timeout=HANG_TIMEOUT_S):
+        if r.WhichOneof("response") == "chunk":
+            streamed += r.chunk.token_ids
+        else:
+            finish = r.complete.finish_reason
+    assert finish == "stop"
+    for ids in (list(greedy.output_ids), streamed):
+        jsonschema.validate(json.loads(hf_tok.decode(ids, skip_special_tokens=True)), PERSON)
+
+
+def test_regex_choice_grammar_and_json_object(stub, hf_tok) -> None:
+    prompt = _chat_ids(hf_tok, "Name a city.")
+    cases = [(dict(regex=r"[A-Z][a-z]{2,8}-[0-9]{3}", temperature=1.0, seed=1, n=2),
+              lambda t: re.fullmatch(r"[A-Z][a-z]{2,8}-[0-9]{3}", t)),
+             (dict(choice=pb.ChoiceConstraint(choices=["Paris", "Lima", "Oslo"]),
+                   temperature=1.0, seed=2, n=2), lambda t: t in ("Paris", "Lima", "Oslo")),
+             (dict(grammar='root ::= ("yes" | "no") "."'), lambda t: t in ("yes.", "no."))]
+    for i, (constraint, ok) in enumerate(cases):
+        for c in _completes(stub, _gen(f"c{i}", prompt=prompt, max_tokens=20, **constraint)):
+            text = hf_tok.decode(c.output_ids, skip_special_tokens=True)
+            assert c.finish_reason == "stop" and ok(text), (constraint, text)
+    ask = _chat_ids(hf_tok, "Reply with a JSON object with the keys name and age of a "
+                            "fictional person.")
+    (obj,) = _completes(stub, _gen("cj", prompt=ask, max_tokens=60, json_object=True))
+    text = hf_tok.decode(obj.output_ids, skip_special_tokens=True)
+    assert obj.finish_reason == "stop" and isinstance(json.loads(text), dict), text
+
+
+def test_logit_bias_moves_the_greedy_choice(stub, hf_tok) -> None:
+    (plain,) = _completes(stub, _gen("lb0", max_tokens=3, ignore_eos=True))
+    first = plain.output_ids[0]
+    other = hf_tok.convert_tokens_to_ids("Paris")
+    assert other != first
+    (up,) = _completes(stub, _gen("lb1", max_tokens=3, ignore_eos=True,
+                                  logit_bias={other: 100.0}))
+    assert list(up.output_ids) == [other] * 3
+    (down,) = _completes(stub, _gen("lb2", max_tokens=1, logit_bias={first: -100.0}))
+    assert down.output_ids[0] != first
+
+
 @pytest.mark.parametrize("req,field", [
-    (_gen("b1", json_schema='{"type": "object"}'), "sampling_params.json_schema"),
-    (_gen("b2", logit_bias={5: 3.0}), "sampling_params.logit_bias"),
+    (_gen("b1", json_schema='{"type": "no-such-type"}'), "sampling_params.json_schema"),
+    (_gen("b1j", json_schema="{not json"), "sampling_params.json_schema"),
+    (_gen("b1r", regex="(unclosed"), "sampling_params.regex"),
+    (_gen("b1g", grammar="root ::= undefined_rule"), "sampling_params.grammar"),
+    (_gen("b1s", structural_tag='{"type": "structural_tag"}'),
+     "sampling_params.structural_tag"),
+    (_gen("b2", logit_bias={60000: 3.0}), "sampling_params.logit_bias"),
     (_gen("b3", temperature=-1.0), "sampling_params.temperature"),
+    # well-formed params, but this worker has no --kv-transfer-config: the engine refuses
     (pb.GenerateRequest(request_id="b4", tokenized=pb.TokenizedInput(input_ids=PROMPT),
                         kv_transfer_params_json='{"do_remote_decode": true}'),
+     "kv_transfer_params_json"),
+    (pb.GenerateRequest(request_id="b4j", tokenized=pb.TokenizedInput(input_ids=PROMPT),
+                        kv_transfer_params_json='{"do_remote_prefill": true}'),
      "kv_transfer_params_json"),
     (_gen("b5", prompt=[5] * ((NUM_PAGES - 1) * 16)), "prompt"),
     (_gen("b6", prompt=[60000]), "prompt"),

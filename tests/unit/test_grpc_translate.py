@@ -1,9 +1,12 @@
 """The gRPC worker's pure parts: proto ``SamplingParams`` / ``GenerateRequest`` -> engine
-requests (every field mapped or refused by name), ``RequestDelta``s -> ``GenerateResponse``s,
-the tokenizer bundle, the load report and the fleet's core split."""
+requests (every field mapped or refused by name: output constraints, ``logit_bias``,
+``kv_transfer_params_json``), the constraint compile check, ``RequestDelta``s ->
+``GenerateResponse``s (a prefill's ``kv_transfer_params_json``), ``GetServerInfo``'s pairing
+protocol, the tokenizer bundle, the load report and the fleet's core split."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import io
 import json
@@ -17,16 +20,21 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from radixserve.engine_types import EngineInfo, SchedulerStats
 from radixserve.entrypoints.fleet import check_worker_args, core_slices
 from radixserve.entrypoints.grpc_worker import tokenizer_bundle
+from radixserve.entrypoints.grpc_worker.constraints import ConstraintChecker
+from radixserve.entrypoints.grpc_worker.servicer import pairing_protocol
 from radixserve.entrypoints.grpc_worker.translate import (
     InvalidArgument,
     chunk_response,
     complete_response,
+    constraint_field,
     engine_requests_from_proto,
+    kv_transfer_params_from_proto,
     output_logprobs,
     sampling_params_from_proto,
 )
 from radixserve.entrypoints.worker_facts import LoadReporter
 from radixserve.frontend.output_processor import OutputProcessor, RequestDelta
+from radixserve.kv_transfer.params import kv_transfer_params_from_json
 
 
 def _req(**kw) -> pb.GenerateRequest:
@@ -63,18 +71,64 @@ def test_every_supported_field_is_mapped() -> None:
     assert sp.ignore_eos and sp.skip_special_tokens and sp.include_stop_str_in_output
 
 
-@pytest.mark.parametrize("field,value", [
-    ("json_schema", '{"type": "object"}'), ("regex", "[0-9]+"), ("grammar", "root ::= x"),
-    ("structural_tag", "{}"), ("json_object", True),
-    ("choice", pb.ChoiceConstraint(choices=["a", "b"]))])
-def test_structured_output_constraints_are_refused_by_name(field: str, value: object) -> None:
-    with pytest.raises(InvalidArgument, match=f"^sampling_params.{field}:") as e:
+@pytest.mark.parametrize("field,value,want", [
+    ("json_schema", '{"type": "object"}', {"json": '{"type": "object"}'}),
+    ("regex", "[0-9]+", {"regex": "[0-9]+"}),
+    ("grammar", "root ::= x", {"grammar": "root ::= x"}),
+    ("json_object", True, {"json_object": True}),
+    ("choice", pb.ChoiceConstraint(choices=["a", "b"]), {"choice": ["a", "b"]})])
+def test_structured_output_constraints_are_mapped(field: str, value: object, want) -> None:
+    p = pb.SamplingParams(**{field: value}, grammar_from_first_token=True)
+    so = sampling_params_from_proto(p).structured_outputs
+    assert so is not None and so.kind == next(iter(want))
+    assert msgspec.structs.asdict(so) | want == msgspec.structs.asdict(so)
+    assert constraint_field(p) == f"sampling_params.{field}"
+    assert sampling_params_from_proto(pb.SamplingParams()).structured_outputs is None
+    assert constraint_field(pb.SamplingParams()) is None
+
+
+@pytest.mark.parametrize("field,value,msg", [
+    ("structural_tag", "{}", "not supported"), ("json_object", False, "constrains nothing"),
+    ("choice", pb.ChoiceConstraint(choices=[]), "non-empty list"),
+    ("choice", pb.ChoiceConstraint(choices=["a", ""]), "non-empty strings")])
+def test_unsupported_or_malformed_constraints_are_refused_by_name(field, value, msg) -> None:
+    with pytest.raises(InvalidArgument, match=f"^sampling_params.{field}: .*{msg}") as e:
         sampling_params_from_proto(pb.SamplingParams(**{field: value}))
     assert e.value.field == f"sampling_params.{field}"
 
 
+def test_logit_bias_is_mapped_and_its_ids_checked() -> None:
+    sp = sampling_params_from_proto(pb.SamplingParams(logit_bias={5: 1.5, 9: -100.0}))
+    assert sp.logit_bias == {5: 1.5, 9: -100.0}
+    assert sampling_params_from_proto(pb.SamplingParams()).logit_bias is None
+    req = _req(sampling_params=pb.SamplingParams(logit_bias={49151: 2.0}))
+    (r,) = engine_requests_from_proto(req, _encode, 100, vocab_size=49152)
+    assert r.sampling_params.logit_bias == {49151: 2.0}
+    for bias in ({49152: 2.0}, {-1: 2.0}, {5: 101.0}, {5: float("nan")}):
+        with pytest.raises(InvalidArgument) as e:
+            engine_requests_from_proto(_req(sampling_params=pb.SamplingParams(logit_bias=bias)),
+                                       _encode, 100, vocab_size=49152)
+        assert e.value.field == "sampling_params.logit_bias", (bias, e.value)
+
+
+def test_constraint_checker_names_the_field(tok) -> None:
+    checker = ConstraintChecker(tok, len(tok), [tok.convert_tokens_to_ids("<|im_end|>")])
+    ok = sampling_params_from_proto(pb.SamplingParams(regex="[a-z]+")).structured_outputs
+    asyncio.run(checker.check(ok, "sampling_params.regex"))
+    asyncio.run(checker.check(None, None))  # nothing to check: no compiler needed
+    for field, value, why in [("json_schema", "{not json", "not valid JSON"),
+                              ("json_schema", '{"type": "no-such-type"}', "JSON schema"),
+                              ("regex", "(unclosed", "regex"),
+                              ("grammar", "root ::= undefined_rule", "EBNF grammar")]:
+        p = pb.SamplingParams(**{field: value})
+        with pytest.raises(InvalidArgument, match=why) as e:
+            asyncio.run(checker.check(sampling_params_from_proto(p).structured_outputs,
+                                      constraint_field(p)))
+        assert e.value.field == f"sampling_params.{field}"
+        assert str(e.value).startswith(f"sampling_params.{field}: ")
+
+
 @pytest.mark.parametrize("params,field", [
-    (pb.SamplingParams(logit_bias={5: 1.0}), "sampling_params.logit_bias"),
     (pb.SamplingParams(prompt_logprobs=1), "sampling_params.prompt_logprobs"),
     (pb.SamplingParams(temperature=-1.0), "sampling_params.temperature"),
     (pb.SamplingParams(top_p=1.5), "sampling_params.top_p"),
@@ -95,7 +149,6 @@ def test_request_level_fields_are_checked() -> None:
     bad = [
         (_req(request_id=""), "request_id"),
         (pb.GenerateRequest(request_id="x"), "input"),
-        (_req(kv_transfer_params_json='{"do_remote_prefill": true}'), "kv_transfer_params_json"),
         (_req(kv_transfer_params=pb.KvTransferParams(remote_host="h", remote_port=1)),
          "kv_transfer_params"),
         (_req(mm_inputs=pb.MultimodalInputs()), "mm_inputs"),
@@ -111,8 +164,50 @@ def test_request_level_fields_are_checked() -> None:
         assert e.value.field == field, (req, e.value)
     # empty KV-transfer params and rank 0 are what a plain request carries: accepted
     for ok in (_req(kv_transfer_params_json=""), _req(kv_transfer_params_json="{}"),
-               _req(data_parallel_rank=0)):
-        assert len(engine_requests_from_proto(ok, _encode, 100)) == 1
+               _req(kv_transfer_params_json="null"), _req(data_parallel_rank=0)):
+        (r,) = engine_requests_from_proto(ok, _encode, 100)
+        assert r.kv_transfer_params is None
+
+
+#: What a NixlConnector-style prefill instance returns (radixserve's keys included).
+HANDOFF = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "p0",
+           "remote_request_id": "r1", "remote_block_ids": [3, 4], "remote_host": "127.0.0.1",
+           "remote_port": 5555, "tp_size": 1, "remote_num_tokens": 20,
+           "remote_prompt_hash": "00ff"}
+
+
+def test_kv_transfer_params_json_reaches_the_engine_request() -> None:
+    # smg's prefill leg (max_tokens 1, ignore_eos, not streamed) and its decode leg
+    prefill = _req(kv_transfer_params_json='{"do_remote_decode":true,"do_remote_prefill":false}',
+                   sampling_params=pb.SamplingParams(max_tokens=1, ignore_eos=True))
+    (p,) = engine_requests_from_proto(prefill, _encode, 100)
+    assert p.kv_transfer_params == {"do_remote_decode": True, "do_remote_prefill": False}
+    decode = _req(kv_transfer_params_json=json.dumps({**HANDOFF, "extra_key": None}))
+    (d,) = engine_requests_from_proto(decode, _encode, 100)
+    assert d.kv_transfer_params == HANDOFF  # nulls dropped, the rest verbatim
+    assert kv_transfer_params_from_proto(_req()) is None
+
+
+@pytest.mark.parametrize("text,msg", [
+    ("{not json", "kv_transfer_params_json: is not valid JSON"),
+    ("[1, 2]", "kv_transfer_params_json: must be a JSON object"),
+    ('{"do_remote_decode": "yes"}', "kv_transfer_params_json: do_remote_decode must be bool"),
+    ('{"do_remote_prefill": true}', "kv_transfer_params_json: remote_engine_id is required"),
+    (json.dumps({**HANDOFF, "remote_port": 70000}), "remote_port=70000 must be in"),
+    (json.dumps({**HANDOFF, "tp_size": 2}), "tp_size=2 is not supported"),
+    ('{"do_remote_decode": true, "do_remote_prefill": true}', "cannot both be true"),
+])
+def test_bad_kv_transfer_params_json_names_the_field(text: str, msg: str) -> None:
+    with pytest.raises(InvalidArgument) as e:
+        engine_requests_from_proto(_req(kv_transfer_params_json=text), _encode, 100)
+    assert e.value.field == "kv_transfer_params_json" and msg in str(e.value), str(e.value)
+
+
+def test_kv_transfer_params_need_one_choice() -> None:
+    req = _req(kv_transfer_params_json='{"do_remote_decode": true}',
+               sampling_params=pb.SamplingParams(n=2))
+    with pytest.raises(InvalidArgument, match="^kv_transfer_params_json: needs n=1"):
+        engine_requests_from_proto(req, _encode, 100)
 
 
 def test_prompts_choices_and_truncation() -> None:
@@ -166,6 +261,22 @@ def test_chunks_and_completes_carry_the_delta_and_the_stop(tok) -> None:
     eos = complete_response(st, [1, 2, 3], None).complete
     assert eos.WhichOneof("matched_stop") is None and eos.completion_tokens == 3
     assert eos.finish_reason == "length" and not eos.HasField("output_logprobs")
+    assert not eos.HasField("kv_transfer_params_json")
+    # a prefill instance's answer hands its KV over: the gateway relays the JSON verbatim
+    st.kv_transfer_params = HANDOFF
+    handoff = complete_response(st, [7], None).complete
+    assert json.loads(handoff.kv_transfer_params_json) == HANDOFF
+    assert kv_transfer_params_from_json(handoff.kv_transfer_params_json) == HANDOFF
+    assert not handoff.HasField("kv_transfer_params")  # the typed (Mooncake) field stays unset
+
+
+def test_pairing_protocol(monkeypatch) -> None:
+    monkeypatch.delenv("SMG_PAIRING_PROTOCOL", raising=False)
+    assert pairing_protocol(None) == ""
+    assert pairing_protocol("TcpConnector") == "radixserve/TcpConnector"
+    assert pairing_protocol("NixlConnector") != pairing_protocol("TcpConnector")
+    monkeypatch.setenv("SMG_PAIRING_PROTOCOL", "site-a")
+    assert pairing_protocol("TcpConnector") == pairing_protocol(None) == "site-a"
 
 
 def test_tokenizer_bundle_round_trip(tmp_path) -> None:

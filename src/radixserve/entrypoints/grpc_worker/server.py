@@ -26,6 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
 from radixserve.config import EngineConfig, ServerConfig
+from radixserve.entrypoints.grpc_worker.constraints import ConstraintChecker
 from radixserve.entrypoints.grpc_worker.servicer import VllmEngineServicer, WorkerState
 from radixserve.entrypoints.worker_facts import ModelFacts
 from radixserve.frontend.async_client import AsyncEngineClient
@@ -193,7 +194,9 @@ async def _start_engine(client: AsyncEngineClient, server_config: ServerConfig,
         facts = ModelFacts.from_engine(info, server_config.served_model_name,
                                        client.config.model)
         return WorkerState(client=client, tokenizer=FrontendTokenizer(hf_tok), info=info,
-                           facts=facts, metrics=ServerMetrics(model_name=facts.served_model_name))
+                           facts=facts, metrics=ServerMetrics(model_name=facts.served_model_name),
+                           constraints=ConstraintChecker(hf_tok, info.vocab_size,
+                                                         list(info.eos_token_ids)))
 
     task: asyncio.Task[Any] = asyncio.ensure_future(start())
     stopped = asyncio.ensure_future(stop.wait())

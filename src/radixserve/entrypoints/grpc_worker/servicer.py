@@ -2,7 +2,11 @@
 core, for smg (the Shepherd Model Gateway) and any other client of that proto.
 
 smg tokenizes, renders chat templates, detokenizes and applies stop strings itself; this worker
-takes token ids and streams token ids back. Requests go through the same ``AsyncEngineClient``
+takes token ids and streams token ids back. Output constraints (the ``SamplingParams``
+``constraint`` oneof) are compiled here before submitting, as the HTTP server does; in
+prefill/decode disaggregation (``--kv-transfer-config``, ``smg launch --pd-disaggregation``)
+``kv_transfer_params_json`` goes to the engine and comes back on the prefill's
+``GenerateComplete``, and ``GetServerInfo`` reports the KV role (see ``KV_HANDOFF_PROTOCOL``). Requests go through the same ``AsyncEngineClient``
 and ``OutputProcessor`` as the HTTP server (so stop strings a client does send, logprob rows,
 finish reasons and aborts behave the same), and the core is the same engine-core process.
 
@@ -12,7 +16,10 @@ RPCs: ``Generate`` (server streaming; n > 1 choices as separate indices), ``Abor
 ``UNIMPLEMENTED`` (smg then routes cache-aware on its own approximate prefix tree).
 
 Status codes: ``INVALID_ARGUMENT`` for a field the worker cannot honour (the message names it)
-and for requests the engine rejects (prompt too long, token id out of range);
+and for requests the engine rejects (prompt too long, token id out of range, an output
+constraint that does not compile, KV-transfer params this instance's KV role cannot serve);
+``INTERNAL`` when a decode instance could not load a prompt's KV under
+``kv_load_failure_policy: fail``;
 ``ALREADY_EXISTS`` for a ``request_id`` already in flight; ``RESOURCE_EXHAUSTED`` past
 ``--max-concurrent-requests``; ``UNAVAILABLE`` when the engine is gone or shutting down;
 ``CANCELLED`` when an ``Abort`` ended the request.
@@ -23,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -33,12 +41,15 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
 import radixserve
-from radixserve.engine_types import FINISH_ABORT, EngineInfo
+from radixserve.engine_types import ERROR_KV_TRANSFER_FAILED, FINISH_ABORT, EngineInfo
 from radixserve.entrypoints.grpc_worker import tokenizer_bundle
+from radixserve.entrypoints.grpc_worker.constraints import ConstraintChecker
 from radixserve.entrypoints.grpc_worker.translate import (
+    KV_PARAMS_FIELD,
     InvalidArgument,
     chunk_response,
     complete_response,
+    constraint_field,
     engine_requests_from_proto,
 )
 from radixserve.entrypoints.worker_facts import LoadReporter, ModelFacts
@@ -56,6 +67,34 @@ log = logging.getLogger("radixserve.grpc")
 
 #: What ``GetServerInfo.server_type`` says.
 SERVER_TYPE = "radixserve-grpc"
+#: What ``GetServerInfo.kv_connector`` says for every radixserve connector. smg picks the PD
+#: handoff by this name and knows only vLLM's connectors: for "NixlConnector" it sends
+#: ``{"do_remote_decode": true}`` on the prefill leg and relays the prefill's returned params to
+#: the decode leg verbatim (pull-based, vLLM's NixlConnector protocol); for a name it does not
+#: know it sends no params at all, so the decode side would recompute every prompt. Both
+#: radixserve connectors speak exactly that handoff (only how pages move differs: NIXL or TCP),
+#: so both report it; the transport itself is in ``pairing_protocol``.
+KV_HANDOFF_PROTOCOL = "NixlConnector"
+#: Environment variable an operator sets to a PD pairing protocol (smg's servicer reads it).
+PAIRING_PROTOCOL_ENV = "SMG_PAIRING_PROTOCOL"
+
+
+def pairing_protocol(connector: str | None) -> str:
+    """``GetServerInfo.pairing_protocol``: ``$SMG_PAIRING_PROTOCOL`` when set (as smg's own
+    servicer), else ``radixserve/<connector>`` with a KV connector, else "". smg pairs a
+    prefill and a decode worker that both carry one only when the values are equal, so a
+    TcpConnector prefill is never paired with a NixlConnector decode (whose handshake would
+    refuse it and recompute)."""
+    env = os.environ.get(PAIRING_PROTOCOL_ENV, "")
+    if env:
+        return env
+    return f"radixserve/{connector}" if connector else ""
+
+
+#: Engine rejections name radixserve's ``SamplingParams``/``EngineRequest`` field; over gRPC
+#: the error names the proto field instead.
+_ENGINE_PARAM_TO_FIELD = {"logit_bias": "sampling_params.logit_bias",
+                          "kv_transfer_params": KV_PARAMS_FIELD}
 
 
 def merge_deltas(batch: list[RequestDelta]) -> list[RequestDelta]:
@@ -95,6 +134,7 @@ class WorkerState:
         info: the engine's facts.
         facts: the model's facts as reported to gateways.
         metrics: Prometheus metrics (served on the side HTTP port).
+        constraints: compile-checks output constraints before they are submitted.
     """
 
     client: AsyncEngineClient
@@ -102,6 +142,7 @@ class WorkerState:
     info: EngineInfo
     facts: ModelFacts
     metrics: ServerMetrics
+    constraints: ConstraintChecker
 
 
 class VllmEngineServicer(pb_grpc.VllmEngineServicer):
@@ -134,9 +175,11 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
             log.debug("Generate %s: stream=%s prompt=%d tokens sampling_params={%s}", rid,
                       request.stream, len(request.tokenized.input_ids),
                       str(request.sampling_params).replace("\n", " "))
+        constrained = constraint_field(request.sampling_params)
         try:
             reqs = engine_requests_from_proto(request, s.tokenizer.encode,
-                                              s.info.max_model_len)
+                                              s.info.max_model_len, s.info.vocab_size)
+            await s.constraints.check(reqs[0].sampling_params.structured_outputs, constrained)
         except InvalidArgument as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if rid in self.active:
@@ -165,8 +208,13 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
                     await context.abort(grpc.StatusCode.CANCELLED, f"request {rid} was aborted")
                 for d in merge_deltas(batch) if len(batch) > 1 else batch:
                     if d.finish_reason == FINISH_ABORT:
+                        if d.error_code == ERROR_KV_TRANSFER_FAILED:  # not the request's fault
+                            await context.abort(grpc.StatusCode.INTERNAL, d.error or "")
                         if d.error is not None:  # the engine rejected it: the request's fault
-                            field = f"{d.error_param}: " if d.error_param else ""
+                            param = d.error_param
+                            param = (constrained if param == "structured_outputs" else
+                                     _ENGINE_PARAM_TO_FIELD.get(param, param))
+                            field = f"{param}: " if param else ""
                             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                                 f"{field}{d.error}")
                         await context.abort(grpc.StatusCode.INTERNAL,
@@ -230,13 +278,21 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
                             context: grpc.aio.ServicerContext) -> pb.GetServerInfoResponse:
         s = self.s
         cfg = s.client.config
+        kv = cfg.kv_transfer_config
+        kv_fields = {} if kv is None else {
+            "kv_connector": KV_HANDOFF_PROTOCOL, "kv_role": kv.kv_role,
+            "kv_engine_id": kv.engine_id}
         return pb.GetServerInfoResponse(
             active_requests=len(self.active), is_paused=False,
             last_receive_timestamp=self.last_receive,
             uptime_seconds=time.time() - self.started_at, server_type=SERVER_TYPE,
-            kv_connector="", kv_role="", kv_engine_id="", data_parallel_size=1,
-            block_size=s.info.page_size, attention_backend=cfg.attention_backend,
-            model_dtype=s.info.dtype, max_num_seqs=cfg.max_num_seqs)
+            data_parallel_size=1, block_size=s.info.page_size,
+            # the KV pool holds the model's dtype (vLLM's cache_dtype "auto")
+            kv_cache_dtype="auto", attention_backend=cfg.attention_backend,
+            model_dtype=s.info.dtype, max_num_seqs=cfg.max_num_seqs,
+            pairing_protocol=pairing_protocol(None if kv is None else kv.kv_connector),
+            # no reasoning parser: a grammar applies from the first generated token
+            constrained_decoding_start="first_token", **kv_fields)
 
     async def GetLoads(self, request: pb.GetLoadsRequest, context: grpc.aio.ServicerContext
                        ) -> pb.GetLoadsResponse:

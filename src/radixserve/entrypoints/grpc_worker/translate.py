@@ -2,13 +2,18 @@
 
 * ``sampling_params_from_proto``: the one place a proto ``SamplingParams`` becomes radixserve's
   ``SamplingParams``; every proto field is either mapped or refused with ``InvalidArgument``
-  naming it, never dropped.
-* ``engine_requests_from_proto``: a ``GenerateRequest`` -> one ``EngineRequest`` per choice.
+  naming it, never dropped. The ``constraint`` oneof becomes ``structured_outputs``
+  (``structured_outputs_from_proto``, vLLM's ``StructuredOutputsParams`` mapping as in smg's
+  own servicer), ``logit_bias`` is passed as is.
+* ``engine_requests_from_proto``: a ``GenerateRequest`` -> one ``EngineRequest`` per choice,
+  with ``kv_transfer_params_json`` parsed into ``EngineRequest.kv_transfer_params``
+  (prefill/decode disaggregation, ``kv_transfer.params``).
 * ``chunk_response`` / ``complete_response``: ``RequestDelta``s -> ``GenerateResponse``s, in the
   shape of smg's own vLLM servicer (``smg_grpc_servicer.vllm.servicer``): a streamed choice
   gets a ``GenerateStreamChunk`` per delta (its new token ids, ``completion_tokens`` the delta's
   count) and, when it finishes, a ``GenerateComplete`` carrying that last delta; a non-streamed
-  choice gets one ``GenerateComplete`` with all its token ids.
+  choice gets one ``GenerateComplete`` with all its token ids. A prefill instance's
+  ``GenerateComplete`` carries ``kv_transfer_params_json`` for the decode instance.
 
 Proto semantics taken from ``smg-grpc-proto`` 0.4.28 (``vllm_engine.proto``) and the reference
 servicer: an unset ``temperature`` means 1.0, ``top_p`` 0 means 1.0, ``top_k`` 0 means off,
@@ -20,18 +25,25 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
 from radixserve.engine_types import EngineRequest, LogprobRow
 from radixserve.frontend.output_processor import RequestDelta, RequestState
-from radixserve.sampling_params import SamplingParams
+from radixserve.kv_transfer.params import kv_transfer_params_from_json, kv_transfer_params_to_json
+from radixserve.sampling_params import SamplingParams, StructuredOutputsParams
 
-#: The proto's structured-output oneof members (not supported yet: see
-#: ``sampling_params_from_proto``).
+#: The proto's structured-output oneof members.
 CONSTRAINT_FIELDS = ("json_schema", "regex", "grammar", "structural_tag", "json_object",
                      "choice")
+#: The oneof members this worker compiles (xgrammar, ``radixserve.structured``), and the
+#: ``StructuredOutputsParams`` field each becomes (vLLM's names).
+SUPPORTED_CONSTRAINTS = {"json_schema": "json", "regex": "regex", "grammar": "grammar",
+                         "choice": "choice", "json_object": "json_object"}
+#: ``GenerateRequest.kv_transfer_params_json``: the field errors about KV-transfer params name.
+KV_PARAMS_FIELD = "kv_transfer_params_json"
 
 
 class InvalidArgument(ValueError):
@@ -47,26 +59,61 @@ class InvalidArgument(ValueError):
         self.field = field
 
 
+def constraint_field(p: pb.SamplingParams) -> str | None:
+    """``"sampling_params.<member>"`` of the ``constraint`` oneof member set, None if none."""
+    kind = p.WhichOneof("constraint")
+    return None if kind is None else f"sampling_params.{kind}"
+
+
+def structured_outputs_from_proto(p: pb.SamplingParams) -> StructuredOutputsParams | None:
+    """The output constraint of a proto ``SamplingParams`` (None without one): ``json_schema``
+    (the schema as JSON text), ``regex``, ``grammar`` (EBNF, xgrammar's dialect), ``choice``
+    and ``json_object`` become the same-named ``StructuredOutputsParams`` fields, as smg's own
+    vLLM servicer maps them. Whether the constraint compiles is checked by the servicer
+    before submitting (``constraints.ConstraintChecker``).
+
+    ``grammar_from_first_token`` needs no mapping: radixserve runs no reasoning parser, so a
+    grammar always starts at the first generated token, which is what the flag asks for.
+
+    Raises:
+        InvalidArgument: ``structural_tag`` (xgrammar structural tags are not supported
+            here), ``json_object`` false, or an empty ``choice`` list; the field is
+            ``sampling_params.<member>``.
+    """
+    kind = p.WhichOneof("constraint")
+    if kind is None:
+        return None
+    field = f"sampling_params.{kind}"
+    target = SUPPORTED_CONSTRAINTS.get(kind)
+    if target is None:
+        supported = ", ".join(SUPPORTED_CONSTRAINTS)
+        raise InvalidArgument(field, f"is not supported by this worker (supported: {supported})")
+    value: object = getattr(p, kind)
+    if kind == "choice":
+        value = list(p.choice.choices)
+    elif kind == "json_object" and not value:
+        raise InvalidArgument(field, "false constrains nothing: leave the constraint unset")
+    try:
+        return StructuredOutputsParams(**{target: value})
+    except ValueError as e:
+        raise InvalidArgument(field, str(e)) from None
+
+
 def sampling_params_from_proto(p: pb.SamplingParams) -> SamplingParams:
     """radixserve's ``SamplingParams`` for a proto ``SamplingParams``.
 
-    Structured outputs (the ``constraint`` oneof), ``logit_bias`` and ``prompt_logprobs`` are
-    refused until the engine supports them; wire them here (the only place proto sampling
-    fields are read). ``truncate_prompt_tokens`` is applied to the prompt by
-    ``engine_requests_from_proto``. ``spaces_between_special_tokens`` only shapes detokenized
-    text, which this worker does not return (the gateway detokenizes), so it has no effect
-    on the output; ``skip_special_tokens`` only affects worker-side stop-string matching.
+    ``prompt_logprobs`` is refused (the worker does not return ``input_logprobs``).
+    ``truncate_prompt_tokens`` is applied to the prompt by ``engine_requests_from_proto``.
+    ``logit_bias`` ids are range-checked against the vocabulary there too (the proto map's
+    values are checked here). ``spaces_between_special_tokens`` only shapes detokenized text,
+    which this worker does not return (the gateway detokenizes), so it has no effect on the
+    output; ``skip_special_tokens`` only affects worker-side stop-string matching.
 
     Raises:
         InvalidArgument: an unsupported field is set, or a value is out of range (the
             message names the field and the allowed range).
     """
-    constraint = p.WhichOneof("constraint")
-    if constraint is not None:
-        raise InvalidArgument(f"sampling_params.{constraint}",
-                              "structured outputs are not supported by this worker")
-    if p.logit_bias:
-        raise InvalidArgument("sampling_params.logit_bias", "is not supported by this worker")
+    structured = structured_outputs_from_proto(p)
     if p.HasField("prompt_logprobs"):
         raise InvalidArgument("sampling_params.prompt_logprobs",
                               "is not supported by this worker")
@@ -89,6 +136,8 @@ def sampling_params_from_proto(p: pb.SamplingParams) -> SamplingParams:
             logprobs=p.logprobs if p.HasField("logprobs") else None,
             skip_special_tokens=p.skip_special_tokens,
             include_stop_str_in_output=p.include_stop_str_in_output,
+            logit_bias=dict(p.logit_bias) or None,
+            structured_outputs=structured,
         )
     except ValueError as e:
         # SamplingParams' messages start with "field=value"
@@ -103,12 +152,10 @@ def _check_unsupported_inputs(req: pb.GenerateRequest) -> None:
                  "extra_mm_inputs" if len(req.extra_mm_inputs) else "media_refs")
         raise InvalidArgument(field, "multimodal inputs are not supported (text-only model)")
     if req.HasField("kv_transfer_params"):
+        # the deprecated typed field is MooncakeConnector's push handoff (host and port only)
         raise InvalidArgument("kv_transfer_params",
-                              "KV transfer (PD disaggregation) is not supported by this worker")
-    if req.HasField("kv_transfer_params_json") and req.kv_transfer_params_json.strip() not in (
-            "", "{}", "null"):
-        raise InvalidArgument("kv_transfer_params_json",
-                              "KV transfer (PD disaggregation) is not supported by this worker")
+                              "the typed (Mooncake) KV-transfer params are not supported: "
+                              f"send vLLM's connector params in {KV_PARAMS_FIELD}")
     if req.HasField("data_parallel_rank") and req.data_parallel_rank != 0:
         raise InvalidArgument("data_parallel_rank",
                               f"{req.data_parallel_rank} is out of range: this worker has one "
@@ -147,27 +194,69 @@ def prompt_from_proto(req: pb.GenerateRequest, encode: Callable[[str], list[int]
     return ids.astype(np.int32)
 
 
-def engine_requests_from_proto(req: pb.GenerateRequest, encode: Callable[[str], list[int]],
-                               max_model_len: int) -> list[EngineRequest]:
-    """One ``EngineRequest`` per choice of a ``GenerateRequest`` (choice i is request i).
-
-    Engine request ids are the gRPC ``request_id`` (n = 1) or ``"{request_id}#{i}"``.
+def kv_transfer_params_from_proto(req: pb.GenerateRequest) -> dict[str, Any] | None:
+    """``kv_transfer_params_json`` as the engine's ``kv_transfer_params`` dict (vLLM's keys,
+    nulls dropped; ``kv_transfer.params.parse_kv_transfer_params``); None when absent, empty,
+    ``{}`` or ``null``.
 
     Raises:
-        InvalidArgument: see ``sampling_params_from_proto`` and ``prompt_from_proto``; also an
-            empty ``request_id``, multimodal inputs, KV-transfer parameters, a DP rank other
-            than 0.
+        InvalidArgument: not JSON, not an object, or a bad value (field
+            ``kv_transfer_params_json``; the message names the key).
+    """
+    if not req.HasField("kv_transfer_params_json"):
+        return None
+    try:
+        return kv_transfer_params_from_json(req.kv_transfer_params_json, KV_PARAMS_FIELD)
+    except ValueError as e:
+        # the message starts with the field: keep what follows it (".key=..." or " is ...")
+        why = str(e).removeprefix(KV_PARAMS_FIELD).lstrip(":. ")
+        raise InvalidArgument(KV_PARAMS_FIELD, why) from None
+
+
+def engine_requests_from_proto(req: pb.GenerateRequest, encode: Callable[[str], list[int]],
+                               max_model_len: int, vocab_size: int | None = None
+                               ) -> list[EngineRequest]:
+    """One ``EngineRequest`` per choice of a ``GenerateRequest`` (choice i is request i).
+
+    Engine request ids are the gRPC ``request_id`` (n = 1) or ``"{request_id}#{i}"``: a
+    prefill and a decode leg of one disaggregated request share the gateway's id, which the
+    engine needs only to be unique per instance. ``kv_transfer_params_json`` goes to the
+    (single) engine request as ``kv_transfer_params``; whether this instance's KV role can
+    serve it is the engine core's to decide (its rejection names the field too).
+
+    Args:
+        req: the request.
+        encode: tokenizes a ``text`` prompt.
+        max_model_len: the engine's longest sequence, tokens (``truncate_prompt_tokens`` -1).
+        vocab_size: the model's vocabulary size; ``logit_bias`` ids must be below it (None:
+            left to the engine core).
+
+    Raises:
+        InvalidArgument: see ``sampling_params_from_proto``, ``prompt_from_proto`` and
+            ``kv_transfer_params_from_proto``; also an empty ``request_id``, multimodal inputs,
+            the typed ``kv_transfer_params``, KV-transfer params with n > 1 (one prompt's KV
+            moves for one request, as in vLLM; smg sends none then), a ``logit_bias`` id
+            outside the vocabulary, a DP rank other than 0.
     """
     if not req.request_id:
         raise InvalidArgument("request_id", "must not be empty")
     _check_unsupported_inputs(req)
     sp = sampling_params_from_proto(req.sampling_params)
+    if vocab_size is not None and sp.logit_bias and max(sp.logit_bias) >= vocab_size:
+        raise InvalidArgument("sampling_params.logit_bias",
+                              f"has token id {max(sp.logit_bias)}; token ids must be in "
+                              f"[0, {vocab_size})")
+    kv_params = kv_transfer_params_from_proto(req)
+    if kv_params is not None and sp.n != 1:
+        raise InvalidArgument(KV_PARAMS_FIELD, f"needs n=1 (got n={sp.n}): one prompt's KV "
+                              "moves for one request")
     prompt = prompt_from_proto(req, encode, max_model_len)
     arrival = time.time()
     children = sp.children()
     if len(children) == 1:
         return [EngineRequest(request_id=req.request_id, prompt_token_ids=prompt,
-                              sampling_params=children[0], arrival_time=arrival)]
+                              sampling_params=children[0], arrival_time=arrival,
+                              kv_transfer_params=kv_params)]
     return [EngineRequest(request_id=f"{req.request_id}#{i}", prompt_token_ids=prompt,
                           sampling_params=c, arrival_time=arrival)
             for i, c in enumerate(children)]
@@ -204,7 +293,8 @@ def chunk_response(d: RequestDelta) -> pb.GenerateResponse:
 
 def complete_response(s: RequestState, token_ids: list[int],
                       rows: Sequence[LogprobRow] | None) -> pb.GenerateResponse:
-    """The ``GenerateComplete`` of a finished choice.
+    """The ``GenerateComplete`` of a finished choice (with ``kv_transfer_params_json`` when
+    the engine reported KV-transfer params for it: a prefill for a remote decode).
 
     Args:
         s: the choice's state (finish and stop reason, prompt and cache counts).
@@ -213,6 +303,8 @@ def complete_response(s: RequestState, token_ids: list[int],
         rows: the logprob rows of those ids, or None.
     """
     kw: dict = {}
+    if s.kv_transfer_params:  # a prefill instance's handoff, relayed verbatim by the gateway
+        kw["kv_transfer_params_json"] = kv_transfer_params_to_json(s.kv_transfer_params)
     if isinstance(s.stop_reason, str):
         kw["matched_stop_str"] = s.stop_reason
     elif isinstance(s.stop_reason, int):
