@@ -57,6 +57,7 @@ def test_null_means_default_and_no_op_fields_accepted():
     ({"truncate_prompt_tokens": 5}, "truncate_prompt_tokens"),
     ({"priority": 3}, "priority"),
     ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"return_hidden_states": True}, "return_hidden_states"),
     ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}},
      "structured_outputs.whitespace_pattern"),
 ])
@@ -65,6 +66,21 @@ def test_fields_that_would_change_output_are_refused(body, param):
         chat(**body).check()
     assert e.value.status_code == 400 and e.value.param == param
     assert e.value.code == "unsupported_parameter"
+
+
+def test_router_fields_with_their_defaults_accepted_and_no_stop_trim_honoured():
+    # vllm-router and SGLang's router write these into every chat request they forward
+    router = {"no_stop_trim": False, "separate_reasoning": True, "stream_reasoning": True,
+              "return_hidden_states": False, "include_reasoning": True}
+    r = chat(**router)
+    r.check()
+    assert not r.to_sampling_params(default_max_tokens=4).include_stop_str_in_output
+    r = chat(**{**router, "no_stop_trim": True, "separate_reasoning": False})
+    r.check()
+    assert r.to_sampling_params(default_max_tokens=4).include_stop_str_in_output
+    c = CompletionRequest.model_validate({"prompt": "x", "no_stop_trim": True})
+    c.check()
+    assert c.to_sampling_params(5).include_stop_str_in_output
 
 
 @pytest.mark.parametrize("body,param", [({"suffix": "tail"}, "suffix"),

@@ -53,6 +53,17 @@ def test_parse_required_arrays():
     assert parse_required('{"name": "f"}') is None
 
 
+def test_required_array_cut_by_length_keeps_complete_calls_as_a_stream_does():
+    cut = '[{"name": "f", "parameters": {"x": 1}}, {"name": "g", "parameters": {"y"'
+    content, calls, finish = ToolOutput("required").message(cut, "length")
+    assert content is None and finish == "length"
+    assert [_fn(c) for c in calls] == [("f", {"x": 1})]
+    assert [(n, a) for n, a in _stream(ToolOutput("required"), cut, 7)[1]] == [("f", {"x": 1})]
+    # nothing complete: the text stays content
+    assert ToolOutput("required").message('[{"name": "f"', "length") == (
+        '[{"name": "f"', [], "length")
+
+
 def _stream(out: ToolOutput, text: str, step: int) -> tuple[str, list[tuple[str, dict]]]:
     """Feed ``text`` in pieces of ``step`` characters; the content and calls the deltas
     describe, assembled as a client does."""

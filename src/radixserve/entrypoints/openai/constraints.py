@@ -80,12 +80,16 @@ def _from_fields(req: Any) -> list[tuple[str, dict[str, Any]]]:
             out.append((field, {key: value}))
     if isinstance(req, ChatCompletionRequest) and req.tools:
         choice = req.effective_tool_choice
+        # Tool calls are compact JSON: a client parses the arguments, never reads their layout,
+        # and a small model let free on whitespace spends its max_tokens on newlines and
+        # indentation (SmolLM2 ran out of 80 tokens inside one call) and returns no call at all.
         if choice == "required":
             out.append(("tool_choice", {"json": required_tools_schema(
-                req.tools, req.parallel_tool_calls)}))
+                req.tools, req.parallel_tool_calls), "disable_any_whitespace": True}))
         elif isinstance(choice, NamedToolChoice):
             tool = next(t for t in req.tools if t.function.name == choice.function.name)
-            out.append(("tool_choice", {"json": tool_parameters(tool)}))
+            out.append(("tool_choice", {"json": tool_parameters(tool),
+                                        "disable_any_whitespace": True}))
     return out
 
 

@@ -233,11 +233,17 @@ class _SamplingRequest(BaseModel):
     length_penalty: float = 1.0
     priority: int = 0
     truncate_prompt_tokens: int | None = None
+    # SGLang's names, which its router and vllm-router write into every request they forward:
+    # ``no_stop_trim`` is SGLang's ``include_stop_str_in_output`` (honoured as that);
+    # hidden states are not returned, so only ``false`` is accepted
+    no_stop_trim: bool = False
+    return_hidden_states: bool = False
 
     #: field -> the values that keep the output unchanged (anything else is refused)
     _RESTRICTED: ClassVar[dict[str, tuple[Any, ...]]] = {
         "spaces_between_special_tokens": (True,), "use_beam_search": (False,),
         "length_penalty": (1.0,), "priority": (0,), "truncate_prompt_tokens": (None,),
+        "return_hidden_states": (False,),
     }
     #: prefill/decode disaggregation (vLLM's field; checked by the engine core)
     kv_transfer_params: dict[str, Any] | None = None
@@ -357,7 +363,7 @@ class _SamplingRequest(BaseModel):
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output,
+            include_stop_str_in_output=self.include_stop_str_in_output or self.no_stop_trim,
             logit_bias=self.logit_bias_ids(),
             structured_outputs=structured,
         )
@@ -380,6 +386,13 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None
+    # Reasoning-content options (SGLang: separate_reasoning, stream_reasoning; vLLM:
+    # include_reasoning; routers forward them with their defaults). Like SGLang and vLLM without
+    # ``--reasoning-parser``, this server has no reasoning parser, so the whole completion is
+    # ``content`` whatever their value: they select nothing here.
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+    include_reasoning: bool = True
     # OpenAI's legacy function calling and features of other models: refused unless null
     # (they are unknown fields otherwise, also refused, but named the same way)
     modalities: list[str] | None = None

@@ -196,9 +196,31 @@ def parse_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     return (joined if joined.strip() else None), calls
 
 
+def required_items(text: str, pos: int = 0) -> tuple[list[dict[str, Any]], int]:
+    """The complete items of a ``tool_choice: "required"`` output (a JSON array of ``{"name",
+    "parameters"}``, possibly cut short by ``max_tokens``) from character ``pos`` on, and the
+    position after the last one. Each item is a call dict (``tool_call``); an item that is
+    not an object naming a function is skipped (the grammar does not produce one)."""
+    calls = []
+    dec = json.JSONDecoder()
+    while True:
+        i = pos
+        while i < len(text) and text[i] in " \t\r\n,[":
+            i += 1
+        if i >= len(text) or text[i] == "]":
+            return calls, i
+        try:
+            item, end = dec.raw_decode(text, i)
+        except ValueError:
+            return calls, pos
+        pos = end
+        if isinstance(item, dict) and isinstance(item.get("name"), str):
+            calls.append(tool_call(item["name"], _dump(item.get("parameters", {}))))
+
+
 def parse_required(text: str) -> list[dict[str, Any]] | None:
-    """The calls of a ``tool_choice: "required"`` output (a JSON array of ``{"name",
-    "parameters"}``), or None when the text is not such an array (cut by ``max_tokens``)."""
+    """The calls of a complete ``tool_choice: "required"`` output, or None when the text is
+    not a whole JSON array of ``{"name", "parameters"}``."""
     try:
         items = json.loads(text)
     except ValueError:
@@ -238,18 +260,23 @@ class ToolOutput:
 
     def message(self, text: str, finish_reason: str | None
                 ) -> tuple[str | None, list[dict[str, Any]], str | None]:
-        """(content, tool_calls, finish_reason) of a finished choice. A call that did not
-        complete (cut by ``max_tokens``) leaves the text as content, unparsed."""
+        """(content, tool_calls, finish_reason) of a finished choice. A named call that did not
+        complete (cut by ``max_tokens``) leaves the text as content, unparsed; a "required"
+        array cut short keeps its complete calls (the ones a stream has already sent) with
+        finish_reason "length", like Hermes calls."""
         if self.mode == "named":
             if finish_reason == "stop":
                 assert self.name is not None
                 return None, [tool_call(self.name, text)], finish_reason
             return text, [], finish_reason
         if self.mode == "required":
-            calls = parse_required(text) if finish_reason == "stop" else None
-            if calls:
-                return None, calls, "tool_calls"
-            return text, [], finish_reason
+            if finish_reason == "stop":
+                calls = parse_required(text)
+                if calls:
+                    return None, calls, "tool_calls"
+                return text, [], finish_reason
+            calls = required_items(text)[0]
+            return (None, calls, finish_reason) if calls else (text, [], finish_reason)
         content, calls = parse_hermes(text)
         if not self.parallel:
             calls = calls[:1]
@@ -306,28 +333,11 @@ class ToolStreamer:
         return self._feed_hermes(final)
 
     def _feed_array(self, final: bool) -> list[dict[str, Any]]:
-        # complete items of the array, each decoded by the json module once it parses
-        out = []
-        dec = json.JSONDecoder()
-        buf = self.buf
-        while True:
-            i = self.pos
-            while i < len(buf) and buf[i] in " \t\r\n,[":
-                i += 1
-            if i >= len(buf) or buf[i] == "]":
-                self.pos = i
-                break
-            try:
-                item, end = dec.raw_decode(buf, i)
-            except ValueError:
-                break
-            self.pos = end
-            if isinstance(item, dict) and isinstance(item.get("name"), str):
-                d = self._call_delta(tool_call(item["name"], _dump(item.get("parameters", {}))))
-                if d is not None:
-                    out.append(d)
-        if final and not self.calls and buf.strip():
-            out.append({"content": buf})  # not an array of calls after all (cut short)
+        # complete items of the array, each sent once the json module decodes it
+        calls, self.pos = required_items(self.buf, self.pos)
+        out = [d for d in map(self._call_delta, calls) if d is not None]
+        if final and not self.calls and self.buf.strip():
+            out.append({"content": self.buf})  # not an array of calls after all (cut short)
         return out
 
     def _feed_hermes(self, final: bool) -> list[dict[str, Any]]:
