@@ -22,7 +22,15 @@ QUESTIONS = ["What is the capital of France?", "Name three fruits.", "Write a ha
 
 
 def run(llm: LLM, prompts: list[list[int]], max_tokens: int, **cfg) -> tuple[dict, EngineCore]:
-    """All prompts through a fresh EngineCore sharing ``llm``'s model runner."""
+    """All prompts through a fresh EngineCore sharing ``llm``'s model runner.
+
+    The two cores share the runner's KV storage, each with its own page pool: the fresh core
+    writes pages that ``llm``'s radix cache may still map to its own prompts. ``llm``'s cache is
+    flushed first, so that no later test of the session reads a prefix hit out of pages this one
+    overwrote (a structured-output test did: stale system-prompt K/V, garbage tokens).
+    """
+    assert not llm.engine.has_unfinished_requests()
+    llm.engine.flush_cache()
     base = dict(page_size=llm.config.page_size, max_num_seqs=16, max_num_batched_tokens=256)
     base.update(cfg)
     core = EngineCore(EngineConfig(**base), llm.engine.runner)
