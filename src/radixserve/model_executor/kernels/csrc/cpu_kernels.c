@@ -84,24 +84,21 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 }
 
 /* Scores of one query row (q: D floats, already scaled; D % 8 == 0, D <= 8 * MAX_D8) against
- * four key rows: four independent 8-lane FMA chains, then `hsum8`. Both kernels score every
- * key through this one function: a one-key loop compiled to a different rounding (measured: 1
- * ulp off in float32), so a group of fewer than four keys repeats its last key instead. */
+ * eight key rows: eight independent 8-lane FMA chains (eight, so the FMA units are not waiting
+ * on one chain's latency), then `hsum8`. Both kernels score every key through this one
+ * function: a one-key loop compiled to a different rounding (measured: 1 ulp off in float32),
+ * so a group of fewer than eight keys repeats its last key instead. */
 #define MAX_D8 32
-static inline void scores4(const float *q, const float *k0, const float *k1, const float *k2,
-                           const float *k3, int64_t D, float r[4]) {
-    v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+#define SCORE_KEYS 8
+static inline void scores8(const float *q, const float *const k[SCORE_KEYS], int64_t D,
+                           float r[SCORE_KEYS]) {
+    v8f a[SCORE_KEYS];
+    for (int u = 0; u < SCORE_KEYS; ++u) a[u] = (v8f){0};
     for (int64_t i = 0; i < D; i += 8) {
         const v8f qv = load8(q + i);
-        a0 += qv * load8(k0 + i);
-        a1 += qv * load8(k1 + i);
-        a2 += qv * load8(k2 + i);
-        a3 += qv * load8(k3 + i);
+        for (int u = 0; u < SCORE_KEYS; ++u) a[u] += qv * load8(k[u] + i);
     }
-    r[0] = hsum8(a0);
-    r[1] = hsum8(a1);
-    r[2] = hsum8(a2);
-    r[3] = hsum8(a3);
+    for (int u = 0; u < SCORE_KEYS; ++u) r[u] = hsum8(a[u]);
 }
 
 /* exp(x) for x <= 0 in float32, vectorizable (no libm call): Cephes' expf (S. L. Moshier), the
@@ -125,16 +122,47 @@ static inline float exp_nonpos(float x) {
     return p * scale;
 }
 
-/* s[0..L) <- softmax(s[0..L)) in place: exact two passes (max; exp and sum), then a scale. */
+/* `exp_nonpos` on 8 lanes: the same formula spelled with vector operations (GCC does not
+ * vectorize the scalar loop: the float -> int -> float rounding step defeats it). */
+typedef int32_t v8i __attribute__((vector_size(32)));
+static inline v8f exp8_nonpos(v8f x) {
+    const v8f lo = (v8f){0} - 87.0f;
+    const v8i below = x < lo;
+    x = (v8f)(((v8i)x & ~below) | ((v8i)lo & below));
+    const v8i ni = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, v8i);
+    const v8f n = __builtin_convertvector(ni, v8f);
+    const v8f r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    v8f p = (v8f){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const v8i bits = (ni + 127) << 23;
+    v8f scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* s[0..L) <- softmax(s[0..L)) in place: exact two passes (max; exp and sum), then a scale.
+ * Which element goes through the 8-lane or the scalar exp depends only on L, so a row gets the
+ * same values in the decode and the prefill kernel. */
 static inline void softmax_row(float *s, int64_t L) {
     float m = s[0];
     for (int64_t u = 1; u < L; ++u) m = s[u] > m ? s[u] : m;
-    for (int64_t u = 0; u < L; ++u) s[u] = exp_nonpos(s[u] - m);
     v8f acc = {0};
     int64_t u = 0;
-    for (; u + 8 <= L; u += 8) acc += load8(s + u);
+    for (; u + 8 <= L; u += 8) {
+        const v8f e = exp8_nonpos(load8(s + u) - m);
+        memcpy(s + u, &e, sizeof e);
+        acc += e;
+    }
     float sum = hsum8(acc);
-    for (; u < L; ++u) sum += s[u];
+    for (; u < L; ++u) {
+        s[u] = exp_nonpos(s[u] - m);
+        sum += s[u];
+    }
     const float inv = 1.f / sum;
     for (u = 0; u < L; ++u) s[u] *= inv;
 }
@@ -146,6 +174,32 @@ static inline void axpy(float *acc, float p, const float *v, int64_t D) {
     for (int64_t i = 0; i < D; ++i) acc[i] += p * v[i];
 }
 
+/* acc[0..D) += sum over j < n of p[j] * row j, row j at base + offs[j]: `axpy`'s chain of
+ * fused multiply-adds per element in key order, with the D accumulators in registers (the
+ * common head sizes get a constant trip count, which is what keeps them in registers) */
+#define PV_ROWS_BODY(D8, LOAD)                                                                 \
+    do {                                                                                       \
+        v8f a[MAX_D8];                                                                         \
+        for (int64_t i = 0; i < (D8); ++i) a[i] = load8(acc + 8 * i);                          \
+        for (int64_t j = 0; j < n; ++j) {                                                      \
+            const v8f pj = (v8f){0} + p[j];                                                    \
+            const __typeof__(base) v = base + offs[j];                                         \
+            for (int64_t i = 0; i < (D8); ++i) a[i] += pj * LOAD(v + 8 * i);                   \
+        }                                                                                      \
+        for (int64_t i = 0; i < (D8); ++i) memcpy(acc + 8 * i, &a[i], sizeof(v8f));            \
+    } while (0)
+#define DEFINE_PV_ROWS(NAME, T, LOAD)                                                          \
+    static inline void NAME(const float *p, const T *base, const int64_t *offs, int64_t n,     \
+                            int64_t D, float *acc) {                                           \
+        if (D == 64)                                                                           \
+            PV_ROWS_BODY(8, LOAD);                                                             \
+        else if (D == 128)                                                                     \
+            PV_ROWS_BODY(16, LOAD);                                                            \
+        else                                                                                   \
+            PV_ROWS_BODY(D / 8, LOAD);                                                         \
+    }
+DEFINE_PV_ROWS(pv_rows, float, load8)
+
 /* One output row of D floats: copied (float32) or rounded to bfloat16. */
 static inline void store_row(int dtype, void *out, int64_t off, const float *acc, int64_t D) {
     if (dtype == 0) {
@@ -155,6 +209,9 @@ static inline void store_row(int dtype, void *out, int64_t off, const float *acc
         for (int64_t i = 0; i < D; ++i) dst[i] = f32_to_bf16(acc[i]);
     }
 }
+
+/* value rows widened per block in the bfloat16 decode kernel */
+#define DECODE_VB 32
 
 int rs_paged_decode_attention(int dtype, const void *q, int64_t q_stride_b, int64_t q_stride_h,
                               const void *k_cache, const void *v_cache,
@@ -187,9 +244,11 @@ int rs_paged_decode_attention(int dtype, const void *q, int64_t q_stride_b, int6
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        /* scores [HG, max_len], queries [HG, D], accumulators [HG, D], four rows [4, row] */
-        float *buf = (float *)malloc(sizeof(float) *
-                                     (size_t)(HG * max_len + 2 * HG * D + 4 * row));
+        /* scores [HG, max_len], queries [HG, D], accumulators [HG, D], rows widened to
+         * float32 [DECODE_VB, row]; then the rows' element offsets int64 [max_len] */
+        const size_t nf = (size_t)(HG * max_len + 2 * HG * D + DECODE_VB * row);
+        float *buf = (float *)malloc(sizeof(float) * (nf + 1) + sizeof(int64_t) * (size_t)max_len);
+        int64_t *offs = buf == NULL ? NULL : (int64_t *)(void *)(buf + nf + (nf & 1));
         if (buf == NULL) {
 #pragma omp atomic write
             failed = 3;
@@ -208,12 +267,13 @@ int rs_paged_decode_attention(int dtype, const void *q, int64_t q_stride_b, int6
                 for (int64_t i = 0; i < D; ++i) qs[j * D + i] = qr[i] * scale;
             }
             int64_t t = 0;
-            for (; fast && t < L; t += 4) {
-                for (int64_t a = t + PREFETCH_AHEAD; a < t + PREFETCH_AHEAD + 4 && a < L; ++a)
+            for (; fast && t < L; t += SCORE_KEYS) {
+                for (int64_t a = t + PREFETCH_AHEAD; a < t + PREFETCH_AHEAD + SCORE_KEYS && a < L;
+                     ++a)
                     prefetch_row(dtype, k_cache, (pages[a / P] * P + a % P) * row + kh0 * D,
                                  per_task * D);
-                const float *kr[4];
-                for (int64_t u = 0; u < 4; ++u) {
+                const float *kr[SCORE_KEYS];
+                for (int64_t u = 0; u < SCORE_KEYS; ++u) {
                     const int64_t tu = t + u < L ? t + u : L - 1;
                     const int64_t slot = pages[tu / P] * P + tu % P;
                     kr[u] = row_f32(dtype, k_cache, slot * row + kh0 * D, per_task * D,
@@ -221,9 +281,12 @@ int rs_paged_decode_attention(int dtype, const void *q, int64_t q_stride_b, int6
                 }
                 for (int64_t j = 0; j < HG; ++j) {
                     const int64_t o = (j / G) * D;
-                    float r[4];
-                    scores4(qs + j * D, kr[0] + o, kr[1] + o, kr[2] + o, kr[3] + o, D, r);
-                    for (int64_t u = 0; u < 4 && t + u < L; ++u) scores[j * max_len + t + u] = r[u];
+                    const float *ko[SCORE_KEYS];
+                    for (int u = 0; u < SCORE_KEYS; ++u) ko[u] = kr[u] + o;
+                    float r[SCORE_KEYS];
+                    scores8(qs + j * D, ko, D, r);
+                    for (int64_t u = 0; u < SCORE_KEYS && t + u < L; ++u)
+                        scores[j * max_len + t + u] = r[u];
                 }
             }
             for (; t < L; ++t) {
@@ -234,15 +297,38 @@ int rs_paged_decode_attention(int dtype, const void *q, int64_t q_stride_b, int6
             }
             for (int64_t j = 0; j < HG; ++j) softmax_row(scores + j * max_len, L);
             memset(acc, 0, sizeof(float) * (size_t)(HG * D));
-            for (t = 0; t < L; ++t) {
-                const int64_t a = t + PREFETCH_AHEAD;
-                if (a < L)
-                    prefetch_row(dtype, v_cache, (pages[a / P] * P + a % P) * row + kh0 * D,
-                                 per_task * D);
-                const int64_t slot = pages[t / P] * P + t % P;
-                const float *vr = row_f32(dtype, v_cache, slot * row + kh0 * D, per_task * D, tmp);
-                for (int64_t j = 0; j < HG; ++j)
-                    axpy(acc + j * D, scores[j * max_len + t], vr + (j / G) * D, D);
+            if (fast) {
+                /* head by head, its accumulators in registers over all keys (the prefill
+                 * kernel's `pv_block` chain); the group's heads re-read V from cache */
+                for (t = 0; t < L; ++t) offs[t] = (pages[t / P] * P + t % P) * row + kh0 * D;
+                if (dtype == 0) {
+                    for (int64_t j = 0; j < HG; ++j)
+                        pv_rows(scores + j * max_len, (const float *)v_cache + (j / G) * D, offs,
+                                L, D, acc + j * D);
+                } else {
+                    /* bfloat16: widen a block of rows once for all the group's heads */
+                    const int64_t w = per_task * D;
+                    int64_t boffs[DECODE_VB];
+                    for (int64_t u = 0; u < DECODE_VB; ++u) boffs[u] = u * w;
+                    for (int64_t t0 = 0; t0 < L; t0 += DECODE_VB) {
+                        const int64_t nk = L - t0 < DECODE_VB ? L - t0 : DECODE_VB;
+                        for (int64_t u = 0; u < nk; ++u) {
+                            const uint16_t *src = (const uint16_t *)v_cache + offs[t0 + u];
+                            for (int64_t i = 0; i < w; ++i) tmp[u * w + i] = bf16_to_f32(src[i]);
+                        }
+                        for (int64_t j = 0; j < HG; ++j)
+                            pv_rows(scores + j * max_len + t0, tmp + (j / G) * D, boffs, nk, D,
+                                    acc + j * D);
+                    }
+                }
+            } else {
+                for (t = 0; t < L; ++t) {
+                    const int64_t slot = pages[t / P] * P + t % P;
+                    const float *vr = row_f32(dtype, v_cache, slot * row + kh0 * D,
+                                              per_task * D, tmp);
+                    for (int64_t j = 0; j < HG; ++j)
+                        axpy(acc + j * D, scores[j * max_len + t], vr + (j / G) * D, D);
+                }
             }
             for (int64_t j = 0; j < HG; ++j)
                 store_row(dtype, out, (b * H + kh0 * G + j) * D, acc + j * D, D);
@@ -271,16 +357,16 @@ int rs_paged_decode_attention(int dtype, const void *q, int64_t q_stride_b, int6
 #define PREFILL_KB 32
 
 /* Scores of one query row against keys kb[0..nk) of a block ([nk, D] float32), through
- * `scores4` as the decode kernel does. */
+ * `scores8` as the decode kernel does. */
 static inline void scores_block(const float *q, const float *kb, int64_t nk, int64_t D,
                                 float *s) {
-    for (int64_t j = 0; j < nk; j += 4) {
+    for (int64_t j = 0; j < nk; j += SCORE_KEYS) {
         const int64_t last = nk - 1;
-        float r[4];
-        scores4(q, kb + j * D, kb + (j + 1 < last ? j + 1 : last) * D,
-                kb + (j + 2 < last ? j + 2 : last) * D, kb + (j + 3 < last ? j + 3 : last) * D,
-                D, r);
-        for (int64_t u = 0; u < 4 && j + u < nk; ++u) s[j + u] = r[u];
+        const float *k[SCORE_KEYS];
+        for (int64_t u = 0; u < SCORE_KEYS; ++u) k[u] = kb + (j + u < last ? j + u : last) * D;
+        float r[SCORE_KEYS];
+        scores8(q, k, D, r);
+        for (int64_t u = 0; u < SCORE_KEYS && j + u < nk; ++u) s[j + u] = r[u];
     }
 }
 
@@ -310,7 +396,7 @@ int rs_paged_prefill_attention(int dtype, const void *q, int64_t q_stride_t, int
     const int64_t G = H / Hkv;
     const int64_t row = Hkv * D;
     const int64_t tiles = (n + PREFILL_TILE - 1) / PREFILL_TILE;
-    /* the decode kernel's condition for `scores4`; otherwise both score with `dot` */
+    /* the decode kernel's condition for `scores8`; otherwise both score with `dot` */
     const int fast = D % 8 == 0 && D / 8 <= MAX_D8;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
