@@ -127,10 +127,78 @@ def test_add_rms_norm_rejects_bad_input(kernel) -> None:
     r = torch.randn(4, 8)
     with pytest.raises(ValueError, match="float32"):
         kernel.add_rms_norm(None, r.double(), torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match="one dtype"):
+        kernel.add_rms_norm(None, r.bfloat16(), torch.ones(8), 1e-6)
     with pytest.raises(ValueError, match="float32"):
         kernel.add_rms_norm(torch.randn(4, 7), r, torch.ones(8), 1e-6)
     with pytest.raises(ValueError, match="float32"):
         kernel.add_rms_norm(None, r.t(), torch.ones(4), 1e-6)
+
+
+@pytest.mark.parametrize(("m", "n"), [(1, 576), (3, 17), (130, 576)])
+@pytest.mark.parametrize("add", [False, True])
+def test_add_rms_norm_bf16_equals_the_eager_bf16_ops(kernel, m, n, add) -> None:
+    from radixserve.model_executor.models.llama import rms_norm
+
+    g = torch.Generator().manual_seed(m + n)
+    x = torch.randn(m, n, generator=g).bfloat16()
+    residual = (torch.randn(m, n, generator=g) * 3).bfloat16()
+    weight = (torch.rand(n, generator=g) + 0.5).bfloat16()
+    want_res = residual + x if add else residual.clone()
+    want = rms_norm(want_res, weight, 1e-5)  # transformers' LlamaRMSNorm on bf16
+    got = kernel.add_rms_norm(x if add else None, residual, weight, 1e-5)
+    assert torch.equal(residual, want_res)
+    # the mean's summation order differs from torch's: a rare last-bit difference
+    torch.testing.assert_close(got, want, atol=0, rtol=2 ** -7)
+    assert (got != want).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rope_in_place_equals_apply_rope_bitwise(kernel, dtype, threads) -> None:
+    from radixserve.model_executor.models.llama import apply_rope
+
+    g = torch.Generator().manual_seed(7)
+    t, nq, nkv, d = 300, 9, 3, 64
+    qkv = torch.randn(t, (nq + 2 * nkv) * d, generator=g).to(dtype)
+    qk = qkv[:, :(nq + nkv) * d].view(t, nq + nkv, d)  # a strided view, as in the layer
+    freqs = torch.randint(0, 8192, (t, 1), generator=g).float() * (
+        1.0 / 100000 ** (torch.arange(0, d, 2).float() / d))
+    cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+    want = apply_rope(qk, cos.unsqueeze(1), sin.unsqueeze(1))
+    v_before = qkv[:, (nq + nkv) * d:].clone()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert kernel.rope_(qk, cos, sin) is qk
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(qk, want)
+    assert torch.equal(qkv[:, (nq + nkv) * d:], v_before)  # V untouched
+    with pytest.raises(ValueError, match="rope_"):
+        kernel.rope_(qk, cos[:-1], sin[:-1])
+    with pytest.raises(ValueError, match="rope_"):
+        kernel.rope_(qk.transpose(0, 1), cos, sin)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("i", [1536, 13])  # 13: a tail shorter than the 8 lanes
+def test_silu_mul_matches_torch(kernel, dtype, i) -> None:
+    g = torch.Generator().manual_seed(i)
+    gu = (torch.randn(37, 2 * i, generator=g) * 4).to(dtype)
+    gu[0, :4] = torch.tensor([30.0, -30.0, 0.0, -0.0]).to(dtype)
+    gate, up = gu.chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    got = kernel.silu_mul(gu)
+    assert got.dtype == dtype and got.shape == (37, i)
+    if dtype == torch.bfloat16:
+        # the SiLU is rounded to bf16 as torch's op is: equal but for a rare last bit
+        assert (got != want).float().mean() < 1e-3
+        torch.testing.assert_close(got, want, atol=1e-30, rtol=2 ** -7)
+    else:
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="silu_mul"):
+        kernel.silu_mul(gu[:, :-1])
 
 
 # -- paged prefill attention -----------------------------------------------------------------

@@ -99,6 +99,18 @@ class CpuKernels:
         fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, c_float, c_int]
         fn.restype = c_int
         self._norm = fn
+        fn = lib.rs_add_rms_norm_bf16
+        fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, c_float, c_int]
+        fn.restype = c_int
+        self._norm_bf16 = fn
+        fn = lib.rs_rope
+        fn.argtypes = [c_int, ptr, i64, i64, i64, i64, ptr, ptr, c_int]
+        fn.restype = c_int
+        self._rope = fn
+        fn = lib.rs_silu_mul
+        fn.argtypes = [c_int, ptr, ptr, i64, i64, c_int]
+        fn.restype = c_int
+        self._silu_mul = fn
 
     @classmethod
     def load(cls) -> CpuKernels | None:
@@ -206,32 +218,85 @@ class CpuKernels:
                      eps: float) -> torch.Tensor:
         """``residual += x`` in place (skipped when x is None), then RMSNorm of the new residual.
 
-        Float32 only, with transformers' ``LlamaRMSNorm`` arithmetic:
-        ``r * rsqrt(mean(r ** 2) + eps) * weight`` (the mean summed in a different order than
-        torch's, so results may differ from ``F.rms_norm`` in the last bit).
+        transformers' ``LlamaRMSNorm`` arithmetic: ``r * rsqrt(mean(r ** 2) + eps) * weight``
+        in float32; in bfloat16 the residual sum, the normalized row and the product with the
+        weight are each rounded to bfloat16 where torch's ops round them, with the mean in
+        float32. The mean is summed in a different order than torch's, so results may differ
+        from ``F.rms_norm`` in the last bit.
 
         Args:
-            x: contiguous float32 [M, N] or None.
-            residual: contiguous float32 [M, N], updated in place.
-            weight: contiguous float32 [N].
+            x: contiguous [M, N] in residual's dtype, or None.
+            residual: contiguous float32 or bfloat16 [M, N], updated in place.
+            weight: contiguous [N], residual's dtype.
             eps: added to the mean square.
-        Returns: a new float32 [M, N] tensor.
+        Returns: a new [M, N] tensor in residual's dtype.
 
         Raises:
             ValueError: wrong dtype, shape or layout.
             RuntimeError: the kernel reported an error (its non-zero return code).
         """
         m, n = residual.shape
-        if (residual.dtype != torch.float32 or weight.dtype != torch.float32
-                or (x is not None and (x.dtype != torch.float32 or x.shape != residual.shape
+        dt = residual.dtype
+        if (dt not in _DTYPES or weight.dtype != dt
+                or (x is not None and (x.dtype != dt or x.shape != residual.shape
                                        or not x.is_contiguous()))
                 or weight.shape != (n,) or not residual.is_contiguous()
                 or not weight.is_contiguous()):
-            raise ValueError("add_rms_norm needs contiguous float32 x/residual [M, N] and "
-                             "weight [N]")
+            raise ValueError("add_rms_norm needs contiguous float32 or bfloat16 x/residual "
+                             "[M, N] and weight [N], all of one dtype")
         out = torch.empty_like(residual)
-        rc = self._norm(None if x is None else x.data_ptr(), residual.data_ptr(),
-                        weight.data_ptr(), out.data_ptr(), m, n, eps, torch.get_num_threads())
+        fn = self._norm if dt == torch.float32 else self._norm_bf16
+        rc = fn(None if x is None else x.data_ptr(), residual.data_ptr(),
+                weight.data_ptr(), out.data_ptr(), m, n, eps, torch.get_num_threads())
         if rc:
             raise RuntimeError(f"fused add + RMSNorm kernel failed with code {rc}")
+        return out
+
+    def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate-half RoPE (the Hugging Face / GPT-NeoX layout) applied to ``x`` in place,
+        with torch's rounding after every product and sum (``llama.apply_rope``'s values).
+
+        Args:
+            x: float32 or bfloat16 [T, heads, D], D even, heads and D contiguous (the token
+                stride is free: Q and K may be a view of the fused QKV output).
+            cos, sin: contiguous [T, D // 2] in x's dtype.
+        Returns: x.
+
+        Raises:
+            ValueError: wrong dtype, shape or layout.
+        """
+        t, heads, d = x.shape
+        if (x.dtype not in _DTYPES or cos.dtype != x.dtype or sin.dtype != x.dtype
+                or d % 2 or cos.shape != (t, d // 2) or sin.shape != (t, d // 2)
+                or x.stride(2) != 1 or x.stride(1) != d or not cos.is_contiguous()
+                or not sin.is_contiguous()):
+            raise ValueError("rope_ needs x [T, heads, D] (heads and D contiguous, D even) and "
+                             "contiguous cos/sin [T, D // 2], all of one float32/bfloat16 dtype")
+        rc = self._rope(_DTYPES[x.dtype], x.data_ptr(), t, heads, d, x.stride(0),
+                        cos.data_ptr(), sin.data_ptr(), torch.get_num_threads())
+        if rc:
+            raise RuntimeError(f"RoPE kernel failed with code {rc}")
+        return x
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """SwiGLU's activation ``silu(gate) * up`` of the fused gate/up projection's output, in
+        one pass; the SiLU is rounded to the activation dtype before the product, as torch's
+        two ops round it. Its exponential is Cephes' (``exp_nonpos`` in the C source), so
+        values may differ from torch's SiLU in the last bit of float32.
+
+        Args:
+            gate_up: contiguous float32 or bfloat16 [T, 2 * I] (gate, then up).
+        Returns: a new [T, I] tensor in gate_up's dtype.
+
+        Raises:
+            ValueError: wrong dtype, shape or layout.
+        """
+        t, two_i = gate_up.shape
+        if gate_up.dtype not in _DTYPES or two_i % 2 or not gate_up.is_contiguous():
+            raise ValueError("silu_mul needs a contiguous float32/bfloat16 [T, 2 * I] tensor")
+        out = torch.empty(t, two_i // 2, dtype=gate_up.dtype, device=gate_up.device)
+        rc = self._silu_mul(_DTYPES[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(), t,
+                            two_i // 2, torch.get_num_threads())
+        if rc:
+            raise RuntimeError(f"SiLU-and-multiply kernel failed with code {rc}")
         return out

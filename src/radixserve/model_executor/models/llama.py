@@ -165,12 +165,12 @@ class DecoderLayer(nn.Module):
                 sin: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         a = self.a
-        fused = self.kernels is not None and h.dtype == torch.float32
-        if fused:
+        k = self.kernels
+        if k is not None:
             # residual updated in place: it is always a tensor this forward created
-            x = self.kernels.add_rms_norm(None if residual is None else h,
-                                          h if residual is None else residual,
-                                          self.input_norm, a.rms_norm_eps)
+            x = k.add_rms_norm(None if residual is None else h,
+                               h if residual is None else residual,
+                               self.input_norm, a.rms_norm_eps)
             residual = h if residual is None else residual
         else:
             residual = h if residual is None else residual + h
@@ -184,15 +184,21 @@ class DecoderLayer(nn.Module):
         if self.q_norm is not None:
             qk = torch.cat((rms_norm(qk[:, :nq], self.q_norm, a.rms_norm_eps),
                             rms_norm(qk[:, nq:], self.k_norm, a.rms_norm_eps)), dim=1)
-        qk = apply_rope(qk, cos, sin)
+        if k is not None:
+            # in place: Q and K stay views of the fused projection's output (its own tensor)
+            k.rope_(qk, cos, sin)
+        else:
+            qk = apply_rope(qk, cos.unsqueeze(1), sin.unsqueeze(1))
         o = self.attn.forward(qk[:, :nq], qk[:, nq:], v, kv, meta)
         h = self.o_proj(o)
-        if fused:
-            x = self.kernels.add_rms_norm(h, residual, self.post_norm, a.rms_norm_eps)
+        if k is not None:
+            x = k.add_rms_norm(h, residual, self.post_norm, a.rms_norm_eps)
         else:
             residual = residual + h
             x = rms_norm(residual, self.post_norm, a.rms_norm_eps)
         gu = self.gate_up_proj(x)
+        if k is not None:
+            return self.down_proj(k.silu_mul(gu)), residual
         gate, up = gu.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up), residual
 
@@ -253,12 +259,13 @@ class CausalLM(nn.Module):
                 kv_layers: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: int64 [T]. Returns final hidden states [T, hidden]."""
         h = F.embedding(input_ids, self.embed)
-        cos = self.cos_table[positions].to(h.dtype).unsqueeze(1)
-        sin = self.sin_table[positions].to(h.dtype).unsqueeze(1)
+        # [T, head_dim // 2] in the activation dtype, as transformers casts them
+        cos = self.cos_table[positions].to(h.dtype)
+        sin = self.sin_table[positions].to(h.dtype)
         residual = None
         for layer, kv in zip(self.layers, kv_layers, strict=True):
             h, residual = layer(h, residual, cos, sin, kv, meta)
-        if self.kernels is not None and h.dtype == torch.float32:
+        if self.kernels is not None:
             return self.kernels.add_rms_norm(h, residual, self.norm, self.a.rms_norm_eps)
         return rms_norm(residual + h, self.norm, self.a.rms_norm_eps)
 

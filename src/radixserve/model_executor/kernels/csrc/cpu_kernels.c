@@ -507,3 +507,144 @@ int rs_add_rms_norm(const float *x, float *residual, const float *weight, float 
     }
     return 0;
 }
+
+/* The bfloat16 forms of the layer's element-wise steps, fused. Each rounds to bfloat16 exactly
+ * where torch's bfloat16 ops round (after every op, as transformers' Llama modules run them), so
+ * they compute the eager forward's values in one pass instead of 3-8 torch ops, each of which
+ * reads and writes the activations and costs a dispatch. */
+
+/* residual [M, N] += x (rounded, when x is not NULL); out = bf16(weight * bf16(r * rsqrt(
+ * mean(r^2) + eps))) with r and the mean in float32: transformers' LlamaRMSNorm on bfloat16
+ * activations. */
+int rs_add_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *weight,
+                         uint16_t *out, int64_t M, int64_t N, float eps, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (M * N >= 65536) schedule(static)
+    for (int64_t m = 0; m < M; ++m) {
+        uint16_t *r = residual + m * N;
+        if (x != NULL) {
+            const uint16_t *xr = x + m * N;
+#pragma omp simd
+            for (int64_t i = 0; i < N; ++i) r[i] = f32_to_bf16(bf16_to_f32(r[i]) + bf16_to_f32(xr[i]));
+        }
+        float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < N; ++i) ss += bf16_to_f32(r[i]) * bf16_to_f32(r[i]);
+        const float inv = 1.f / sqrtf(ss / (float)N + eps);
+        uint16_t *o = out + m * N;
+#pragma omp simd
+        for (int64_t i = 0; i < N; ++i)
+            o[i] = f32_to_bf16(bf16_to_f32(weight[i]) *
+                               bf16_to_f32(f32_to_bf16(bf16_to_f32(r[i]) * inv)));
+    }
+    return 0;
+}
+
+/* Rotate-half RoPE in place on x [T, heads, D] (row stride `stride_t` elements, heads
+ * contiguous): x1' = x1*cos - x2*sin, x2' = x2*cos + x1*sin with cos, sin [T, D/2] in x's dtype,
+ * each product and sum rounded as torch rounds it (no fused multiply-add: float32 torch does
+ * not contract them either). */
+__attribute__((optimize("fp-contract=off")))
+int rs_rope(int dtype, void *x, int64_t T, int64_t heads, int64_t D, int64_t stride_t,
+            const void *cos, const void *sin, int num_threads) {
+    if (D % 2) return 1;
+    const int64_t half = D / 2;
+#pragma omp parallel for num_threads(num_threads) if (T * heads * D >= 65536) schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+        for (int64_t h = 0; h < heads; ++h) {
+            if (dtype == 0) {
+                float *a = (float *)x + t * stride_t + h * D, *b = a + half;
+                const float *c = (const float *)cos + t * half, *s = (const float *)sin + t * half;
+#pragma omp simd
+                for (int64_t i = 0; i < half; ++i) {
+                    const float x1 = a[i], x2 = b[i];
+                    const float p = x1 * c[i], q = x2 * s[i], u = x2 * c[i], v = x1 * s[i];
+                    a[i] = p - q;
+                    b[i] = u + v;
+                }
+            } else {
+                uint16_t *a = (uint16_t *)x + t * stride_t + h * D, *b = a + half;
+                const uint16_t *c = (const uint16_t *)cos + t * half;
+                const uint16_t *s = (const uint16_t *)sin + t * half;
+#pragma omp simd
+                for (int64_t i = 0; i < half; ++i) {
+                    const float x1 = bf16_to_f32(a[i]), x2 = bf16_to_f32(b[i]);
+                    const float ci = bf16_to_f32(c[i]), si = bf16_to_f32(s[i]);
+                    const float p = bf16_to_f32(f32_to_bf16(x1 * ci));
+                    const float q = bf16_to_f32(f32_to_bf16(x2 * si));
+                    const float u = bf16_to_f32(f32_to_bf16(x2 * ci));
+                    const float v = bf16_to_f32(f32_to_bf16(x1 * si));
+                    a[i] = f32_to_bf16(p - q);
+                    b[i] = f32_to_bf16(u + v);
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/* 8 values of a float32 or bfloat16 row from element i, widened to float32 (exact) */
+typedef uint16_t v8u16 __attribute__((vector_size(16)));
+typedef uint32_t v8u32 __attribute__((vector_size(32)));
+static inline v8f load8_any(int dtype, const void *base, int64_t i) {
+    if (dtype == 0) return load8((const float *)base + i);
+    v8u16 h;
+    memcpy(&h, (const uint16_t *)base + i, sizeof h);
+    const v8u32 w = __builtin_convertvector(h, v8u32) << 16;
+    v8f f;
+    memcpy(&f, &w, sizeof f);
+    return f;
+}
+
+/* silu(g) * u on 8 lanes, the SiLU rounded to the activation dtype first (torch's two ops);
+ * sigmoid through `exp8_nonpos` of -|g|, so no lane overflows. Returns float32 lanes of the
+ * product (still to be rounded to bfloat16 by the caller). */
+static inline v8f silu_mul8(int dtype, v8f g, v8f u) {
+    const v8i neg = g < (v8f){0};
+    const v8i abs_mask = (v8i){0} + 0x7fffffff;
+    const v8f e = exp8_nonpos((v8f){0} - (v8f)((v8i)g & abs_mask)); /* exp(-|g|) */
+    const v8f one = (v8f){0} + 1.0f;
+    /* g * sigmoid(g): g / (1 + e) for g >= 0 (torch's formula), g * e / (1 + e) below */
+    const v8f num = (v8f)(((v8i)one & ~neg) | ((v8i)e & neg));
+    v8f silu = (g * num) / (one + e);
+    if (dtype != 0) {
+        float y[8];
+        memcpy(y, &silu, sizeof y);
+        for (int j = 0; j < 8; ++j) y[j] = bf16_to_f32(f32_to_bf16(y[j]));
+        memcpy(&silu, y, sizeof y);
+    }
+    return silu * u;
+}
+
+/* out [T, I] = silu(gu[:, :I]) * gu[:, I:] (gu [T, 2I] contiguous, out contiguous): SwiGLU's
+ * activation in one pass. */
+int rs_silu_mul(int dtype, const void *gu, void *out, int64_t T, int64_t I, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (T * I >= 65536) schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+        const int64_t g0 = t * 2 * I, u0 = g0 + I, o0 = t * I;
+        int64_t i = 0;
+        for (; i + 8 <= I; i += 8) {
+            const v8f y = silu_mul8(dtype, load8_any(dtype, gu, g0 + i), load8_any(dtype, gu, u0 + i));
+            if (dtype == 0) {
+                memcpy((float *)out + o0 + i, &y, sizeof y);
+            } else {
+                for (int j = 0; j < 8; ++j) ((uint16_t *)out)[o0 + i + j] = f32_to_bf16(y[j]);
+            }
+        }
+        if (i < I) { /* the tail, padded with its own first element */
+            float g[8], u[8];
+            for (int64_t j = 0; j < 8; ++j) {
+                const int64_t k = i + (i + j < I ? j : 0);
+                g[j] = dtype == 0 ? ((const float *)gu)[g0 + k]
+                                  : bf16_to_f32(((const uint16_t *)gu)[g0 + k]);
+                u[j] = dtype == 0 ? ((const float *)gu)[u0 + k]
+                                  : bf16_to_f32(((const uint16_t *)gu)[u0 + k]);
+            }
+            const v8f y = silu_mul8(dtype, load8(g), load8(u));
+            for (int64_t j = 0; i + j < I; ++j) {
+                if (dtype == 0) ((float *)out)[o0 + i + j] = y[j];
+                else ((uint16_t *)out)[o0 + i + j] = f32_to_bf16(y[j]);
+            }
+        }
+    }
+    return 0;
+}
