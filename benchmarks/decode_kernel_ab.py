@@ -1,0 +1,73 @@
+"""A/B of the paged decode-attention kernel between a git revision and the working tree, both
+builds loaded in one process and timed interleaved (best of N), because the shared VMs' speed
+drifts by tens of percent between runs. Also checks the two outputs are bit-identical.
+
+    .venv/bin/python benchmarks/decode_kernel_ab.py --base HEAD~1 [--lens 128,512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from radixserve.model_executor.kernels import cpu as kc
+
+
+def build(source: Path, out: Path) -> kc.CpuKernels:
+    """Only the decode kernel is bound: an older source may lack the other symbols."""
+    subprocess.run(["cc", *kc.CFLAGS, "-o", str(out), str(source), "-lm"], check=True)
+    fn = ctypes.CDLL(str(out)).rs_paged_decode_attention
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, i64,
+                   i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    lib = object.__new__(kc.CpuKernels)
+    lib._attn = fn
+    return lib
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base", default="HEAD", help="git revision of the A build")
+    ap.add_argument("--lens", default="128,512", help="keys per sequence")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=15)
+    ns = ap.parse_args()
+    torch.get_num_threads()  # torch's libgomp first: the kernels share its thread pool
+    tmp = Path(tempfile.mkdtemp())
+    rel = kc.SOURCE.relative_to(Path(kc.__file__).parents[4]).as_posix()
+    old = tmp / "base.c"
+    old.write_text(subprocess.run(["git", "show", f"{ns.base}:{rel}"], check=True,
+                                  capture_output=True, text=True).stdout)
+    a, b = build(old, tmp / "a.so"), build(kc.SOURCE, tmp / "b.so")
+    heads, kv_heads, d, page = 9, 3, 64, 16  # SmolLM2-135M's attention
+    for dtype in (torch.bfloat16, torch.float32):
+        for length in (int(x) for x in ns.lens.split(",")):
+            n_pages = length // page
+            kv = torch.randn(2, ns.batch * n_pages + 1, page, kv_heads, d, dtype=dtype)
+            table = torch.arange(1, ns.batch * n_pages + 1).view(ns.batch, n_pages)
+            lens = torch.full((ns.batch,), length)
+            q = torch.randn(ns.batch, heads, d, dtype=dtype)
+            outs = {"A": torch.empty_like(q), "B": torch.empty_like(q)}
+            best = {"A": 1e9, "B": 1e9}
+            for _ in range(ns.reps):
+                for name, lib in (("A", a), ("B", b)):
+                    t = time.perf_counter()
+                    for _ in range(20):
+                        lib.paged_decode_attention(q, kv[0], kv[1], table, lens, outs[name],
+                                                   d ** -0.5)
+                    best[name] = min(best[name], (time.perf_counter() - t) / 20 * 1e3)
+            same = torch.equal(outs["A"], outs["B"])
+            print(f"{str(dtype).removeprefix('torch.')} batch {ns.batch} x {length} keys: "
+                  f"{ns.base} {best['A']:.3f} ms, working tree {best['B']:.3f} ms per layer "
+                  f"({best['A'] / best['B']:.2f}x), bit-identical: {same}")
+
+
+if __name__ == "__main__":
+    main()
