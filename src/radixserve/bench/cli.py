@@ -237,12 +237,17 @@ def cmd_pd_serve(ns: argparse.Namespace) -> int:
 
     from radixserve.bench import pd
 
+    setups = ["pd", "colocated"] if ns.setups == "both" else ns.setups.split(",")
+    bad = [x for x in setups if x not in ("pd", "colocated")]
+    if bad:
+        raise SystemExit(f"--setups: unknown setup {bad[0]!r} (pd, colocated, pd,colocated "
+                         "or both)")
     res = pd.run_serve(connector=ns.connector, num_requests=ns.num_requests,
                        long_every=ns.long_every, short_len=ns.short_input_len,
                        long_len=ns.long_input_len, output_len=ns.output_len,
                        long_output_len=ns.long_output_len, rate=ns.request_rate,
                        threads=ns.threads, dtype=ns.dtype, num_pages=ns.num_pages,
-                       workdir=Path(ns.workdir), seed=ns.seed, setups=ns.setups.split(","))
+                       workdir=Path(ns.workdir), seed=ns.seed, setups=setups)
     _write(res, ns.json, quiet=True)
     print(pd.format_serve(res))
     return 0
@@ -388,7 +393,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                          "colocated ones behind vllm-router")
     d.add_argument("--connector", default="NixlConnector",
                    choices=("NixlConnector", "TcpConnector"))
-    d.add_argument("--setups", default="pd,colocated", help="pd, colocated or both")
+    d.add_argument("--setups", default="pd,colocated", help="pd, colocated, or both (= pd,colocated, the default)")
     d.add_argument("--num-requests", type=int, default=64)
     d.add_argument("--long-every", type=int, default=8,
                    help="one long prompt per this many requests (0: none)")
