@@ -47,7 +47,7 @@ static inline const float *row_f32(int dtype, const void *base, int64_t off, int
 
 /* Ask for a token's row a few tokens ahead: pages sit at random places in the pool, so the
  * hardware prefetcher restarts at every page boundary. */
-#define PREFETCH_AHEAD 4
+#define PREFETCH_AHEAD 16
 static inline void prefetch_row(int dtype, const void *base, int64_t off, int64_t n) {
     const char *p = (const char *)base + off * (dtype == 0 ? 4 : 2);
     const int64_t bytes = n * (dtype == 0 ? 4 : 2);
@@ -295,23 +295,30 @@ int rs_paged_decode_attention(int dtype, const void *q, int64_t q_stride_b, int6
                 for (int64_t j = 0; j < HG; ++j)
                     scores[j * max_len + t] = dot(qs + j * D, kr + (j / G) * D, D);
             }
+            if (fast) {
+                /* the first value blocks come from DRAM while the softmax runs */
+                for (t = 0; t < L; ++t) offs[t] = (pages[t / P] * P + t % P) * row + kh0 * D;
+                for (t = 0; t < L && t < 2 * DECODE_VB; ++t)
+                    prefetch_row(dtype, v_cache, offs[t], per_task * D);
+            }
             for (int64_t j = 0; j < HG; ++j) softmax_row(scores + j * max_len, L);
             memset(acc, 0, sizeof(float) * (size_t)(HG * D));
             if (fast) {
-                /* head by head, its accumulators in registers over all keys (the prefill
-                 * kernel's `pv_block` chain); the group's heads re-read V from cache */
-                for (t = 0; t < L; ++t) offs[t] = (pages[t / P] * P + t % P) * row + kh0 * D;
-                if (dtype == 0) {
-                    for (int64_t j = 0; j < HG; ++j)
-                        pv_rows(scores + j * max_len, (const float *)v_cache + (j / G) * D, offs,
-                                L, D, acc + j * D);
-                } else {
-                    /* bfloat16: widen a block of rows once for all the group's heads */
-                    const int64_t w = per_task * D;
-                    int64_t boffs[DECODE_VB];
-                    for (int64_t u = 0; u < DECODE_VB; ++u) boffs[u] = u * w;
-                    for (int64_t t0 = 0; t0 < L; t0 += DECODE_VB) {
-                        const int64_t nk = L - t0 < DECODE_VB ? L - t0 : DECODE_VB;
+                /* head by head, its accumulators in registers over a block of keys (the
+                 * prefill kernel's `pv_block` chain), the block two ahead on its way in */
+                const int64_t w = per_task * D;
+                int64_t boffs[DECODE_VB];
+                for (int64_t u = 0; u < DECODE_VB; ++u) boffs[u] = u * w;
+                for (int64_t t0 = 0; t0 < L; t0 += DECODE_VB) {
+                    const int64_t nk = L - t0 < DECODE_VB ? L - t0 : DECODE_VB;
+                    for (int64_t a = t0 + 2 * DECODE_VB; a < t0 + 3 * DECODE_VB && a < L; ++a)
+                        prefetch_row(dtype, v_cache, offs[a], w);
+                    if (dtype == 0) {
+                        for (int64_t j = 0; j < HG; ++j)
+                            pv_rows(scores + j * max_len + t0, (const float *)v_cache + (j / G) * D,
+                                    offs + t0, nk, D, acc + j * D);
+                    } else {
+                        /* bfloat16: widen the block once for all the group's heads */
                         for (int64_t u = 0; u < nk; ++u) {
                             const uint16_t *src = (const uint16_t *)v_cache + offs[t0 + u];
                             for (int64_t i = 0; i < w; ++i) tmp[u * w + i] = bf16_to_f32(src[i]);
