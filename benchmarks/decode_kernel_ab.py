@@ -56,7 +56,7 @@ def main() -> None:
     heads, kv_heads, d, page = 9, 3, 64, 16  # SmolLM2-135M's attention
     for dtype in (torch.bfloat16, torch.float32):
         for length in (int(x) for x in ns.lens.split(",")):
-            n_pages = length // page
+            n_pages = -(-length // page)
             pool = max(ns.pool_pages, ns.batch * n_pages + 1)
             kvs = [torch.randn(2, pool, page, kv_heads, d, dtype=dtype)
                    for _ in range(ns.layers)]

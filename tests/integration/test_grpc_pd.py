@@ -35,6 +35,7 @@ from test_pd_disagg import (
     local_compute,
     metric,
     reference,
+    stream_text,
 )
 
 pytestmark = pytest.mark.slow
@@ -137,15 +138,7 @@ def test_chats_through_smg_equal_a_colocated_engine(pd, default_llm) -> None:
     assert after[3] - before[3] == len(convs)  # smg ran each as a NIXL-style handoff
 
     # streamed through smg: the same text
-    async def stream_one() -> str:
-        async with client(smg) as c:
-            chunks = await c.chat.completions.create(model=MODEL, messages=convs[0],
-                                                     temperature=0, max_tokens=MAX_TOKENS,
-                                                     stream=True)
-            return "".join([ch.choices[0].delta.content or "" async for ch in chunks
-                            if ch.choices])
-
-    assert asyncio.run(stream_one()) == want[0][0]
+    assert asyncio.run(stream_text(client(smg), convs[0])) == want[0][0]
     settle(d, p)
     released = metric(p.metrics_url, "kv_transfer_leases_released_total")
     assert released >= len(convs) + 1

@@ -56,6 +56,20 @@ def assert_close(ours: list[int], our_lp: list[dict[int, float]], ref: list[int]
     return True
 
 
+def greedy_parity(llm: LLM, ref_model, ids: list[list[int]], n: int, name: str) -> int:
+    """``n`` greedy tokens of every prompt, batched in ``llm``, against ``ref_model``'s alone
+    (``assert_close`` on each); returns how many prompts matched token for token."""
+    sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=5)
+    outs = llm.generate([{"prompt_token_ids": x} for x in ids], sp, use_tqdm=False)
+    exact = 0
+    for k, (x, o) in enumerate(zip(ids, outs, strict=True)):
+        ref, ref_lp = hf_greedy(ref_model, x, n)
+        c = o.outputs[0]
+        assert len(c.token_ids) == n
+        exact += assert_close(c.token_ids, c.logprobs, ref, ref_lp, f"{name} {k}")
+    return exact
+
+
 @pytest.mark.slow
 def test_default_model_golden_parity(default_llm: LLM, hf_reference) -> None:
     model, hf_tok = hf_reference
@@ -67,14 +81,7 @@ def test_default_model_golden_parity(default_llm: LLM, hf_reference) -> None:
     assert min(lens) >= 5 and max(lens) <= 400 and max(lens) > 300, lens
     for p, x in zip(prompts, ids, strict=True):
         assert hf_tok.encode(p, add_special_tokens=False) == x  # same tokenization
-    sp = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, logprobs=5)
-    outs = default_llm.generate([{"prompt_token_ids": x} for x in ids], sp, use_tqdm=False)
-    exact = 0
-    for k, (x, o) in enumerate(zip(ids, outs, strict=True)):
-        ref, ref_lp = hf_greedy(model, x, 64)
-        c = o.outputs[0]
-        assert len(c.token_ids) == 64
-        exact += assert_close(c.token_ids, c.logprobs, ref, ref_lp, f"prompt {k}")
+    exact = greedy_parity(default_llm, model, ids, 64, "prompt")
     # near-ties are rare: most prompts must match token for token
     assert exact >= len(ids) - 2, f"only {exact}/{len(ids)} prompts match exactly"
 
@@ -95,13 +102,7 @@ def test_bfloat16_parity_with_transformers_bfloat16(hf_reference) -> None:
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                        add_generation_prompt=True) for p in CHAT_PROMPTS[:6]]
     ids = [tok.encode(p, add_special_tokens=False) for p in prompts]
-    sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=5)
-    outs = llm.generate([{"prompt_token_ids": x} for x in ids], sp, use_tqdm=False)
-    exact = 0
-    for k, (x, o) in enumerate(zip(ids, outs, strict=True)):
-        ref, ref_lp = hf_greedy(ref_model, x, 32)
-        c = o.outputs[0]
-        exact += assert_close(c.token_ids, c.logprobs, ref, ref_lp, f"bf16 prompt {k}")
+    exact = greedy_parity(llm, ref_model, ids, 32, "bf16 prompt")
     # bf16 near-ties are common on this 135M model (measured on the Zen 5 kind: 4/6 prompts
     # exact; the eager torch element-wise ops, 3/6): each divergence is checked above
     assert exact >= len(ids) // 2, f"only {exact}/{len(ids)} prompts match exactly"

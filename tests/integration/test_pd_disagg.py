@@ -180,6 +180,15 @@ async def ask_all(client: AsyncOpenAI, convs: list[list[dict]], **kw) -> list:
                                            max_tokens=MAX_TOKENS, **kw) for c in convs])
 
 
+async def stream_text(client: AsyncOpenAI, conv: list[dict]) -> str:
+    """The greedy answer to ``conv``, streamed, as one text (the client is closed after)."""
+    async with client as c:
+        chunks = await c.chat.completions.create(model=MODEL, messages=conv, temperature=0,
+                                                 max_tokens=MAX_TOKENS, stream=True)
+        return "".join([ch.choices[0].delta.content or "" async for ch in chunks
+                        if ch.choices])
+
+
 def post_chat(base_url: str, conv: list[dict], **body) -> httpx.Response:
     return httpx.post(base_url + "/v1/chat/completions", timeout=120, json={
         "model": MODEL, "messages": conv, "temperature": 0, "max_tokens": MAX_TOKENS, **body})
@@ -243,14 +252,7 @@ def test_router_chats_equal_a_colocated_server(pairs, default_llm, connector: st
     assert after[1] - before[1] == len(convs)
     assert after[2] - before[2] >= len(convs) * 12
     # a streamed answer through the router is the same text
-    async def stream_one() -> str:
-        async with pair.client() as c:
-            chunks = await c.chat.completions.create(model=MODEL, messages=convs[0],
-                                                     temperature=0, max_tokens=MAX_TOKENS,
-                                                     stream=True)
-            return "".join([ch.choices[0].delta.content or "" async for ch in chunks
-                            if ch.choices])
-    assert asyncio.run(stream_one()) == want[0][0]
+    assert asyncio.run(stream_text(pair.client(), convs[0])) == want[0][0]
     settle(pair)
     assert metric(pair.prefill.base_url, "kv_transfer_leases_released_total") >= len(convs) + 1
 

@@ -101,34 +101,16 @@ static inline void scores8(const float *q, const float *const k[SCORE_KEYS], int
     for (int u = 0; u < SCORE_KEYS; ++u) r[u] = hsum8(a[u]);
 }
 
-/* exp(x) for x <= 0 in float32, vectorizable (no libm call): Cephes' expf (S. L. Moshier), the
- * range reduction and degree-5 polynomial also used by sse_mathfun; within ~2 ulp of expf. */
-static inline float exp_nonpos(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    /* nearest integer to x / ln 2 (ties up); truncation of a value <= 0 rounds up, and
-     * vectorizes where floorf would be a libm call */
-    const float n = (float)(int32_t)(x * 1.44269504088896341f - 0.5f);
-    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, 4);
-    return p * scale;
-}
-
-/* `exp_nonpos` on 8 lanes: the same formula spelled with vector operations (GCC does not
- * vectorize the scalar loop: the float -> int -> float rounding step defeats it). */
+/* exp(x) for x <= 0 on 8 float32 lanes (no libm call): Cephes' expf (S. L. Moshier), the range
+ * reduction and degree-5 polynomial also used by sse_mathfun; within ~2 ulp of expf. Spelled
+ * with vector operations because GCC does not vectorize the scalar form (its float -> int ->
+ * float rounding step defeats it). */
 typedef int32_t v8i __attribute__((vector_size(32)));
 static inline v8f exp8_nonpos(v8f x) {
     const v8f lo = (v8f){0} - 87.0f;
     const v8i below = x < lo;
     x = (v8f)(((v8i)x & ~below) | ((v8i)lo & below));
+    /* nearest integer to x / ln 2 (ties up): truncating a value <= 0 rounds it up */
     const v8i ni = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, v8i);
     const v8f n = __builtin_convertvector(ni, v8f);
     const v8f r = x - n * 0.693359375f + n * 2.12194440e-4f;
@@ -146,8 +128,8 @@ static inline v8f exp8_nonpos(v8f x) {
 }
 
 /* s[0..L) <- softmax(s[0..L)) in place: exact two passes (max; exp and sum), then a scale.
- * Which element goes through the 8-lane or the scalar exp depends only on L, so a row gets the
- * same values in the decode and the prefill kernel. */
+ * The sum's order depends only on L (8 lanes, `hsum8`, then the tail in order), so a row gets
+ * the same values in the decode and the prefill kernel. */
 static inline void softmax_row(float *s, int64_t L) {
     float m = s[0];
     for (int64_t u = 1; u < L; ++u) m = s[u] > m ? s[u] : m;
@@ -159,9 +141,14 @@ static inline void softmax_row(float *s, int64_t L) {
         acc += e;
     }
     float sum = hsum8(acc);
-    for (; u < L; ++u) {
-        s[u] = exp_nonpos(s[u] - m);
-        sum += s[u];
+    if (u < L) { /* the tail, padded with zeros whose exponentials are dropped */
+        float t[8] = {0};
+        for (int64_t j = 0; u + j < L; ++j) t[j] = s[u + j] - m;
+        const v8f e = exp8_nonpos(load8(t));
+        for (int64_t j = 0; u + j < L; ++j) {
+            s[u + j] = e[j];
+            sum += e[j];
+        }
     }
     const float inv = 1.f / sum;
     for (u = 0; u < L; ++u) s[u] *= inv;
