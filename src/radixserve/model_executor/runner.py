@@ -183,7 +183,7 @@ class ModelRunner:
         paths.pick("attention", self.attention_backend, *_attention_reason(
             config.attention_backend, self.device, self.dtype, self.kernels is not None))
         model = CausalLM(args, inv_freq, rope_scale, max(model_len, self.max_model_len) + 1,
-                         self.kernels)
+                         self.kernels, self.attention_backend)
         model.load_weights(iter_safetensors(files.folder))
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.shadow = (ShadowChecker(reference_copy(self.model), config.shadow_rate, config.seed)

@@ -19,8 +19,7 @@ from torch import nn
 
 from radixserve.model_executor.attention.paged_attention import (
     AttentionMetadata,
-    CpuKernelPagedAttention,
-    SdpaPagedAttention,
+    build_attention,
 )
 from radixserve.model_executor.kernels.cpu import CpuKernels
 from radixserve.model_executor.layers.linear import LinearFn, dense_linear, packed_linear
@@ -116,7 +115,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, a: ModelArgs, kernels: CpuKernels | None = None) -> None:
+    def __init__(self, a: ModelArgs, kernels: CpuKernels | None = None,
+                 attention_backend: str | None = None) -> None:
         super().__init__()
         self.a = a
         q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
@@ -131,10 +131,9 @@ class DecoderLayer(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(2 * a.intermediate_size, a.hidden_size))
         self.down = nn.Parameter(torch.empty(a.hidden_size, a.intermediate_size))
         scale = a.head_dim ** -0.5
-        self.attn = (SdpaPagedAttention(a.num_heads, a.num_kv_heads, a.head_dim, scale)
-                     if kernels is None else
-                     CpuKernelPagedAttention(a.num_heads, a.num_kv_heads, a.head_dim, scale,
-                                             kernels))
+        backend = attention_backend or ("torch" if kernels is None else "cpu")
+        self.attn = build_attention(backend, a.num_heads, a.num_kv_heads, a.head_dim, scale,
+                                    kernels)
         self.kernels = kernels
         self.bind_dense_linears()
 
@@ -213,14 +212,18 @@ class CausalLM(nn.Module):
         max_positions: rows of the precomputed cos/sin table.
         kernels: the CPU kernel library (paged decode attention, fused add + RMSNorm), or None
             for torch ops only.
+        attention_backend: the resolved attention backend (``build_attention``); None: "cpu"
+            with ``kernels``, else "torch".
     """
 
     def __init__(self, a: ModelArgs, inv_freq: torch.Tensor, rope_scale: float,
-                 max_positions: int, kernels: CpuKernels | None = None) -> None:
+                 max_positions: int, kernels: CpuKernels | None = None,
+                 attention_backend: str | None = None) -> None:
         super().__init__()
         self.a = a
         self.embed = nn.Parameter(torch.empty(a.vocab_size, a.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(a, kernels) for _ in range(a.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(a, kernels, attention_backend)
+                                    for _ in range(a.num_layers))
         self.kernels = kernels
         self.norm = nn.Parameter(torch.ones(a.hidden_size))
         self.lm_head = None if a.tie_word_embeddings else nn.Parameter(
