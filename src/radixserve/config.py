@@ -183,6 +183,12 @@ class EngineConfig:
             second copy of the weights.
         kv_transfer_config: prefill/decode disaggregation (a ``KVTransferConfig``, or its
             dict / JSON string, converted on construction); None: off.
+        tensor_parallel_size: ranks the model is split over (``--tensor-parallel-size``, vLLM's
+            flag): sibling processes under ``torch.distributed`` (Gloo on CPU, NCCL on CUDA,
+            ``cuda:r`` for rank r); rank 0 runs the scheduler and broadcasts each step's
+            inputs. It must divide the model's query heads and intermediate size, and divide or
+            be a multiple of its KV heads (KV heads are then replicated). ``kv_cache_memory``
+            is per rank. Not combinable with ``shadow_rate`` or ``kv_transfer_config`` yet.
     """
 
     model: str | None = None
@@ -204,6 +210,7 @@ class EngineConfig:
     pack_weights: bool | None = None
     shadow_rate: float = 0.0
     kv_transfer_config: KVTransferConfig | None = None
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.kv_transfer_config is not None:
@@ -234,6 +241,13 @@ class EngineConfig:
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy={self.schedule_policy!r} is not one of "
                              f"{', '.join(SCHEDULE_POLICIES)}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
+        if self.tensor_parallel_size > 1 and self.shadow_rate > 0:
+            raise ValueError("shadow_rate > 0 is not supported with tensor_parallel_size > 1")
+        if self.tensor_parallel_size > 1 and self.kv_transfer_config is not None:
+            raise ValueError("kv_transfer_config (prefill/decode disaggregation) is not "
+                             "supported with tensor_parallel_size > 1")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r} is not one of "
                              f"{', '.join(ATTENTION_BACKENDS)}")

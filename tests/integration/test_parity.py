@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from tiny_models import TINY_VOCAB, tiny_model
 
 from radixserve import LLM, SamplingParams
 
@@ -108,44 +109,6 @@ def test_bfloat16_parity_with_transformers_bfloat16(hf_reference) -> None:
     assert exact >= len(ids) // 2, f"only {exact}/{len(ids)} prompts match exactly"
 
 
-def _tiny_model(tmp_path, arch: str) -> str:
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
-
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
-    cfg = cls(vocab_size=384, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-              max_position_embeddings=512, tie_word_embeddings=arch != "llama",
-              eos_token_id=1, bos_token_id=0, rms_norm_eps=1e-6)
-    cfg.architectures = [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                          "qwen3": "Qwen3ForCausalLM"}[arch]]
-    torch.manual_seed(1234)
-    model = AutoModelForCausalLM.from_config(cfg).float().eval()
-    if arch == "qwen2":  # random biases so the Q/K/V bias path is exercised
-        for layer in model.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj,
-                         layer.self_attn.v_proj):
-                proj.bias.data.normal_(0, 0.5)
-    if arch == "qwen3":
-        for layer in model.model.layers:
-            layer.self_attn.q_norm.weight.data.uniform_(0.5, 1.5)
-            layer.self_attn.k_norm.weight.data.uniform_(0.5, 1.5)
-    path = tmp_path / arch
-    model.save_pretrained(path)
-    return str(path)
-
-
-def _write_tokenizer_stub(path: str) -> None:
-    """A tiny word-level tokenizer so ``LLM`` can load the folder (ids go in directly)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"t{i}": i for i in range(384)}
-    t = Tokenizer(models.WordLevel(vocab, unk_token="t2"))
-    t.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=t, eos_token="t1", bos_token="t0",
-                            unk_token="t2").save_pretrained(path)
-
-
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_tiny_random_model_parity(tmp_path, arch: str, backend: str) -> None:
@@ -153,8 +116,7 @@ def test_tiny_random_model_parity(tmp_path, arch: str, backend: str) -> None:
     the SDPA run also keeps dense linear weights (the CUDA combination)."""
     from transformers import AutoModelForCausalLM
 
-    path = _tiny_model(tmp_path, arch)
-    _write_tokenizer_stub(path)
+    path = tiny_model(tmp_path, arch)
     ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     llm = LLM(model=path, dtype="float32", page_size=4, num_pages=256, attention_backend=backend,
               pack_weights=backend == "cpu",
@@ -162,7 +124,7 @@ def test_tiny_random_model_parity(tmp_path, arch: str, backend: str) -> None:
     assert llm.engine.runner.attention_backend == backend
     assert llm.engine.runner.packed_weights == (backend == "cpu")
     rng = np.random.default_rng(7)
-    prompts = [rng.integers(3, 384, size=n).tolist() for n in (3, 9, 33, 70, 130)]
+    prompts = [rng.integers(3, TINY_VOCAB, size=n).tolist() for n in (3, 9, 33, 70, 130)]
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     for k, (p, o) in enumerate(zip(prompts, outs, strict=True)):

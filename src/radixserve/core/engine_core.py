@@ -423,11 +423,15 @@ class EngineCore:
                            decode_token_ids=decoded[1])
 
     def shutdown(self) -> None:
-        """Finish the in-flight step and stop the worker thread (and the KV connector's)."""
+        """Finish the in-flight step and stop the worker thread (and the KV connector's, and
+        the runner's other ranks under tensor parallelism)."""
         self.drain()
         self._worker.shutdown(wait=True)
         if self.kv_worker is not None:
             self.kv_worker.shutdown()
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
 
     def _output(self, req: Request, new: list[int], finish: str | None,
                 logprobs: list[list[list[float]]] | None = None) -> TokenOutput:

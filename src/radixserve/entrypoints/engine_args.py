@@ -35,6 +35,8 @@ def parse_bytes(text: str) -> int:
 _CHOICES = {"dtype": DTYPES, "schedule_policy": SCHEDULE_POLICIES,
             "attention_backend": ATTENTION_BACKENDS}
 _ALIASES = {"enable_prefix_caching": ["--no-prefix-caching", "--no-prefix-cache"]}
+#: vLLM's short spellings
+_SHORT = {"tensor_parallel_size": ["-tp"]}
 _HELP = {"kv_transfer_config": "prefill/decode disaggregation as vLLM's JSON, e.g. "
          '\'{"kv_connector":"NixlConnector","kv_role":"kv_both"}\' (see KVTransferConfig)'}
 
@@ -70,7 +72,7 @@ def add_engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> N
                 g.add_argument(alias, dest=f.name, action="store_false", help=argparse.SUPPRESS)
             continue
         conv: Callable[[str], object] = _CONVERTERS.get(f.name, base)
-        g.add_argument(flag, dest=f.name, type=conv, default=f.default,
+        g.add_argument(flag, *_SHORT.get(f.name, []), dest=f.name, type=conv, default=f.default,
                        choices=_CHOICES.get(f.name), help=_HELP.get(f.name))
 
 

@@ -21,6 +21,8 @@ from radixserve.model_executor.attention.paged_attention import AttentionMetadat
 from radixserve.model_executor.forward_batch import ForwardBatch, SampleResult
 from radixserve.model_executor.kernels.cpu import CpuKernels
 from radixserve.model_executor.models.llama import CausalLM, ModelArgs, rope_inv_freq
+from radixserve.model_executor.parallel.group import TensorParallelGroup
+from radixserve.model_executor.parallel.sharding import ShardLayout
 from radixserve.model_executor.path_choice import choose_linear_path
 from radixserve.model_executor.sampler import prompt_logprob_rows, sample
 from radixserve.model_executor.shadow import ShadowChecker, reference_copy
@@ -141,13 +143,18 @@ class ModelRunner:
 
     Args:
         config: engine configuration (model, dtype, device, KV sizing, max_model_len).
+        tp_rank: under tensor parallelism (``config.tensor_parallel_size`` > 1) the rank whose
+            shard this runner holds: its heads, intermediate columns, vocabulary rows and KV
+            heads (``parallel.sharding``); ``join_group`` must follow before the first step.
+            KV sizing (``kv_cache_memory``) is per rank.
 
     Raises:
-        ValueError: unreadable model, unsupported architecture, bad dtype/device.
+        ValueError: unreadable model, unsupported architecture, bad dtype/device, a
+            tensor-parallel size the model's heads do not split by.
         RuntimeError: ``kv_transfer_config`` names a connector whose transport is missing.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tp_rank: int = 0) -> None:
         from radixserve.model_executor.loader import (
             eos_token_ids,
             iter_safetensors,
@@ -160,11 +167,16 @@ class ModelRunner:
         files = resolve_model(config.model)
         hf_config = read_config(files.folder) or load_hf_config(files.folder)
         args = ModelArgs.from_hf(hf_config)
+        self.shard = ShardLayout.for_model(args, tp_rank, config.tensor_parallel_size)
         self.device = resolve_device(config.device)
+        if self.device.type == "cuda" and self.shard.size > 1:
+            self.device = torch.device("cuda", tp_rank)
+            torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.args = args
         page_size = config.page_size
-        per_page = KVStorage.bytes_per_page(args.num_layers, page_size, args.num_kv_heads,
+        kv_heads = self.shard.num_kv_heads
+        per_page = KVStorage.bytes_per_page(args.num_layers, page_size, kv_heads,
                                             args.head_dim, self.dtype)
         plan = plan_kv_pool(page_size=page_size, num_pages=config.num_pages,
                             kv_cache_memory=config.kv_cache_memory, bytes_per_page=per_page,
@@ -183,7 +195,7 @@ class ModelRunner:
         paths.pick("attention", self.attention_backend, *_attention_reason(
             config.attention_backend, self.device, self.dtype, self.kernels is not None))
         model = CausalLM(args, inv_freq, rope_scale, max(model_len, self.max_model_len) + 1,
-                         self.kernels, self.attention_backend)
+                         self.kernels, self.attention_backend, self.shard)
         model.load_weights(iter_safetensors(files.folder))
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.shadow = (ShadowChecker(reference_copy(self.model), config.shadow_rate, config.seed)
@@ -191,7 +203,7 @@ class ModelRunner:
         self.packed_weights = self._pick_linears(config, paths)
         self.paths = paths
         self.model.move_rope_tables(self.device)
-        self.kv = KVStorage(args.num_layers, num_pages, page_size, args.num_kv_heads,
+        self.kv = KVStorage(args.num_layers, num_pages, page_size, kv_heads,
                           args.head_dim, self.dtype, self.device)
         #: the worker side of the KV connector (prefill/decode disaggregation), or None
         self.kv_connector = None
@@ -236,7 +248,8 @@ class ModelRunner:
                 [layer.qkv.detach(), layer.o.detach(), layer.gate_up.detach(),
                  layer.down.detach(), head.detach()], hint,
                 f"{a.arch} {a.hidden_size} {a.intermediate_size} {a.num_heads} "
-                f"{a.num_kv_heads} {a.head_dim} {a.vocab_size} {self.dtype}")
+                f"{a.num_kv_heads} {a.head_dim} {a.vocab_size} {self.dtype}"
+                + (f" tp{self.shard.size}" if self.shard.size > 1 else ""))
             if choice.path == "dense":
                 paths.pick("linear", "dense", choice.reason)
                 return False
@@ -286,11 +299,16 @@ class ModelRunner:
             decode_page_table=pt, decode_seq_lens=pd_lens, decode_mask=pd_mask,
             prefill=prefill)
 
-    @torch.inference_mode()
-    def execute(self, batch: ForwardBatch) -> SampleResult:
-        """Run the step's forward and sample one token per sampling row.
+    def join_group(self, group: TensorParallelGroup) -> None:
+        """Run this shard's collectives over ``group`` (tensor parallelism)."""
+        self.model.join_group(group)
 
-        Returns: int64 [S] tokens (S = ``batch.logits_indices`` length) and logprob rows."""
+    @torch.inference_mode()
+    def forward_logits(self, batch: ForwardBatch
+                       ) -> tuple[torch.Tensor | None, list[list[list[float]]] | None]:
+        """The step's forward: KV written, float32 logits [S, vocab] of its sampling rows
+        (None when no row samples) and its prompt logprob rows (None when none were asked).
+        Every tensor-parallel rank runs this for every step (its collectives pair up)."""
         meta = self._metadata(batch)
         ids = torch.from_numpy(batch.input_ids).to(self.device)
         pos = torch.from_numpy(batch.positions).to(self.device)
@@ -299,12 +317,22 @@ class ModelRunner:
         plp = (None if batch.prompt_logprobs is None else
                prompt_logprob_rows(self.model.compute_logits, hidden, batch.prompt_logprobs))
         if not len(batch.logits_indices):
-            return SampleResult(np.empty(0, np.int64), None, prompt_logprobs=plp)
+            return None, plp
         idx = torch.from_numpy(batch.logits_indices).to(self.device)
         logits = self.model.compute_logits(hidden[idx])
         if self.shadow is not None and self.shadow.wants_step():
             self.shadow.check(ids, pos, self.kv.layers, lambda: self._metadata(batch, False),
                               idx, logits)
+        return logits, plp
+
+    @torch.inference_mode()
+    def execute(self, batch: ForwardBatch) -> SampleResult:
+        """Run the step's forward and sample one token per sampling row.
+
+        Returns: int64 [S] tokens (S = ``batch.logits_indices`` length) and logprob rows."""
+        logits, plp = self.forward_logits(batch)
+        if logits is None:
+            return SampleResult(np.empty(0, np.int64), None, prompt_logprobs=plp)
         result = sample(logits, batch.sampling, self.generator)
         result.prompt_logprobs = plp
         return result
@@ -320,6 +348,10 @@ def build_runner(config: EngineConfig, null_model: bool = False,
         ValueError: unreadable model, unsupported architecture, bad dtype/device/sizes.
     """
     if not null_model:
+        if config.tensor_parallel_size > 1:
+            from radixserve.model_executor.parallel.tp_runner import TensorParallelRunner
+
+            return TensorParallelRunner(config)
         return ModelRunner(config)
     from radixserve.model_executor.null_runner import NullRunner
 

@@ -23,6 +23,8 @@ from radixserve.model_executor.attention.paged_attention import (
 )
 from radixserve.model_executor.kernels.cpu import CpuKernels
 from radixserve.model_executor.layers.linear import LinearFn, dense_linear, packed_linear
+from radixserve.model_executor.parallel.group import TensorParallelGroup
+from radixserve.model_executor.parallel.sharding import ShardLayout, single
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -115,10 +117,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class DecoderLayer(nn.Module):
+    """One decoder layer over this rank's heads and intermediate columns.
+
+    Args:
+        a: this rank's sizes (``ShardLayout.local_args``; the full model's without TP).
+        kernels: the CPU kernel library or None.
+        attention_backend: the resolved attention backend (``build_attention``).
+    """
+
     def __init__(self, a: ModelArgs, kernels: CpuKernels | None = None,
                  attention_backend: str | None = None) -> None:
         super().__init__()
         self.a = a
+        #: the tensor-parallel group when sharded (``CausalLM.join_group``): the row-parallel
+        #: outputs (o, down) are partial sums to all-reduce
+        self.tp: TensorParallelGroup | None = None
         q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         self.q_size, self.kv_size = q, kv
         self.input_norm = nn.Parameter(torch.ones(a.hidden_size))
@@ -190,6 +203,8 @@ class DecoderLayer(nn.Module):
             qk = apply_rope(qk, cos.unsqueeze(1), sin.unsqueeze(1))
         o = self.attn.forward(qk[:, :nq], qk[:, nq:], v, kv, meta)
         h = self.o_proj(o)
+        if self.tp is not None:
+            self.tp.all_reduce(h)
         if k is not None:
             x = k.add_rms_norm(h, residual, self.post_norm, a.rms_norm_eps)
         else:
@@ -197,9 +212,13 @@ class DecoderLayer(nn.Module):
             x = rms_norm(residual, self.post_norm, a.rms_norm_eps)
         gu = self.gate_up_proj(x)
         if k is not None:
-            return self.down_proj(k.silu_mul(gu)), residual
-        gate, up = gu.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up), residual
+            out = self.down_proj(k.silu_mul(gu))
+        else:
+            gate, up = gu.chunk(2, dim=-1)
+            out = self.down_proj(F.silu(gate) * up)
+        if self.tp is not None:
+            self.tp.all_reduce(out)
+        return out, residual
 
 
 class CausalLM(nn.Module):
@@ -214,20 +233,28 @@ class CausalLM(nn.Module):
             for torch ops only.
         attention_backend: the resolved attention backend (``build_attention``); None: "cpu"
             with ``kernels``, else "torch".
+        shard: this rank's share under tensor parallelism (``parallel.sharding``); None holds
+            the whole model. ``load_weights`` then takes full checkpoint tensors and keeps
+            this rank's slices; ``join_group`` must follow before the first forward.
     """
 
     def __init__(self, a: ModelArgs, inv_freq: torch.Tensor, rope_scale: float,
                  max_positions: int, kernels: CpuKernels | None = None,
-                 attention_backend: str | None = None) -> None:
+                 attention_backend: str | None = None,
+                 shard: ShardLayout | None = None) -> None:
         super().__init__()
         self.a = a
-        self.embed = nn.Parameter(torch.empty(a.vocab_size, a.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(a, kernels, attention_backend)
+        self.shard = shard or single(a)
+        local = self.shard.local_args(a)
+        rows = self.shard.vocab_rows
+        self.tp: TensorParallelGroup | None = None
+        self.embed = nn.Parameter(torch.empty(rows, a.hidden_size))
+        self.layers = nn.ModuleList(DecoderLayer(local, kernels, attention_backend)
                                     for _ in range(a.num_layers))
         self.kernels = kernels
         self.norm = nn.Parameter(torch.ones(a.hidden_size))
         self.lm_head = None if a.tie_word_embeddings else nn.Parameter(
-            torch.empty(a.vocab_size, a.hidden_size))
+            torch.empty(rows, a.hidden_size))
         self._lm_head_proj: LinearFn | None = None
         pos = torch.arange(max_positions, dtype=torch.float32)
         freqs = pos[:, None] * inv_freq[None, :]
@@ -254,6 +281,19 @@ class CausalLM(nn.Module):
             self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype)
         return True
 
+    def join_group(self, group: TensorParallelGroup) -> None:
+        """Sharded model: run its collectives over ``group`` (size must match the shard's).
+
+        Raises:
+            ValueError: the group's size or rank differs from the shard's.
+        """
+        if (group.size, group.rank) != (self.shard.size, self.shard.rank):
+            raise ValueError(f"group rank {group.rank}/{group.size} for shard "
+                             f"{self.shard.rank}/{self.shard.size}")
+        self.tp = group
+        for layer in self.layers:
+            layer.tp = group
+
     def move_rope_tables(self, device: torch.device) -> None:
         self.cos_table = self.cos_table.to(device)
         self.sin_table = self.sin_table.to(device)
@@ -261,7 +301,7 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_layers: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: int64 [T]. Returns final hidden states [T, hidden]."""
-        h = F.embedding(input_ids, self.embed)
+        h = self._embed(input_ids)
         # [T, head_dim // 2] in the activation dtype, as transformers casts them
         cos = self.cos_table[positions].to(h.dtype)
         sin = self.sin_table[positions].to(h.dtype)
@@ -272,22 +312,38 @@ class CausalLM(nn.Module):
             return self.kernels.add_rms_norm(h, residual, self.norm, self.a.rms_norm_eps)
         return rms_norm(residual + h, self.norm, self.a.rms_norm_eps)
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """int64 [T] -> [T, hidden]; vocab-parallel: each rank looks up the ids in its rows,
+        zero elsewhere, and the all-reduce adds the one non-zero row."""
+        if self.tp is None:
+            return F.embedding(input_ids, self.embed)
+        lo, hi = self.shard.vocab
+        mine = (input_ids >= lo) & (input_ids < hi)
+        h = F.embedding((input_ids - lo) * mine, self.embed)
+        h.mul_(mine.unsqueeze(1).to(h.dtype))
+        return self.tp.all_reduce(h)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [S, hidden] -> float32 logits [S, vocab]."""
+        """hidden [S, hidden] -> float32 logits [S, vocab] (vocab-parallel: every rank gets
+        all of them, gathered)."""
         if self._lm_head_proj is None:
             # bound lazily: the dense weight may move device or dtype after construction
             self._lm_head_proj = dense_linear(self.embed if self.lm_head is None
                                               else self.lm_head)
-        return self._lm_head_proj(hidden).float()
+        logits = self._lm_head_proj(hidden)
+        if self.tp is not None:
+            logits = self.tp.all_gather(logits)[:, :self.a.vocab_size]
+        return logits.float()
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors in, fusing Q/K/V and gate/up.
+        """Copy Hugging Face-named tensors in, fusing Q/K/V and gate/up; a shard keeps its
+        slices of the full tensors (``_shard_slice``).
 
         Raises:
             ValueError: on a missing or unexpected tensor or a shape mismatch.
         """
-        a = self.a
+        a = self.shard.local_args(self.a)
         q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         it = a.intermediate_size
         fused = {"q_proj": ("qkv", 0, q), "k_proj": ("qkv", q, q + kv),
@@ -329,6 +385,8 @@ class CausalLM(nn.Module):
                     raise ValueError(f"unexpected weight {name!r} for this architecture")
                 param = self.get_parameter(target)
                 dst = param if rng is None else param[rng[0]:rng[1]]
+                if self.shard.size > 1:
+                    w = self._shard_slice(name, w)
                 if tuple(dst.shape) != tuple(w.shape):
                     raise ValueError(f"weight {name!r} has shape {tuple(w.shape)}, "
                                      f"expected {tuple(dst.shape)}")
@@ -337,3 +395,26 @@ class CausalLM(nn.Module):
         for name, p in self.named_parameters():
             if seen.get(name, 0) != p.shape[0]:
                 raise ValueError(f"checkpoint is missing weights for {name!r}")
+
+    def _shard_slice(self, name: str, w: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the full checkpoint tensor ``name`` (Megatron layout, see
+        ``parallel.sharding``): rows of the column-parallel projections and of the
+        vocab-parallel embedding / LM head (zero rows past the vocabulary), columns of the
+        row-parallel ``o_proj``/``down_proj``; norms whole."""
+        sh, d = self.shard, self.a.head_dim
+        ranges = {"q_proj": (sh.q_heads[0] * d, sh.q_heads[1] * d),
+                  "k_proj": (sh.kv_heads[0] * d, sh.kv_heads[1] * d),
+                  "v_proj": (sh.kv_heads[0] * d, sh.kv_heads[1] * d),
+                  "gate_proj": sh.intermediate, "up_proj": sh.intermediate,
+                  "o_proj": (sh.q_heads[0] * d, sh.q_heads[1] * d),
+                  "down_proj": sh.intermediate}
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            lo, hi = sh.vocab
+            part = w[lo:min(hi, w.shape[0])]
+            pad = sh.vocab_rows - part.shape[0]
+            return part if pad == 0 else torch.cat((part, part.new_zeros(pad, w.shape[1])))
+        proj = name.rsplit(".", 2)[-2]
+        if proj not in ranges:
+            return w
+        lo, hi = ranges[proj]
+        return w[:, lo:hi] if proj in ("o_proj", "down_proj") else w[lo:hi]

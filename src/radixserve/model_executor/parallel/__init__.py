@@ -1,0 +1,1 @@
+"""Tensor parallelism: weight sharding, the process group, the multi-process runner."""
