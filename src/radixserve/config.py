@@ -189,6 +189,10 @@ class EngineConfig:
             inputs. It must divide the model's query heads and intermediate size, and divide or
             be a multiple of its KV heads (KV heads are then replicated). ``kv_cache_memory``
             is per rank. Not combinable with ``shadow_rate`` or ``kv_transfer_config`` yet.
+        enforce_eager: on CUDA, run every step eagerly instead of replaying decode steps from
+            CUDA graphs (vLLM's flag). Ignored on CPU, which never captures.
+        cuda_graph_max_bs: largest decode batch captured in a CUDA graph (SGLang's flag); None
+            takes ``max_num_seqs`` capped at 256. Larger decode batches run eagerly.
     """
 
     model: str | None = None
@@ -211,6 +215,8 @@ class EngineConfig:
     shadow_rate: float = 0.0
     kv_transfer_config: KVTransferConfig | None = None
     tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    cuda_graph_max_bs: int | None = None
 
     def __post_init__(self) -> None:
         if self.kv_transfer_config is not None:
@@ -241,6 +247,8 @@ class EngineConfig:
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy={self.schedule_policy!r} is not one of "
                              f"{', '.join(SCHEDULE_POLICIES)}")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ValueError(f"cuda_graph_max_bs={self.cuda_graph_max_bs} must be >= 1")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
         if self.tensor_parallel_size > 1 and self.shadow_rate > 0:

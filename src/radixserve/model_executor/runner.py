@@ -18,6 +18,7 @@ from radixserve.engine_types import RunnerStats
 from radixserve.kvcache.sizing import plan_kv_pool
 from radixserve.kvcache.storage import KVStorage
 from radixserve.model_executor.attention.paged_attention import AttentionMetadata
+from radixserve.model_executor.cuda_graphs import maybe_decode_graphs
 from radixserve.model_executor.forward_batch import ForwardBatch, SampleResult
 from radixserve.model_executor.kernels.cpu import CpuKernels
 from radixserve.model_executor.models.llama import CausalLM, ModelArgs, rope_inv_freq
@@ -214,6 +215,13 @@ class ModelRunner:
             self.kv_connector.register_kv_caches(
                 {f"model.layers.{i}.self_attn": t for i, t in enumerate(self.kv.layers)})
         self.page_size = page_size
+        self.graphs = maybe_decode_graphs(
+            self.model, self.kv.layers, page_size, self.max_model_len,
+            config.cuda_graph_max_bs or min(config.max_num_seqs, 256), self.attention_backend,
+            config.enforce_eager, lambda why: paths.pick("cuda_graphs", "eager", why, True))
+        if self.graphs is not None:
+            paths.pick("cuda_graphs", "captured",
+                       f"decode steps of batch sizes {self.graphs.buckets}")
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
         self.info = ModelInfo(
@@ -309,6 +317,9 @@ class ModelRunner:
         """The step's forward: KV written, float32 logits [S, vocab] of its sampling rows
         (None when no row samples) and its prompt logprob rows (None when none were asked).
         Every tensor-parallel rank runs this for every step (its collectives pair up)."""
+        if self.graphs is not None and self.graphs.can_run(batch):
+            self.paths.steps += 1
+            return self.graphs.run(batch), None
         meta = self._metadata(batch)
         ids = torch.from_numpy(batch.input_ids).to(self.device)
         pos = torch.from_numpy(batch.positions).to(self.device)
