@@ -215,13 +215,10 @@ class ModelRunner:
             self.kv_connector.register_kv_caches(
                 {f"model.layers.{i}.self_attn": t for i, t in enumerate(self.kv.layers)})
         self.page_size = page_size
-        self.graphs = maybe_decode_graphs(
-            self.model, self.kv.layers, page_size, self.max_model_len,
-            config.cuda_graph_max_bs or min(config.max_num_seqs, 256), self.attention_backend,
-            config.enforce_eager, lambda why: paths.pick("cuda_graphs", "eager", why, True))
-        if self.graphs is not None:
-            paths.pick("cuda_graphs", "captured",
-                       f"decode steps of batch sizes {self.graphs.buckets}")
+        self._graph_config = config
+        self.graphs = None
+        if self.shard.size == 1:  # sharded: after join_group (the graphs hold its collectives)
+            self._capture_graphs()
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
         self.info = ModelInfo(
@@ -308,8 +305,23 @@ class ModelRunner:
             prefill=prefill)
 
     def join_group(self, group: TensorParallelGroup) -> None:
-        """Run this shard's collectives over ``group`` (tensor parallelism)."""
+        """Run this shard's collectives over ``group`` (tensor parallelism), then capture the
+        decode graphs (every rank captures the same buckets in the same order, so the
+        collectives recorded in them pair up)."""
         self.model.join_group(group)
+        self._capture_graphs()
+
+    def _capture_graphs(self) -> None:
+        """CUDA graphs of decode steps (``cuda_graphs``); nothing on CPU or with
+        ``enforce_eager``."""
+        config, paths = self._graph_config, self.paths
+        self.graphs = maybe_decode_graphs(
+            self.model, self.kv.layers, self.page_size, self.max_model_len,
+            config.cuda_graph_max_bs or min(config.max_num_seqs, 256), self.attention_backend,
+            config.enforce_eager, lambda why: paths.pick("cuda_graphs", "eager", why, True))
+        if self.graphs is not None:
+            paths.pick("cuda_graphs", "captured",
+                       f"decode steps of batch sizes {self.graphs.buckets}")
 
     @torch.inference_mode()
     def forward_logits(self, batch: ForwardBatch
