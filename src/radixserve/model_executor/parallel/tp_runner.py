@@ -99,8 +99,14 @@ def worker_main(config: EngineConfig, rank: int, port: int) -> int:
     return 0
 
 
-def _stop_workers(procs: list[subprocess.Popen]) -> None:
-    """Wait ``JOIN_TIMEOUT_S`` for workers told to exit, then kill what is left."""
+def _stop_workers(procs: list[subprocess.Popen], told: bool = False) -> None:
+    """Stop the workers: ``told`` (they were sent the shutdown broadcast) waits
+    ``JOIN_TIMEOUT_S`` for them to exit; otherwise (a runner never closed, at garbage
+    collection or interpreter exit) they get SIGTERM first. Whatever is left is killed."""
+    if not told:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
     deadline = time.monotonic() + JOIN_TIMEOUT_S
     for p in procs:
         try:
@@ -212,13 +218,16 @@ class TensorParallelRunner:
 
     def close(self) -> None:
         """Tell the workers to exit and wait for them (killed after ``JOIN_TIMEOUT_S``)."""
+        told = False
         if self._broken is None and all(p.poll() is None for p in self._procs):
             try:
                 self.group.broadcast_object(None)
+                told = True
             except RuntimeError as e:
                 log.warning("tensor parallel shutdown: %s", e)
         self._broken = self._broken or "closed"
-        self._finalizer()
+        if self._finalizer.detach() is not None:
+            _stop_workers(self._procs, told)
 
 
 def main(argv: list[str] | None = None) -> int:
