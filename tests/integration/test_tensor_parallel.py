@@ -126,7 +126,7 @@ def test_workers_exit_when_the_engine_shuts_down(tmp_path: Path) -> None:
 def test_dead_rank_behind_the_server_is_reported(tmp_path: Path) -> None:
     path = tiny_model(tmp_path, "llama", INIT_STD)
     srv = ServerProcess([path, "--dtype", "float32", "--num-pages", "64", "--page-size", "4",
-                         "-tp", "2"], tmp_path / "srv")
+                         "-tp", "2"], tmp_path)  # short: the IPC socket path is limited
     try:
         srv.wait_ready()
         body = {"model": srv_model(srv), "prompt": "t5 t6 t7", "max_tokens": 4}
