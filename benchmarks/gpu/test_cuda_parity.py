@@ -1,0 +1,143 @@
+"""Golden parity on CUDA: radixserve's greedy tokens against transformers' on the same tiny
+random-weight Llama / Qwen2 / Qwen3 checkpoints (tests/integration/tiny_models.py), both on the
+GPU, for each attention backend ("torch", "triton"), eagerly (``enforce_eager=True``) and with
+decode steps replayed from CUDA graphs (the default), in float32 and in bfloat16; one GPU
+(``tensor_parallel_size=1``).
+
+Kept out of ``make test`` (which collects tests/ only): it needs a GPU. benchmarks/gpu/run.sh
+runs it on the device machine. Criterion: tests/integration/test_parity.py's ``assert_close``
+(identical tokens, or a near-tie at the first divergence: each side's token in the other's
+top-5 logprobs). With ``RADIXSERVE_GPU_TEST_DEVICE=cpu`` the same tests run on CPU (a check of
+this file, not of CUDA: nothing is captured there). ``RADIXSERVE_GPU_PARITY_LOG=PATH`` appends
+one JSON line per test (prompts matched exactly / by near-tie, graph replays).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "integration"))
+
+from test_parity import assert_close  # noqa: E402
+from tiny_models import TINY_VOCAB, tiny_model  # noqa: E402
+
+from radixserve import LLM, SamplingParams  # noqa: E402
+from radixserve.config import ATTENTION_BACKENDS  # noqa: E402
+
+DEVICE = os.environ.get("RADIXSERVE_GPU_TEST_DEVICE", "cuda")
+ON_CUDA = DEVICE.startswith("cuda")
+if ON_CUDA and not torch.cuda.is_available():
+    pytest.skip("CUDA is not available (RADIXSERVE_GPU_TEST_DEVICE=cpu checks this file on CPU)",
+                allow_module_level=True)
+
+#: prompt lengths: short ones, and ones longer than the step budget (prefilled in chunks)
+PROMPT_LENS = (3, 9, 33, 70, 130)
+NEW_TOKENS = 24
+
+
+def hf_greedy_on_device(model, ids: list[int], n: int
+                        ) -> tuple[list[int], list[dict[int, float]]]:
+    """test_parity.hf_greedy with the prompt on the model's device: transformers greedy
+    generate of one prompt alone, tokens and top-5 logprobs per step."""
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids], device=model.device), max_new_tokens=n,
+                             do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
+    toks = out.sequences[0, len(ids):].tolist()
+    tops = []
+    for logits in out.logits:
+        v, i = torch.log_softmax(logits[0].float(), dim=-1).topk(5)
+        tops.append(dict(zip(i.tolist(), v.tolist(), strict=True)))
+    return toks, tops
+
+
+def _log(record: dict) -> None:
+    path = os.environ.get("RADIXSERVE_GPU_PARITY_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def _free(llm: LLM | None) -> None:
+    if llm is not None:
+        llm.engine.shutdown()
+    gc.collect()
+    if ON_CUDA:
+        torch.cuda.empty_cache()
+
+
+def run_parity(tmp_path: Path, arch: str, backend: str, mode: str, dtype: str) -> None:
+    """``NEW_TOKENS`` greedy tokens of each prompt, batched in radixserve, against transformers'
+    of each alone, on ``DEVICE`` in ``dtype``; asserts the backend and the graph mode ran."""
+    from transformers import AutoModelForCausalLM
+
+    if backend not in ATTENTION_BACKENDS:
+        pytest.skip(f"attention_backend {backend!r} is not in this tree's {ATTENTION_BACKENDS}")
+    torch_dtype = getattr(torch, dtype)
+    path = tiny_model(tmp_path, arch)
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ref = ref.to(device=DEVICE, dtype=torch_dtype).eval()
+    llm = None
+    try:
+        llm = LLM(model=path, device=DEVICE, dtype=dtype, attention_backend=backend,
+                  enforce_eager=mode == "eager", tensor_parallel_size=1, page_size=4,
+                  num_pages=256, max_num_seqs=16, max_model_len=256, seed=0,
+                  max_num_batched_tokens=48)  # small budget: long prompts prefill in chunks
+        runner = llm.engine.runner
+        assert runner.attention_backend == backend, runner.paths.paths
+        assert str(runner.dtype) == f"torch.{dtype}"
+        replays = []
+        if ON_CUDA:
+            if mode == "eager":
+                assert runner.graphs is None, runner.paths.paths
+            else:  # a failed capture falls back to eager with a warning: not accepted here
+                assert runner.graphs is not None, runner.paths.fallbacks
+                graph_run = runner.graphs.run
+                runner.graphs.run = lambda b: (replays.append(b.num_requests), graph_run(b))[1]
+        rng = np.random.default_rng(7)
+        prompts = [rng.integers(3, TINY_VOCAB, size=n).tolist() for n in PROMPT_LENS]
+        sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True,
+                            logprobs=5)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        exact = 0
+        for k, (p, o) in enumerate(zip(prompts, outs, strict=True)):
+            want, want_lp = hf_greedy_on_device(ref, p, NEW_TOKENS)
+            c = o.outputs[0]
+            assert len(c.token_ids) == NEW_TOKENS
+            exact += assert_close(c.token_ids, c.logprobs, want, want_lp,
+                                  f"{arch} {backend} {mode} {dtype} prompt {k}")
+        if ON_CUDA and mode == "graphs":
+            # 5 decodes fill no bucket exactly: the replays ran padded rows too
+            assert replays, "no decode step was replayed from a CUDA graph"
+        _log({"arch": arch, "backend": backend, "mode": mode, "dtype": dtype,
+              "device": DEVICE, "prompts": len(prompts), "exact": exact,
+              "graph_replays": len(replays), "paths": dict(runner.paths.paths)})
+    finally:
+        del ref
+        _free(llm)
+
+
+@pytest.mark.parametrize("mode", ["eager", "graphs"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_float32_parity(tmp_path: Path, arch: str, backend: str, mode: str) -> None:
+    run_parity(tmp_path, arch, backend, mode, "float32")
+
+
+@pytest.mark.parametrize("mode", ["eager", "graphs"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_bfloat16_near_tie_parity(tmp_path: Path, arch: str, backend: str, mode: str) -> None:
+    """bf16 against transformers' own bf16 forward: greedy tokens equal but for near-ties
+    (``assert_close`` on every prompt; how many were exact goes to the log)."""
+    run_parity(tmp_path, arch, backend, mode, "bfloat16")
