@@ -6,14 +6,74 @@ tests/integration/conftest.py."""
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
+import sys
 
+import pytest
 from hypothesis import settings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+
+def _import_triton_interpreted() -> None:
+    """Import triton (when installed) with ``TRITON_INTERPRET=1``, then restore the variable.
+
+    Triton fixes, per ``@triton.jit`` function when it is defined, whether it is interpreted;
+    its own library functions (``tl.sum``, ``tl.cdiv``, ...) are defined when triton is first
+    imported, and torch imports it as a side effect (``torch._dynamo``, which transformers
+    loads). Imported first here, they stay interpreted, so radixserve's Triton kernels can run
+    on CPU tensors in the ``triton_attention`` fixture; no other test or server subprocess
+    sees the variable."""
+    if "triton" in sys.modules or importlib.util.find_spec("triton") is None:
+        return
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        importlib.import_module("triton.language")
+    finally:
+        if old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+_import_triton_interpreted()
+
 # No test asserts a duration: hypothesis' per-example deadline (200 ms by default) would, on a
 # loaded 2-core CI machine. Speed belongs in the benchmarks.
 settings.register_profile("radixserve", deadline=None)
 settings.load_profile("radixserve")
+
+
+@pytest.fixture(scope="session")
+def _triton_interpreted():
+    """radixserve's Triton attention module imported with ``TRITON_INTERPRET=1`` (its kernels
+    interpreted, like triton's own functions: ``_import_triton_interpreted``), then the
+    variable restored. Skips when triton is not installed (it is in the ``test`` extra)."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        module = importlib.import_module("radixserve.model_executor.attention.triton_attention")
+    finally:
+        if old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+    if not module.INTERPRETED:
+        pytest.fail("triton_attention was imported in this process without TRITON_INTERPRET=1: "
+                    "its kernels are compiled for a GPU and cannot run on CPU tensors")
+    return module
+
+
+@pytest.fixture
+def triton_attention(_triton_interpreted, monkeypatch: pytest.MonkeyPatch):
+    """radixserve's Triton attention module with its kernels in Triton's interpreter, so they
+    run on CPU tensors. The interpreter also reads ``TRITON_INTERPRET`` while kernels run, so
+    it is set for the duration of the test (and of no other)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    return _triton_interpreted

@@ -11,7 +11,7 @@ from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
-ATTENTION_BACKENDS = ("auto", "cpu", "torch")
+ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 #: KV connectors ``kv_transfer_config.kv_connector`` may name (``kv_transfer/factory.py``).
 KV_CONNECTORS = ("NixlConnector", "TcpConnector")
 #: Roles of an instance in prefill/decode disaggregation (vLLM's ``kv_role`` values).
@@ -171,8 +171,11 @@ class EngineConfig:
         step_timers: record per-step schedule/prepare/forward/output timings.
         seed: seed of the engine-wide generator (requests without their own seed).
         num_threads: torch intra-op threads; None leaves torch's default.
-        attention_backend: "auto" (the CPU paged decode kernel on CPU when it builds, else
-            SDPA), "cpu" (that kernel or an error) or "torch" (SDPA over gathered pages).
+        attention_backend: "auto" (radixserve's C kernels on CPU when they build; its Triton
+            kernels on CUDA when ``triton`` imports; else SDPA), "cpu" (the C kernels or an
+            error), "triton" (the Triton paged-attention kernels or an error: CUDA, or CPU
+            in Triton's interpreter with ``TRITON_INTERPRET=1`` for tests; element-wise steps
+            in torch ops) or "torch" (SDPA over gathered pages, the reference).
         pack_weights: on CPU, pack linear weights once into oneDNN's layout (faster matmuls at
             decode batch sizes; the dense copies are freed). None (default): packed or dense,
             whichever measured faster on this machine and model (``path_choice``, cached);

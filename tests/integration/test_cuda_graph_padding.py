@@ -36,8 +36,11 @@ def test_buckets() -> None:
         graph_buckets(0)
 
 
-@pytest.mark.parametrize("backend", ["cpu", "torch"])
-def test_padded_static_decode_equals_eager(tmp_path: Path, backend: str) -> None:
+@pytest.mark.parametrize("backend", ["cpu", "torch", "triton"])
+def test_padded_static_decode_equals_eager(tmp_path: Path, backend: str,
+                                           request: pytest.FixtureRequest) -> None:
+    if backend == "triton":
+        request.getfixturevalue("triton_attention")  # its kernels in Triton's interpreter
     path = tiny_model(tmp_path, "qwen2", 0.2)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, TINY_VOCAB, size=n).tolist() for n in (2, 7, 19, 40, 5)]

@@ -66,12 +66,13 @@ def select_cpu_kernels(backend: str, device: torch.device,
     ``--attention-backend``.
 
     "auto": the kernels on CPU for float32/bfloat16 when they build, else torch ops (SDPA);
-    "torch": always torch ops (the reference path); "cpu": the kernels or an error.
+    "torch": always torch ops (the reference path); "cpu": the kernels or an error; "triton":
+    none (Triton attention, torch ops for the element-wise steps).
 
     Raises:
         ValueError: "cpu" asked for but not possible here (device, dtype or no compiler).
     """
-    if backend == "torch":
+    if backend in ("torch", "triton"):
         return None
     usable = CpuKernels.supports(dtype, device)
     if backend == "cpu" and not usable:
@@ -84,14 +85,47 @@ def select_cpu_kernels(backend: str, device: torch.device,
     return kernel
 
 
+def select_triton(backend: str, device: torch.device,
+                  dtype: torch.dtype = torch.float32) -> tuple[bool, str | None]:
+    """Whether attention runs in radixserve's Triton kernels (``attention/triton_attention``)
+    for ``--attention-backend``, and why not when "auto" could have used them.
+
+    "triton": the kernels or an error; "auto": the kernels on CUDA when ``triton`` imports
+    (the reason names the failure otherwise); "cpu", "torch": no. On CPU the kernels run only
+    in Triton's interpreter (``TRITON_INTERPRET=1`` before the first import: tests), and not
+    in bfloat16, whose dots the interpreter gets wrong.
+
+    Raises:
+        ValueError: "triton" asked for but ``triton`` does not import, or the device is not
+            CUDA and the kernels are not interpreted, or interpreted in bfloat16.
+    """
+    if backend not in ("triton", "auto") or (backend == "auto" and device.type != "cuda"):
+        return False, None
+    try:
+        from radixserve.model_executor.attention import triton_attention
+    except Exception as e:  # ImportError, or a triton that fails while importing
+        if backend == "triton":
+            raise ValueError(f"attention_backend='triton' needs the triton package "
+                             f"(pip install 'radixserve[triton]'): {e}") from e
+        return False, f"triton does not import ({e})"
+    if not triton_attention.supports_device(device):
+        raise ValueError(f"attention_backend='triton' runs on CUDA, not {device.type} (on CPU "
+                         "only in Triton's interpreter: TRITON_INTERPRET=1, for tests)")
+    if device.type != "cuda" and dtype == torch.bfloat16:
+        raise ValueError("attention_backend='triton' on CPU (Triton's interpreter) needs "
+                         "float32 or float16: the interpreter's bfloat16 tl.dot multiplies raw "
+                         "bits (triton-lang/triton#11584)")
+    return True, None
+
+
 _REQUIRED = ("architectures", "vocab_size", "hidden_size", "intermediate_size",
              "num_hidden_layers", "num_attention_heads", "rms_norm_eps")
 
 
 @dataclass
 class ForwardPaths:
-    """The code path each part of the forward runs ("attention": "cpu" | "torch", "linear":
-    "packed" | "dense"), why, which fast paths fell back, and the steps run."""
+    """The code path each part of the forward runs ("attention": "cpu" | "triton" | "torch",
+    "linear": "packed" | "dense"), why, which fast paths fell back, and the steps run."""
 
     paths: dict[str, str] = field(default_factory=dict)
     reasons: dict[str, str] = field(default_factory=dict)
@@ -107,10 +141,16 @@ class ForwardPaths:
 
 
 def _attention_reason(asked: str, device: torch.device, dtype: torch.dtype,
-                      built: bool) -> tuple[str, bool]:
+                      built: bool, triton: bool = False,
+                      no_triton: str | None = None) -> tuple[str, bool]:
     """Why the attention path is what it is, and whether that is a fall-back."""
-    if asked == "torch":
-        return "--attention-backend torch", False
+    if asked in ("torch", "triton"):
+        return f"--attention-backend {asked}", False
+    if triton:
+        return ("radixserve's Triton kernels on CUDA: split-KV decode and paged extend, K/V "
+                "read in place from their pages"), False
+    if no_triton is not None:
+        return f"the Triton kernels are unavailable: {no_triton}", True
     if built:
         return ("radixserve's C kernels: prefill and decode rows share one arithmetic "
                 "(batch-invariant), faster decode than SDPA (docs/benchmarks.md)"), False
@@ -190,11 +230,15 @@ class ModelRunner:
         model_len = config.max_model_len or args.max_position_embeddings
         inv_freq, rope_scale = rope_inv_freq(hf_config, args.head_dim)
         self.kernels = select_cpu_kernels(config.attention_backend, self.device, self.dtype)
-        #: "cpu" (radixserve's decode kernel) or "torch" (SDPA)
-        self.attention_backend = "cpu" if self.kernels is not None else "torch"
+        use_triton, no_triton = select_triton(config.attention_backend, self.device,
+                                              self.dtype)
+        #: "cpu" (radixserve's C kernels), "triton" (its Triton kernels) or "torch" (SDPA)
+        self.attention_backend = ("cpu" if self.kernels is not None
+                                  else "triton" if use_triton else "torch")
         paths = ForwardPaths()
         paths.pick("attention", self.attention_backend, *_attention_reason(
-            config.attention_backend, self.device, self.dtype, self.kernels is not None))
+            config.attention_backend, self.device, self.dtype, self.kernels is not None,
+            use_triton, no_triton))
         model = CausalLM(args, inv_freq, rope_scale, max(model_len, self.max_model_len) + 1,
                          self.kernels, self.attention_backend, self.shard)
         model.load_weights(iter_safetensors(files.folder))
@@ -276,9 +320,14 @@ class ModelRunner:
                            else msgspec.structs.replace(self.shadow.stats))
 
     def _metadata(self, batch: ForwardBatch, kernels: bool | None = None) -> AttentionMetadata:
-        """The step's attention metadata; ``kernels`` (default: this runner's backend) picks
-        the decode layout: page table and lengths for the C kernel, or key masks for SDPA."""
-        use_kernel = self.kernels is not None if kernels is None else kernels
+        """The step's attention metadata in the layout of an attention backend: this runner's
+        (``kernels`` None), the C kernels' (True) or SDPA's (False, the reference).
+
+        Decodes get a page table plus lengths (host lengths for the C kernel, device lengths
+        for Triton) or, for SDPA, key masks. Prefill chunks are listed one by one; for Triton
+        they are also packed into two device tensors (one copy each per step)."""
+        backend = (self.attention_backend if kernels is None
+                   else "cpu" if kernels else "torch")
         dev, ps = self.device, self.page_size
         d = batch.num_decodes
         pt, pd_lens, pd_mask = None, None, None
@@ -286,23 +335,38 @@ class ModelRunner:
             seq = batch.seq_lens[:d]
             n_pages = int(-(-seq.max() // ps))
             pt = torch.from_numpy(batch.page_table[:d, :n_pages].astype(np.int64)).to(dev)
-            if use_kernel:
-                pd_lens = torch.from_numpy(seq.astype(np.int64))
-            else:
+            if backend == "torch":
                 keys = np.arange(n_pages * ps)[None, :] < seq[:, None]
                 pd_mask = torch.from_numpy(keys).to(dev)[:, None, None, :]
+            else:
+                pd_lens = torch.from_numpy(seq.astype(np.int64))
+                if backend == "triton":
+                    pd_lens = pd_lens.to(dev)
         prefill = []
         ends = np.cumsum(batch.num_new)
         pt_np = batch.page_table
+        bounds = table = None
+        max_q = 0
+        if backend == "triton" and batch.num_requests > d:
+            ctxs = batch.seq_lens[d:].astype(np.int64)
+            lens = batch.num_new[d:].astype(np.int64)
+            starts = ends[d:].astype(np.int64) - lens
+            bounds = torch.from_numpy(np.stack([starts, lens, ctxs], axis=1)).to(dev)
+            width = int(-(-ctxs.max() // ps))
+            table = torch.from_numpy(pt_np[d:, :width].astype(np.int64)).to(dev)
+            max_q = int(lens.max())
         for i in range(d, batch.num_requests):
             ctx = int(batch.seq_lens[i])
-            pages = torch.from_numpy(pt_np[i, :-(-ctx // ps)].astype(np.int64)).to(dev)
+            n = -(-ctx // ps)
+            pages = (table[i - d, :n] if table is not None
+                     else torch.from_numpy(pt_np[i, :n].astype(np.int64)).to(dev))
             end = int(ends[i])
             prefill.append((end - int(batch.num_new[i]), end, ctx, pages))
         return AttentionMetadata(
             slot_mapping=torch.from_numpy(batch.slot_mapping).to(dev), num_decodes=d,
             decode_page_table=pt, decode_seq_lens=pd_lens, decode_mask=pd_mask,
-            prefill=prefill)
+            prefill=prefill, prefill_bounds=bounds, prefill_page_table=table,
+            prefill_max_q_len=max_q)
 
     def join_group(self, group: TensorParallelGroup) -> None:
         """Run this shard's collectives over ``group`` (tensor parallelism), then capture the

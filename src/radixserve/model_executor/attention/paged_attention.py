@@ -1,16 +1,19 @@
 """Paged attention over the KV pool: writes a step's K/V into its slots and attends over each
 sequence's pages.
 
-Two backends, picked once when the model is built:
+Three backends, picked once when the model is built:
 
 * ``SdpaPagedAttention`` (``--attention-backend torch``, the reference; CPU and CUDA): decodes
   (one query token each) in one batched ``scaled_dot_product_attention`` call over their
   gathered pages, padded to the longest context and masked;
 * ``CpuKernelPagedAttention`` (``--attention-backend cpu``): decodes through radixserve's C
-  kernel (``kernels/cpu.py``: keys and values read in place from their pages).
+  kernel (``kernels/cpu.py``: keys and values read in place from their pages);
+* ``TritonPagedAttention`` (``--attention-backend triton``, ``triton_attention.py``): decodes
+  and prefill chunks through radixserve's Triton kernels (CUDA; CPU only in Triton's
+  interpreter, for tests).
 
-Both run prefill chunks as one SDPA call per sequence over its own pages, so no row's reduction
-depends on what else is in the batch.
+The first two run prefill chunks one sequence at a time over its own pages (SDPA, or the C
+prefill kernel), so no row's reduction depends on what else is in the batch.
 """
 
 from __future__ import annotations
@@ -35,6 +38,12 @@ class AttentionMetadata:
         decode_mask: bool [D, 1, 1, Pd * page_size] True where a key position is valid (only
             for the SDPA path; None when the decode kernel runs).
         prefill: per prefill chunk (token start, token end, context length, int64 pages [p]).
+        prefill_bounds: int64 [C, 3] the same chunks packed for the Triton extend kernel, per
+            chunk (token start, token count, context length); None when the backend does not
+            read it (the Triton backend then packs ``prefill`` itself).
+        prefill_page_table: int64 [C, P] the chunks' pages (zero-padded), with
+            ``prefill_bounds``.
+        prefill_max_q_len: the largest chunk's token count, with ``prefill_bounds``.
     """
 
     slot_mapping: torch.Tensor
@@ -43,6 +52,9 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor | None
     decode_mask: torch.Tensor | None
     prefill: list[tuple[int, int, int, torch.Tensor]]
+    prefill_bounds: torch.Tensor | None = None
+    prefill_page_table: torch.Tensor | None = None
+    prefill_max_q_len: int = 0
 
 
 def gather_pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
@@ -157,7 +169,7 @@ class CpuKernelPagedAttention(SdpaPagedAttention):
 
 
 #: ``--attention-backend`` values a model can be built with (after "auto" is resolved)
-ATTENTION_IMPLS = ("torch", "cpu")
+ATTENTION_IMPLS = ("torch", "cpu", "triton")
 
 
 def build_attention(backend: str, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -172,6 +184,7 @@ def build_attention(backend: str, num_heads: int, num_kv_heads: int, head_dim: i
 
     Raises:
         ValueError: an unknown backend, or "cpu" without ``kernels``.
+        ImportError: "triton" without the ``triton`` package.
     """
     if backend == "torch":
         return SdpaPagedAttention(num_heads, num_kv_heads, head_dim, scale)
@@ -179,4 +192,9 @@ def build_attention(backend: str, num_heads: int, num_kv_heads: int, head_dim: i
         if kernels is None:
             raise ValueError("attention backend 'cpu' needs the CPU kernel library")
         return CpuKernelPagedAttention(num_heads, num_kv_heads, head_dim, scale, kernels)
+    if backend == "triton":
+        # imported here: only this backend needs triton installed
+        from radixserve.model_executor.attention.triton_attention import TritonPagedAttention
+
+        return TritonPagedAttention(num_heads, num_kv_heads, head_dim, scale)
     raise ValueError(f"unknown attention backend {backend!r}; one of {', '.join(ATTENTION_IMPLS)}")
