@@ -28,10 +28,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "integration"))
 
-from test_parity import assert_close  # noqa: E402
+from test_parity import greedy_parity  # noqa: E402
 from tiny_models import TINY_VOCAB, tiny_model  # noqa: E402
 
-from radixserve import LLM, SamplingParams  # noqa: E402
+from radixserve import LLM  # noqa: E402
 from radixserve.config import ATTENTION_BACKENDS  # noqa: E402
 
 DEVICE = os.environ.get("RADIXSERVE_GPU_TEST_DEVICE", "cuda")
@@ -43,22 +43,6 @@ if ON_CUDA and not torch.cuda.is_available():
 #: prompt lengths: short ones, and ones longer than the step budget (prefilled in chunks)
 PROMPT_LENS = (3, 9, 33, 70, 130)
 NEW_TOKENS = 24
-
-
-def hf_greedy_on_device(model, ids: list[int], n: int
-                        ) -> tuple[list[int], list[dict[int, float]]]:
-    """test_parity.hf_greedy with the prompt on the model's device: transformers greedy
-    generate of one prompt alone, tokens and top-5 logprobs per step."""
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([ids], device=model.device), max_new_tokens=n,
-                             do_sample=False, output_logits=True,
-                             return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
-    toks = out.sequences[0, len(ids):].tolist()
-    tops = []
-    for logits in out.logits:
-        v, i = torch.log_softmax(logits[0].float(), dim=-1).topk(5)
-        tops.append(dict(zip(i.tolist(), v.tolist(), strict=True)))
-    return toks, tops
 
 
 def _log(record: dict) -> None:
@@ -106,16 +90,8 @@ def run_parity(tmp_path: Path, arch: str, backend: str, mode: str, dtype: str) -
                 runner.graphs.run = lambda b: (replays.append(b.num_requests), graph_run(b))[1]
         rng = np.random.default_rng(7)
         prompts = [rng.integers(3, TINY_VOCAB, size=n).tolist() for n in PROMPT_LENS]
-        sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True,
-                            logprobs=5)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-        exact = 0
-        for k, (p, o) in enumerate(zip(prompts, outs, strict=True)):
-            want, want_lp = hf_greedy_on_device(ref, p, NEW_TOKENS)
-            c = o.outputs[0]
-            assert len(c.token_ids) == NEW_TOKENS
-            exact += assert_close(c.token_ids, c.logprobs, want, want_lp,
-                                  f"{arch} {backend} {mode} {dtype} prompt {k}")
+        exact = greedy_parity(llm, ref, prompts, NEW_TOKENS,
+                              f"{arch} {backend} {mode} {dtype} prompt")
         if ON_CUDA and mode == "graphs":
             # 5 decodes fill no bucket exactly: the replays ran padded rows too
             assert replays, "no decode step was replayed from a CUDA graph"

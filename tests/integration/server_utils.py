@@ -87,6 +87,13 @@ class ServerProcess:
                 pids += [int(p) for p in f.read_text().split()]
         return pids
 
+    def health_failed(self) -> bool:
+        """/health says 503, or nothing listens any more (the server already exited)."""
+        try:
+            return httpx.get(self.base_url + "/health", timeout=5).status_code == 503
+        except httpx.HTTPError:
+            return True
+
     def ipc_dirs(self) -> list[Path]:
         return sorted(self.tmpdir.glob("radixserve-*"))
 

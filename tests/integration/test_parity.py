@@ -30,9 +30,11 @@ CHAT_PROMPTS = [
 
 
 def hf_greedy(model, ids: list[int], n: int) -> tuple[list[int], list[dict[int, float]]]:
-    """transformers greedy generate of one prompt alone: tokens and top-5 logprobs per step."""
+    """transformers greedy generate of one prompt alone (on the model's device): tokens and
+    top-5 logprobs per step."""
     with torch.inference_mode():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+        out = model.generate(torch.tensor([ids], device=model.device), max_new_tokens=n,
+                             do_sample=False,
                              output_logits=True, return_dict_in_generate=True,
                              eos_token_id=None, pad_token_id=0)
     toks = out.sequences[0, len(ids):].tolist()

@@ -190,14 +190,7 @@ def test_engine_core_death_fails_requests_and_exits_nonzero(tmp_path: Path) -> N
         os.kill(engine, signal.SIGKILL)
         reader.slow.clear()
 
-        def health_failed() -> bool:
-            """/health says 503, or nothing listens any more (the server already exited)."""
-            try:
-                return httpx.get(srv.base_url + "/health", timeout=5).status_code == 503
-            except httpx.HTTPError:
-                return True
-
-        wait_until(health_failed, "/health to stop reporting a healthy server")
+        wait_until(srv.health_failed, "/health to stop reporting a healthy server")
         rc = srv.proc.wait(timeout=HANG_TIMEOUT_S)
         assert rc != 0, srv.log_tail()
         reader.join(HANG_TIMEOUT_S)

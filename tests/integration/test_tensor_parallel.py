@@ -142,13 +142,7 @@ def test_dead_rank_behind_the_server_is_reported(tmp_path: Path) -> None:
         assert r.status_code >= 500
         assert "rank 1" in r.text or "engine" in r.text.lower()
 
-        def health_failed() -> bool:
-            try:
-                return httpx.get(srv.base_url + "/health", timeout=5).status_code == 503
-            except httpx.HTTPError:
-                return True
-
-        wait_until(health_failed, "/health to stop reporting a healthy server")
+        wait_until(srv.health_failed, "/health to stop reporting a healthy server")
         wait_until(lambda: not pid_alive(engine), "the engine core to exit")
         assert "tensor-parallel rank 1 (exit code -9) died" in srv.log_tail(20000)
     finally:

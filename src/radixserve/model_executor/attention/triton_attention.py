@@ -52,6 +52,31 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _attend_block(q, k_ptr, v_ptr, page, in_page, kvh, d, kv_mask, visible, m_i, l_i, acc,
+                  qk_scale, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                  DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr):
+    """One block of keys in the online softmax (Milakov & Gimelshein 2018), shared by the
+    decode and extend kernels: the block's K/V rows read through ``page``/``in_page``
+    ([BLOCK_N]; ``kv_mask`` masks the loads), scores of the query rows ``q`` [R, BLOCK_D]
+    (``visible`` [R, BLOCK_N] hides keys when ``MASKED``), and the running max ``m_i``, sum
+    ``l_i`` [R] and output ``acc`` [R, BLOCK_D] (float32) updated. The caller guarantees each
+    row sees at least one key by this block, so the running max is finite (no inf - inf)."""
+    k = tl.load(k_ptr + page[:, None] * stride_kp + in_page[:, None] * stride_ks
+                + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if MASKED:
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_ptr + page[:, None] * stride_vp + in_page[:, None] * stride_vs
+                + kvh * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
     qk_scale,
@@ -95,20 +120,11 @@ def _decode_split_kernel(
         n_mask = n < end
         page = tl.load(page_table_ptr + b * stride_pt + n // PAGE_SIZE, mask=n_mask, other=0)
         in_page = n % PAGE_SIZE
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + page[:, None] * stride_kp + in_page[:, None] * stride_ks
-                    + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        # every block holds at least one valid key, so m_new is finite: no inf - inf
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + page[:, None] * stride_vp + in_page[:, None] * stride_vs
-                    + kvh * stride_vh + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        # every block holds at least one valid key, so the running max stays finite
+        m_i, l_i, acc = _attend_block(
+            q, k_ptr, v_ptr, page, in_page, kvh, d, n_mask[:, None] & d_mask[None, :],
+            n_mask[None, :], m_i, l_i, acc, qk_scale, stride_kp, stride_ks, stride_kh,
+            stride_vp, stride_vs, stride_vh, DOT_PRECISION, True)
 
     nonempty = end > start
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
@@ -192,18 +208,10 @@ def _extend_kernel(
     for n0 in range(0, full_end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         page = tl.load(pt_row + n // PAGE_SIZE)
-        in_page = n % PAGE_SIZE
-        k = tl.load(k_ptr + page[:, None] * stride_kp + in_page[:, None] * stride_ks
-                    + kvh * stride_kh + d[None, :], mask=d_mask[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + page[:, None] * stride_vp + in_page[:, None] * stride_vs
-                    + kvh * stride_vh + d[None, :], mask=d_mask[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _attend_block(
+            q, k_ptr, v_ptr, page, n % PAGE_SIZE, kvh, d, d_mask[None, :], d_mask[None, :],
+            m_i, l_i, acc, qk_scale, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
+            stride_vh, DOT_PRECISION, False)
     # the first block of this loop holds key prefix + m_start, which every row sees, so each
     # row's running max is finite from then on
     for n0 in range(full_end, diag_end, BLOCK_N):
@@ -211,20 +219,11 @@ def _extend_kernel(
         n_mask = n < diag_end
         page = tl.load(pt_row + n // PAGE_SIZE, mask=n_mask, other=0)
         in_page = n % PAGE_SIZE
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + page[:, None] * stride_kp + in_page[:, None] * stride_ks
-                    + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         visible = n_mask[None, :] & (n[None, :] <= prefix + m[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + page[:, None] * stride_vp + in_page[:, None] * stride_vs
-                    + kvh * stride_vh + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _attend_block(
+            q, k_ptr, v_ptr, page, in_page, kvh, d, n_mask[:, None] & d_mask[None, :],
+            visible, m_i, l_i, acc, qk_scale, stride_kp, stride_ks, stride_kh, stride_vp,
+            stride_vs, stride_vh, DOT_PRECISION, True)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + (q_start + m)[:, None] * stride_ot + h * stride_oh + d[None, :],
