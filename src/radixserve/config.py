@@ -180,6 +180,10 @@ class EngineConfig:
             decode batch sizes; the dense copies are freed). None (default): packed or dense,
             whichever measured faster on this machine and model (``path_choice``, cached);
             True/False force it. Ignored on CUDA.
+        tune_malloc: on CPU, raise glibc's mmap and trim thresholds at start-up so that each
+            step's activations reuse heap memory instead of page-faulting fresh pages
+            (``model_executor/cpu_malloc.py``; skipped where the environment already sets
+            glibc's malloc variables or preloads tcmalloc/jemalloc). Ignored on CUDA.
         shadow_rate: fraction of steps (0..1) re-run on the reference path (SDPA attention,
             dense linears, eager) and compared with the fast path, counted in ``/metrics``;
             never served. 0 (default) turns shadow checks off; above 0 the reference keeps a
@@ -215,6 +219,7 @@ class EngineConfig:
     num_threads: int | None = None
     attention_backend: str = "auto"
     pack_weights: bool | None = None
+    tune_malloc: bool = True
     shadow_rate: float = 0.0
     kv_transfer_config: KVTransferConfig | None = None
     tensor_parallel_size: int = 1

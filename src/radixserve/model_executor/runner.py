@@ -18,6 +18,7 @@ from radixserve.engine_types import RunnerStats
 from radixserve.kvcache.sizing import plan_kv_pool
 from radixserve.kvcache.storage import KVStorage
 from radixserve.model_executor.attention.paged_attention import AttentionMetadata
+from radixserve.model_executor.cpu_malloc import tune_malloc
 from radixserve.model_executor.cuda_graphs import maybe_decode_graphs
 from radixserve.model_executor.forward_batch import ForwardBatch, SampleResult
 from radixserve.model_executor.kernels.cpu import CpuKernels
@@ -236,6 +237,9 @@ class ModelRunner:
         self.attention_backend = ("cpu" if self.kernels is not None
                                   else "triton" if use_triton else "torch")
         paths = ForwardPaths()
+        if self.device.type == "cpu":
+            tuned = tune_malloc(config.tune_malloc)
+            paths.pick("malloc", "tuned" if tuned.applied else "default", tuned.reason)
         paths.pick("attention", self.attention_backend, *_attention_reason(
             config.attention_backend, self.device, self.dtype, self.kernels is not None,
             use_triton, no_triton))

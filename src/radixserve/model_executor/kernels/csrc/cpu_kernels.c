@@ -106,26 +106,28 @@ static inline void scores8(const float *q, const float *const k[SCORE_KEYS], int
  * with vector operations because GCC does not vectorize the scalar form (its float -> int ->
  * float rounding step defeats it). */
 typedef int32_t v8i __attribute__((vector_size(32)));
-static inline v8f exp8_nonpos(v8f x) {
-    const v8f lo = (v8f){0} - 87.0f;
-    const v8i below = x < lo;
-    x = (v8f)(((v8i)x & ~below) | ((v8i)lo & below));
-    /* nearest integer to x / ln 2 (ties up): truncating a value <= 0 rounds it up */
-    const v8i ni = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, v8i);
-    const v8f n = __builtin_convertvector(ni, v8f);
-    const v8f r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    v8f p = (v8f){0} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const v8i bits = (ni + 127) << 23;
-    v8f scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
+#define DEFINE_EXP_NONPOS(NAME, VF, VI)                                                        \
+    static inline VF NAME(VF x) {                                                              \
+        const VF lo = (VF){0} - 87.0f;                                                         \
+        const VI below = x < lo;                                                               \
+        x = (VF)(((VI)x & ~below) | ((VI)lo & below));                                         \
+        /* nearest integer to x / ln 2 (ties up): truncating a value <= 0 rounds it up */      \
+        const VI ni = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, VI);            \
+        const VF n = __builtin_convertvector(ni, VF);                                          \
+        const VF r = x - n * 0.693359375f + n * 2.12194440e-4f;                                \
+        VF p = (VF){0} + 1.9875691500e-4f;                                                     \
+        p = p * r + 1.3981999507e-3f;                                                          \
+        p = p * r + 8.3334519073e-3f;                                                          \
+        p = p * r + 4.1665795894e-2f;                                                          \
+        p = p * r + 1.6666665459e-1f;                                                          \
+        p = p * r + 5.0000001201e-1f;                                                          \
+        p = p * r * r + r + 1.0f;                                                              \
+        const VI bits = (ni + 127) << 23;                                                      \
+        VF scale;                                                                              \
+        memcpy(&scale, &bits, sizeof scale);                                                   \
+        return p * scale;                                                                      \
+    }
+DEFINE_EXP_NONPOS(exp8_nonpos, v8f, v8i)
 
 /* s[0..L) <- softmax(s[0..L)) in place: exact two passes (max; exp and sum), then a scale.
  * The sum's order depends only on L (8 lanes, `hsum8`, then the tail in order), so a row gets
@@ -576,68 +578,87 @@ int rs_rope(int dtype, void *x, int64_t T, int64_t heads, int64_t D, int64_t str
     return 0;
 }
 
-/* 8 values of a float32 or bfloat16 row from element i, widened to float32 (exact) */
-typedef uint16_t v8u16 __attribute__((vector_size(16)));
-typedef uint32_t v8u32 __attribute__((vector_size(32)));
-static inline v8f load8_any(int dtype, const void *base, int64_t i) {
-    if (dtype == 0) return load8((const float *)base + i);
-    v8u16 h;
+/* The element-wise kernel below works on 16 lanes (one AVX-512 register; two AVX ones):
+ * element-wise arithmetic gives the same values at any width. */
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u32 __attribute__((vector_size(64)));
+typedef uint16_t v16u16 __attribute__((vector_size(32)));
+DEFINE_EXP_NONPOS(exp16_nonpos, v16f, v16i)
+
+/* 16 values of a float32 or bfloat16 row from element i, widened to float32 (exact) */
+static inline v16f load16_any(int dtype, const void *base, int64_t i) {
+    v16f f;
+    if (dtype == 0) {
+        memcpy(&f, (const float *)base + i, sizeof f);
+        return f;
+    }
+    v16u16 h;
     memcpy(&h, (const uint16_t *)base + i, sizeof h);
-    const v8u32 w = __builtin_convertvector(h, v8u32) << 16;
-    v8f f;
+    const v16u32 w = __builtin_convertvector(h, v16u32) << 16;
     memcpy(&f, &w, sizeof f);
     return f;
 }
 
-/* silu(g) * u on 8 lanes, the SiLU rounded to the activation dtype first (torch's two ops);
- * sigmoid through `exp8_nonpos` of -|g|, so no lane overflows. Returns float32 lanes of the
- * product (still to be rounded to bfloat16 by the caller). */
-static inline v8f silu_mul8(int dtype, v8f g, v8f u) {
-    const v8i neg = g < (v8f){0};
-    const v8i abs_mask = (v8i){0} + 0x7fffffff;
-    const v8f e = exp8_nonpos((v8f){0} - (v8f)((v8i)g & abs_mask)); /* exp(-|g|) */
-    const v8f one = (v8f){0} + 1.0f;
-    /* g * sigmoid(g): g / (1 + e) for g >= 0 (torch's formula), g * e / (1 + e) below */
-    const v8f num = (v8f)(((v8i)one & ~neg) | ((v8i)e & neg));
-    v8f silu = (g * num) / (one + e);
-    if (dtype != 0) {
-        float y[8];
-        memcpy(y, &silu, sizeof y);
-        for (int j = 0; j < 8; ++j) y[j] = bf16_to_f32(f32_to_bf16(y[j]));
-        memcpy(&silu, y, sizeof y);
+/* `f32_to_bf16` on 16 lanes (the same bit operations, so the same values): rounded to
+ * bfloat16 and widened back, or stored as bfloat16. GCC leaves the scalar helper in a
+ * per-lane loop. */
+static inline v16u32 bf16_bits16(v16f f) {
+    v16u32 u;
+    memcpy(&u, &f, sizeof u);
+    return u + 0x7FFFu + ((u >> 16) & 1u);
+}
+static inline v16f round_bf16_16(v16f f) {
+    const v16u32 u = bf16_bits16(f) & 0xFFFF0000u;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+static inline void store16_any(int dtype, void *base, int64_t i, v16f f) {
+    if (dtype == 0) {
+        memcpy((float *)base + i, &f, sizeof f);
+        return;
     }
+    const v16u16 h = __builtin_convertvector(bf16_bits16(f) >> 16, v16u16);
+    memcpy((uint16_t *)base + i, &h, sizeof h);
+}
+
+/* silu(g) * u on 16 lanes, the SiLU rounded to the activation dtype first (torch's two ops);
+ * sigmoid through `exp16_nonpos` of -|g|, so no lane overflows. Returns float32 lanes of the
+ * product (still to be rounded to bfloat16 by the caller). */
+static inline v16f silu_mul16(int dtype, v16f g, v16f u) {
+    const v16i neg = g < (v16f){0};
+    const v16i abs_mask = (v16i){0} + 0x7fffffff;
+    const v16f e = exp16_nonpos((v16f){0} - (v16f)((v16i)g & abs_mask)); /* exp(-|g|) */
+    const v16f one = (v16f){0} + 1.0f;
+    /* g * sigmoid(g): g / (1 + e) for g >= 0 (torch's formula), g * e / (1 + e) below */
+    const v16f num = (v16f)(((v16i)one & ~neg) | ((v16i)e & neg));
+    v16f silu = (g * num) / (one + e);
+    if (dtype != 0) silu = round_bf16_16(silu);
     return silu * u;
 }
 
 /* out [T, I] = silu(gu[:, :I]) * gu[:, I:] (gu [T, 2I] contiguous, out contiguous): SwiGLU's
  * activation in one pass. */
 int rs_silu_mul(int dtype, const void *gu, void *out, int64_t T, int64_t I, int num_threads) {
+    const size_t es = dtype == 0 ? 4 : 2;
 #pragma omp parallel for num_threads(num_threads) if (T * I >= 65536) schedule(static)
     for (int64_t t = 0; t < T; ++t) {
         const int64_t g0 = t * 2 * I, u0 = g0 + I, o0 = t * I;
         int64_t i = 0;
-        for (; i + 8 <= I; i += 8) {
-            const v8f y = silu_mul8(dtype, load8_any(dtype, gu, g0 + i), load8_any(dtype, gu, u0 + i));
-            if (dtype == 0) {
-                memcpy((float *)out + o0 + i, &y, sizeof y);
-            } else {
-                for (int j = 0; j < 8; ++j) ((uint16_t *)out)[o0 + i + j] = f32_to_bf16(y[j]);
-            }
-        }
+        for (; i + 16 <= I; i += 16)
+            store16_any(dtype, out, o0 + i,
+                        silu_mul16(dtype, load16_any(dtype, gu, g0 + i),
+                                   load16_any(dtype, gu, u0 + i)));
         if (i < I) { /* the tail, padded with its own first element */
-            float g[8], u[8];
-            for (int64_t j = 0; j < 8; ++j) {
+            char g[64], u[64], y[64];
+            for (int64_t j = 0; j < 16; ++j) {
                 const int64_t k = i + (i + j < I ? j : 0);
-                g[j] = dtype == 0 ? ((const float *)gu)[g0 + k]
-                                  : bf16_to_f32(((const uint16_t *)gu)[g0 + k]);
-                u[j] = dtype == 0 ? ((const float *)gu)[u0 + k]
-                                  : bf16_to_f32(((const uint16_t *)gu)[u0 + k]);
+                memcpy(g + j * es, (const char *)gu + (g0 + k) * es, es);
+                memcpy(u + j * es, (const char *)gu + (u0 + k) * es, es);
             }
-            const v8f y = silu_mul8(dtype, load8(g), load8(u));
-            for (int64_t j = 0; i + j < I; ++j) {
-                if (dtype == 0) ((float *)out)[o0 + i + j] = y[j];
-                else ((uint16_t *)out)[o0 + i + j] = f32_to_bf16(y[j]);
-            }
+            store16_any(dtype, y, 0, silu_mul16(dtype, load16_any(dtype, g, 0),
+                                                load16_any(dtype, u, 0)));
+            memcpy((char *)out + (o0 + i) * es, y, (size_t)(I - i) * es);
         }
     }
     return 0;

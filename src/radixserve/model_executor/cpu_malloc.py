@@ -1,0 +1,73 @@
+"""glibc ``malloc`` settings for CPU inference (``--tune-malloc``, on by default on CPU).
+
+Why: every step allocates and frees its activations (a batch-64 step of SmolLM2-135M: a few
+hundred tensors of 70 KiB to 12 MiB). glibc serves blocks above its mmap threshold (128 KiB,
+raised dynamically) with a fresh ``mmap`` and returns them with ``munmap``, and trims the heap
+top past 128 KiB, so each step page-faults and zero-fills the same megabytes again. Measured on
+the Zen 5 VM (bf16, 64 prompts x 64 -> 128 tokens, docs/benchmarks.md): ~1,250 fewer minor
+faults per step and 4-19% more offline output tok/s with the thresholds below. vLLM's CPU
+backend gets the same effect by preloading tcmalloc; this does it in-process with
+``mallopt`` (``M_MMAP_THRESHOLD``, ``M_TRIM_THRESHOLD``: glibc's ``malloc.h``), so it needs no
+environment set-up. The cost: freed activation memory stays in the process for reuse instead of
+going back to the OS.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+from dataclasses import dataclass
+
+#: glibc's mallopt parameters (malloc.h)
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+#: blocks up to this size come from the heap (glibc's own ceiling for the dynamic threshold on
+#: 64-bit: ``DEFAULT_MMAP_THRESHOLD_MAX``, 32 MiB)
+MMAP_THRESHOLD_BYTES = 32 * 1024**2
+#: free memory kept at the heap's top before trimming
+TRIM_THRESHOLD_BYTES = 256 * 1024**2
+#: the environment variables that already decide these settings (glibc tunables, or another
+#: allocator preloaded): left to the user
+_USER_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")
+_PRELOADED = ("tcmalloc", "jemalloc", "mimalloc")
+
+
+@dataclass(frozen=True)
+class MallocTuning:
+    """What ``tune_malloc`` did: ``applied`` and why (for the start-up log and ``/metrics``)."""
+
+    applied: bool
+    reason: str
+
+
+def tune_malloc(enabled: bool = True) -> MallocTuning:
+    """Raise glibc's mmap and trim thresholds for this process (see the module docstring).
+
+    Leaves the allocator alone when ``enabled`` is False (``--no-tune-malloc``), when the C
+    library is not glibc, when the user set glibc's malloc variables, or when another allocator
+    is preloaded (``LD_PRELOAD`` naming tcmalloc, jemalloc or mimalloc). Never raises.
+    """
+    if not enabled:
+        return MallocTuning(False, "--no-tune-malloc")
+    if platform.libc_ver()[0] != "glibc":
+        return MallocTuning(False, "the C library is not glibc")
+    user = [v for v in _USER_ENV if v in os.environ]
+    if user:
+        return MallocTuning(False, f"left to the environment ({', '.join(user)})")
+    preload = os.environ.get("LD_PRELOAD", "")
+    other = next((name for name in _PRELOADED if name in preload), None)
+    if other is not None:
+        return MallocTuning(False, f"{other} is preloaded")
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError) as e:
+        return MallocTuning(False, f"mallopt unavailable: {e}")
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    if not (mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+            and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)):
+        return MallocTuning(False, "mallopt refused the thresholds")
+    return MallocTuning(True, f"glibc mmap threshold {MMAP_THRESHOLD_BYTES >> 20} MiB, trim "
+                              f"threshold {TRIM_THRESHOLD_BYTES >> 20} MiB: a step's "
+                              "activations reuse heap memory instead of fresh pages")
