@@ -182,7 +182,7 @@ def test_rope_in_place_equals_apply_rope_bitwise(kernel, dtype, threads) -> None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("i", [1536, 13])  # 13: a tail shorter than the 8 lanes
+@pytest.mark.parametrize("i", [1536, 13, 40])  # a tail shorter than the 16 lanes
 def test_silu_mul_matches_torch(kernel, dtype, i) -> None:
     g = torch.Generator().manual_seed(i)
     gu = (torch.randn(37, 2 * i, generator=g) * 4).to(dtype)
@@ -199,6 +199,55 @@ def test_silu_mul_matches_torch(kernel, dtype, i) -> None:
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
     with pytest.raises(ValueError, match="silu_mul"):
         kernel.silu_mul(gu[:, :-1])
+
+
+@pytest.mark.parametrize(("rows", "vocab"), [(64, 49152), (3, 17), (2, 5), (5, 1)])
+def test_argmax_rows_matches_torch(kernel, rows, vocab) -> None:
+    g = torch.Generator().manual_seed(vocab)
+    # bf16-rounded logits: many exact ties, where the first index must win as in torch
+    x = torch.randn(rows, vocab, generator=g).bfloat16().float()
+    assert torch.equal(kernel.argmax_rows(x), x.argmax(dim=-1))
+    wide = torch.randn(rows, vocab + 7, generator=g)
+    assert torch.equal(kernel.argmax_rows(wide[:, 3:vocab + 3]),
+                       wide[:, 3:vocab + 3].argmax(dim=-1))  # strided rows
+
+
+def test_argmax_rows_edge_values(kernel) -> None:
+    x = torch.randn(5, 100)
+    x[0, 40] = x[0, 90] = float("inf")
+    x[1, 70] = x[1, 20] = float("nan")  # torch: the first NaN wins
+    x[2] = float("-inf")
+    x[3] = 1.0
+    x[4, 99] = 1e30  # in the scalar tail past the last 16 lanes
+    got = kernel.argmax_rows(x)
+    assert torch.equal(got, x.argmax(dim=-1)) and got.tolist() == [40, 20, 0, 0, 99]
+    with pytest.raises(ValueError, match="argmax_rows"):
+        kernel.argmax_rows(x.bfloat16())
+    with pytest.raises(ValueError, match="argmax_rows"):
+        kernel.argmax_rows(x.t())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_matches_index_copy(kernel, dtype) -> None:
+    g = torch.Generator().manual_seed(7)
+    pages, page, hkv, d, t = 6, 4, 3, 8, 5
+    caches = torch.randn(2, pages, page, hkv, d, generator=g).to(dtype)
+    # K and V as views of a fused [T, (H + 2 Hkv) * D] projection output, as in the model
+    qkv = torch.randn(t, (9 + 2 * hkv) * d, generator=g).to(dtype)
+    k = qkv[:, 9 * d:(9 + hkv) * d].view(t, hkv, d)
+    v = qkv[:, (9 + hkv) * d:].view(t, hkv, d)
+    slots = torch.tensor([23, 0, 5, 6, 17])
+    want = caches.clone()
+    want[0].view(-1, hkv, d).index_copy_(0, slots, k)
+    want[1].view(-1, hkv, d).index_copy_(0, slots, v)
+    kernel.store_kv(k, v, caches[0], caches[1], slots)
+    assert torch.equal(caches, want)
+    before = caches.clone()
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        kernel.store_kv(k, v, caches[0], caches[1], torch.tensor([1, 2, 3, 24, 4]))
+    assert torch.equal(caches, before)  # nothing written
+    with pytest.raises(ValueError, match="store_kv"):
+        kernel.store_kv(k, v, caches[0], caches[1], slots.int())
 
 
 # -- paged prefill attention -----------------------------------------------------------------

@@ -250,6 +250,12 @@ class ModelRunner:
         self.shadow = (ShadowChecker(reference_copy(self.model), config.shadow_rate, config.seed)
                        if config.shadow_rate > 0 else None)
         self.packed_weights = self._pick_linears(config, paths)
+        #: greedy rows' argmax: the C kernel's (4x torch's at 64 x 49,152) with the C kernels
+        self._argmax = None if self.kernels is None else self.kernels.argmax_rows
+        paths.pick("argmax", "torch" if self._argmax is None else "cpu",
+                   "torch's argmax: the C kernels are not in use" if self._argmax is None
+                   else "radixserve's C kernel, with the other C kernels (torch's with "
+                        "--attention-backend torch)")
         self.paths = paths
         self.model.move_rope_tables(self.device)
         self.kv = KVStorage(args.num_layers, num_pages, page_size, kv_heads,
@@ -424,7 +430,7 @@ class ModelRunner:
         logits, plp = self.forward_logits(batch)
         if logits is None:
             return SampleResult(np.empty(0, np.int64), None, prompt_logprobs=plp)
-        result = sample(logits, batch.sampling, self.generator)
+        result = sample(logits, batch.sampling, self.generator, self._argmax)
         result.prompt_logprobs = plp
         return result
 

@@ -118,8 +118,8 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     return probs
 
 
-def sample(logits: torch.Tensor, sp: SamplingBatch,
-           generator: torch.Generator | None) -> SampleResult:
+def sample(logits: torch.Tensor, sp: SamplingBatch, generator: torch.Generator | None,
+           argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> SampleResult:
     """Pick one token per row.
 
     Everything here comes from ``sp``, a snapshot taken when the step was scheduled: with
@@ -131,6 +131,8 @@ def sample(logits: torch.Tensor, sp: SamplingBatch,
             runner's logits are not used after sampling, and logprobs are taken before).
         sp: the rows' sampling parameters (``SamplingBatch``).
         generator: engine-wide generator for unseeded random rows.
+        argmax: ``logits [S, V] -> int64 [S]`` with ``Tensor.argmax(dim=-1)``'s result (the
+            C kernel's ``argmax_rows`` on CPU); None: torch's.
 
     Returns:
         int64 [S] tokens, and logprob rows for the rows that asked (``top_logprobs`` ordered
@@ -150,7 +152,7 @@ def sample(logits: torch.Tensor, sp: SamplingBatch,
             unblocked = {i: logits[i].clone() for i in sp.blocked_tokens if i in rows}
         logits = logits.clone()
         _block_tokens(logits, sp.blocked_tokens)
-    tokens, race = _pick(logits, sp, generator)
+    tokens, race = _pick(logits, sp, generator, argmax)
     if cons is not None:
         # Constrained rows offer their unmasked pick to their grammar first; only refused
         # rows (and random rows with a top-k/top-p/min-p filter, which must see masked
@@ -176,12 +178,13 @@ def sample(logits: torch.Tensor, sp: SamplingBatch,
     return SampleResult(token_ids, logprob_rows(raw_logprobs, tokens, token_ids, sp.logprobs))
 
 
-def _pick(logits: torch.Tensor, sp: SamplingBatch, generator: torch.Generator | None
+def _pick(logits: torch.Tensor, sp: SamplingBatch, generator: torch.Generator | None,
+          argmax: Callable[[torch.Tensor], torch.Tensor] | None = None
           ) -> tuple[torch.Tensor, tuple[np.ndarray, torch.Tensor] | None]:
     """int64 [S] tokens: the argmax for greedy rows, the exponential race over the filtered
     probabilities for random rows. Also returns the random rows and their draws ``q`` [R, V]
     (None without random rows), so a row can be re-picked with the same draws."""
-    tokens = logits.argmax(dim=-1)
+    tokens = logits.argmax(dim=-1) if argmax is None else argmax(logits)
     if sp.greedy is None:
         return tokens, None
     rand = np.flatnonzero(~sp.greedy)

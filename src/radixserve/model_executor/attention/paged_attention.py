@@ -93,15 +93,18 @@ class SdpaPagedAttention:
         """Args: q [T, H, D], k/v [T, Hkv, D], kv the layer's [2, N, page, Hkv, D] cache.
         Returns: [T, H * D]."""
         k_cache, v_cache = kv[0], kv[1]
-        flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_k.index_copy_(0, meta.slot_mapping, k)
-        flat_v.index_copy_(0, meta.slot_mapping, v)
+        self._store(k, v, k_cache, v_cache, meta.slot_mapping)
         out = q.new_empty(q.shape)  # contiguous, whatever q's strides
         if meta.num_decodes:
             self._decode(q, k_cache, v_cache, meta, out)
         self._prefill(q, k_cache, v_cache, meta, out)
         return out.view(q.shape[0], -1)
+
+    def _store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+        """The step's K/V [T, Hkv, D] into their flat slots (int64 [T]) of the layer's pool."""
+        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k)
+        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, v)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, out: torch.Tensor) -> None:
@@ -153,6 +156,10 @@ class CpuKernelPagedAttention(SdpaPagedAttention):
                  kernels: CpuKernels) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         self.kernels = kernels
+
+    def _store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+        self.kernels.store_kv(k, v, k_cache, v_cache, slots)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, out: torch.Tensor) -> None:

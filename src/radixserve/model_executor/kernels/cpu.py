@@ -111,6 +111,14 @@ class CpuKernels:
         fn.argtypes = [c_int, ptr, ptr, i64, i64, c_int]
         fn.restype = c_int
         self._silu_mul = fn
+        fn = lib.rs_argmax_rows
+        fn.argtypes = [ptr, i64, i64, i64, ptr, c_int]
+        fn.restype = c_int
+        self._argmax = fn
+        fn = lib.rs_store_kv
+        fn.argtypes = [c_int, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64]
+        fn.restype = c_int
+        self._store_kv = fn
 
     @classmethod
     def load(cls) -> CpuKernels | None:
@@ -300,3 +308,57 @@ class CpuKernels:
         if rc:
             raise RuntimeError(f"SiLU-and-multiply kernel failed with code {rc}")
         return out
+
+    def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Greedy sampling's ``x.argmax(dim=-1)`` with torch's semantics (the first index of
+        the maximum; the first NaN's index in a row that has one), rows across threads.
+
+        Args:
+            x: float32 [S, V], last dim contiguous (the row stride is free).
+        Returns: int64 [S].
+
+        Raises:
+            ValueError: wrong dtype, shape or layout.
+        """
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] == 0 or x.stride(1) != 1:
+            raise ValueError("argmax_rows needs float32 [S, V > 0] with contiguous rows")
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        self._argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(),
+                     torch.get_num_threads())
+        return out
+
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Write the step's K/V rows into their slots (``flat_cache.index_copy_(0, slots, k)``
+        for both caches, in one call).
+
+        Args:
+            k, v: [T, Hkv, D] float32/bfloat16, heads and D contiguous (the token stride is
+                free: views of the fused QKV output).
+            k_cache, v_cache: contiguous [num_pages, page_size, Hkv, D], k's dtype.
+            slot_mapping: contiguous int64 [T], flat slot (page * page_size + offset) per
+                token.
+
+        Raises:
+            ValueError: wrong dtype, shape or layout.
+            RuntimeError: a slot outside the pool (nothing was written).
+        """
+        t, hkv, d = k.shape
+        row = hkv * d
+        if (k.dtype not in _DTYPES or v.dtype != k.dtype or k_cache.dtype != k.dtype
+                or v_cache.dtype != k.dtype or v.shape != k.shape
+                or k_cache.shape[2:] != (hkv, d) or v_cache.shape != k_cache.shape
+                or k.stride(2) != 1 or k.stride(1) != d or v.stride(2) != 1 or v.stride(1) != d
+                or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+                or slot_mapping.dtype != torch.int64 or slot_mapping.shape != (t,)
+                or not slot_mapping.is_contiguous()):
+            raise ValueError("store_kv needs k/v [T, Hkv, D] (heads and D contiguous), "
+                             "contiguous caches [N, page, Hkv, D] of their dtype and int64 "
+                             "slots [T]")
+        rc = self._store_kv(_DTYPES[k.dtype], k.data_ptr(), k.stride(0), v.data_ptr(),
+                            v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                            slot_mapping.data_ptr(), t, row,
+                            k_cache.shape[0] * k_cache.shape[1])
+        if rc:
+            raise RuntimeError(f"store_kv: a slot outside the pool of "
+                               f"{k_cache.shape[0] * k_cache.shape[1]} (code {rc})")
