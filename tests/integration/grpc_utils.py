@@ -14,11 +14,11 @@ from pathlib import Path
 
 import grpc
 import httpx
-from server_utils import free_port, pid_alive
+from server_utils import free_port, free_ports, pid_alive
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
 
-def free_ports(n: int) -> int:
+def consecutive_free_ports(n: int) -> int:
     """The first of ``n`` consecutive TCP ports free on 127.0.0.1 right now."""
     for _ in range(200):
         base = free_port()
@@ -121,8 +121,7 @@ class GrpcWorker(Proc):
 
     def __init__(self, args: list[str], workdir: Path, name: str = "worker",
                  env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
-        self.metrics_port = free_port()
+        self.port, self.metrics_port = free_ports(2)
         super().__init__(name, [*_radixserve(), "serve", "--grpc", "--host", "127.0.0.1",
                                 "--port", str(self.port), "--metrics-port",
                                 str(self.metrics_port), *args], workdir, env)
@@ -153,8 +152,7 @@ class Smg(Proc):
     def __init__(self, worker_urls: list[str], policy: str, workdir: Path,
                  extra: list[str] = (), name: str = "smg",
                  pd: tuple[str, str] | None = None) -> None:
-        self.port = free_port()
-        self.prometheus_port = free_port()
+        self.port, self.prometheus_port = free_ports(2)
         smg = str(Path(sys.executable).parent / "smg")
         workers = (["--worker-urls", *worker_urls] if pd is None else
                    ["--pd-disaggregation", "--prefill", pd[0], "--decode", pd[1]])

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,16 +13,11 @@ from pathlib import Path
 
 import httpx
 
+from radixserve.bench.ports import free_port, free_ports  # noqa: F401 - for the tests
+
 #: How long a wait for an event may take before the test fails as hung. Generous on purpose:
 #: it only turns a hang into a failure; how fast things happen is measured by the benchmarks.
 HANG_TIMEOUT_S = 120.0
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _serve_cmd() -> list[str]:

@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 from openai import AsyncOpenAI
-from server_utils import ServerProcess, free_port, wait_idle, wait_until
+from server_utils import ServerProcess, free_ports, wait_idle, wait_until
 
 from radixserve.sampling_params import SamplingParams
 
@@ -55,13 +55,13 @@ class RouterProcess:
     def __init__(self, prefill: str, decode: str, workdir: Path) -> None:
         exe = Path(sys.executable).parent / "vllm-router"
         assert exe.exists(), "vllm-router is missing: `make test` installs it (test extra)"
-        self.port = free_port()
+        self.port, metrics_port = free_ports(2)
         self._log = open(workdir / "router.log", "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [str(exe), "--vllm-pd-disaggregation", "--prefill", prefill, "--decode", decode,
              "--host", "127.0.0.1", "--port", str(self.port), "--policy", "round_robin",
              "--worker-startup-check-interval", "1", "--log-level", "warning",
-             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
+             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)],
             stdout=self._log, stderr=subprocess.STDOUT)
         self.base_url = f"http://127.0.0.1:{self.port}"
 

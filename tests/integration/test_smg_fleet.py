@@ -26,12 +26,11 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from grpc_utils import Proc, Smg, descendants, free_ports
+from grpc_utils import Proc, Smg, consecutive_free_ports, descendants, free_ports
 from pydantic import BaseModel
 from server_utils import (
     HANG_TIMEOUT_S,
     ServerProcess,
-    free_port,
     metrics_values,
     pid_alive,
     wait_idle,
@@ -51,12 +50,12 @@ class Fleet:
     ``base + 2i``, its /metrics on the next port)."""
 
     def __init__(self, workdir) -> None:
-        self.base = free_ports(4)
-        self.port = free_port()
+        self.base = consecutive_free_ports(4)
+        self.port, metrics_port = free_ports(2)
         self.logs = workdir / "logs"
         self.proc = Proc("fleet", [
             sys.executable, "-m", "radixserve.cli", "fleet", "--workers", "2",
-            "--port", str(self.port), "--prometheus-port", str(free_port()),
+            "--port", str(self.port), "--prometheus-port", str(metrics_port),
             "--worker-base-port", str(self.base), "--policy", "cache_aware",
             "--log-dir", str(self.logs), "--stop-timeout", "10",
             f"--smg-arg={' '.join(SMG_STABLE)}", "--", *WORKER_ARGS], workdir)

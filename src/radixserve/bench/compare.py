@@ -21,7 +21,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,7 @@ from typing import Any
 from radixserve.bench import offline as offline_mod
 from radixserve.bench import serve as serve_mod
 from radixserve.bench.datasets import BenchPrompt
+from radixserve.bench.ports import free_port
 
 PEERS = ("transformers", "llama.cpp", "vllm")
 ENGINES = ("radixserve", *PEERS)
@@ -59,12 +59,6 @@ def main():
 if __name__ == "__main__":
     main()
 '''
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _peer_python(peers_venv: str) -> str | None:

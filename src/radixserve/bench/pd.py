@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from radixserve.bench.datasets import BenchPrompt, random_text
+from radixserve.bench.ports import free_ports
 from radixserve.bench.serve import _arrivals, _stats, build_payload, send_request
 
 # ---------------------------------------------------------------------------- transfer
@@ -211,14 +212,6 @@ class _Proc:
         self._log.close()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _wait(url: str, proc: _Proc, timeout_s: float = 600) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -312,7 +305,7 @@ def run_serve(*, connector: str, num_requests: int, long_every: int, short_len: 
     for setup in setups:
         procs: list[_Proc] = []
         try:
-            ports = [_free_port(), _free_port()]
+            ports = free_ports(2)
             roles = (["kv_producer", "kv_consumer"] if setup == "pd" else [None, None])
             for i, role in enumerate(roles):
                 cmd = [*serve, "--host", "127.0.0.1", "--port", str(ports[i])]
@@ -323,10 +316,10 @@ def run_serve(*, connector: str, num_requests: int, long_every: int, short_len: 
             urls = [f"http://127.0.0.1:{p}" for p in ports]
             for u, pr in zip(urls, procs, strict=True):
                 _wait(u + "/health", pr)
-            rport = _free_port()
+            rport, rmetrics = free_ports(2)
             rcmd = [_exe("vllm-router"), "--host", "127.0.0.1", "--port", str(rport),
                     "--policy", "round_robin", "--worker-startup-check-interval", "1",
-                    "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port()),
+                    "--prometheus-host", "127.0.0.1", "--prometheus-port", str(rmetrics),
                     "--log-level", "warning"]
             rcmd += (["--vllm-pd-disaggregation", "--prefill", urls[0], "--decode", urls[1]]
                      if setup == "pd" else ["--worker-urls", *urls])
