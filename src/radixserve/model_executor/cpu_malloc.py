@@ -1,15 +1,15 @@
 """glibc ``malloc`` settings for CPU inference (``--tune-malloc``, on by default on CPU).
 
 Why: every step allocates and frees its activations (a batch-64 step of SmolLM2-135M: a few
-hundred tensors of 70 KiB to 12 MiB). glibc serves blocks above its mmap threshold (128 KiB,
-raised dynamically) with a fresh ``mmap`` and returns them with ``munmap``, and trims the heap
-top past 128 KiB, so each step page-faults and zero-fills the same megabytes again. Measured on
-the Zen 5 VM (bf16, 64 prompts x 64 -> 128 tokens, docs/benchmarks.md): ~1,250 fewer minor
-faults per step and 4-19% more offline output tok/s with the thresholds below. vLLM's CPU
-backend gets the same effect by preloading tcmalloc; this does it in-process with
-``mallopt`` (``M_MMAP_THRESHOLD``, ``M_TRIM_THRESHOLD``: glibc's ``malloc.h``), so it needs no
-environment set-up. The cost: freed activation memory stays in the process for reuse instead of
-going back to the OS.
+hundred tensors of 70 KiB to 12 MiB). With glibc's defaults (a 128 KiB mmap threshold, raised
+only as mmapped blocks are freed, and heap trimming) the freed memory kept going back to the OS
+and the next step page-faulted and zero-filled it again. Measured on the Zen 5 VM (bf16,
+docs/benchmarks.md): a cold batch of 64 prompts x 64 tokens took 105k-193k minor page faults
+untuned and 0.2k-12k tuned; offline output tok/s (64 x 64 -> 128 tokens) +9% on average over
+three alternating runs. vLLM's CPU backend gets the same effect by preloading tcmalloc; this
+does it in-process with ``mallopt`` (``M_MMAP_THRESHOLD``, ``M_TRIM_THRESHOLD``: glibc's
+``malloc.h``), so it needs no environment set-up. The cost: freed activation memory stays
+in the process for reuse instead of going back to the OS.
 """
 
 from __future__ import annotations

@@ -688,7 +688,7 @@ int rs_silu_mul(int dtype, const void *gu, void *out, int64_t T, int64_t I, int 
 /* out[s] = argmax of row s of x [S, V] (float32, row stride `stride` elements), torch's
  * `argmax` semantics: the first index of the maximum, or of the first NaN when the row has one.
  * Rows split across threads; each row is two passes over 16 lanes (the maximum and whether a
- * NaN is there, then the first index holding it), ~4x faster than torch's CPU argmax on a
+ * NaN is there, then the first index holding it), ~3.3x faster than torch's CPU argmax on a
  * 64 x 49,152 step (docs/benchmarks.md). */
 int rs_argmax_rows(const float *x, int64_t S, int64_t V, int64_t stride, int64_t *out,
                    int num_threads) {
