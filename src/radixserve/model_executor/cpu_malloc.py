@@ -4,7 +4,7 @@ Why: every step allocates and frees its activations (a batch-64 step of SmolLM2-
 hundred tensors of 70 KiB to 12 MiB). With glibc's defaults (a 128 KiB mmap threshold, raised
 only as mmapped blocks are freed, and heap trimming) the freed memory kept going back to the OS
 and the next step page-faulted and zero-filled it again. Measured on the Zen 5 VM (bf16,
-docs/benchmarks.md): a cold batch of 64 prompts x 64 tokens took 105k-193k minor page faults
+docs/benchmarks.md): a cold batch of 64 prompts x 64 tokens took 16k-193k minor page faults
 untuned and 0.2k-12k tuned; offline output tok/s (64 x 64 -> 128 tokens) +9% on average over
 three alternating runs. vLLM's CPU backend gets the same effect by preloading tcmalloc; this
 does it in-process with ``mallopt`` (``M_MMAP_THRESHOLD``, ``M_TRIM_THRESHOLD``: glibc's
