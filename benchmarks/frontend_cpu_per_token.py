@@ -9,7 +9,10 @@ detokenization, JSON encoding, SSE writes), streams ``--concurrency`` completion
 With ``--frontend smg`` the frontend is the smg gateway (``smg launch``, Rust: HTTP,
 tokenization, detokenization, SSE) in front of ``radixserve serve --grpc --null-model`` (the
 gRPC worker: protobuf in and out, the same engine client and output processor); the frontend
-CPU is then smg's plus the worker process's (both are also reported on their own).
+CPU is then smg's plus the worker process's (both are also reported on their own). With
+``--frontend smg-zmq`` smg drives ``radixserve serve --zmq-worker --null-model`` directly over
+vLLM's EngineCore ZMQ wire: no Python frontend at all, the frontend CPU is smg's alone and the
+engine core (the worker's only process) is reported as the engine.
 
     .venv/bin/python benchmarks/frontend_cpu_per_token.py --concurrency 1 16 64 --max-tokens 2000
     .venv/bin/python benchmarks/frontend_cpu_per_token.py --frontend http smg --concurrency 64
@@ -26,13 +29,15 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import httpx
+
+from radixserve.bench.ports import free_ports
 
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -41,12 +46,6 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a process (all its threads)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / _TICK
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -117,22 +116,32 @@ def start(frontend: str, ns: argparse.Namespace) -> tuple[list[subprocess.Popen]
     serve = [str(Path(sys.executable).parent / "radixserve"), "serve", "--null-model",
              "--num-pages", str(ns.num_pages), "--log-level", "warning",
              "--null-step-ms", str(ns.null_step_ms)]
-    port = free_port()
+    port, metrics, smg_port, smg_metrics = free_ports(4)
     if frontend == "http":
         proc = subprocess.Popen([*serve, "--port", str(port)], env=env)
         _wait(f"http://127.0.0.1:{port}/health", proc)
         return [proc], f"http://127.0.0.1:{port}", {"frontend": proc.pid}, _child(proc.pid)
-    metrics = free_port()
+    smg_cmd = [str(Path(sys.executable).parent / "smg"), "launch", "--host", "127.0.0.1",
+               "--port", str(smg_port), "--prometheus-host", "127.0.0.1",
+               "--prometheus-port", str(smg_metrics), "--policy", "round_robin",
+               "--log-level", "warn", "--shutdown-grace-period-secs", "1",
+               "--health-check-interval-secs", "1"]
+    if frontend == "smg-zmq":
+        from radixserve.model_executor.loader import resolve_model
+
+        folder = str(resolve_model(None).folder)
+        url = f"ipc://{tempfile.mkdtemp(prefix='rs-fe-')}/engine"
+        smg = subprocess.Popen([*smg_cmd, "--worker-urls", url, "--backend", "vllm",
+                                "--model-path", folder, "--model-alias", f"{MODEL}={folder}"],
+                               env=env)
+        worker = subprocess.Popen([*serve, "--zmq-worker", url], env=env)
+        _wait(f"http://127.0.0.1:{smg_port}/readiness", smg,
+              lambda r: r.json().get("healthy_workers") == 1)
+        return [smg, worker], f"http://127.0.0.1:{smg_port}", {"smg": smg.pid}, worker.pid
     worker = subprocess.Popen([*serve, "--grpc", "--port", str(port), "--metrics-port",
                                str(metrics)], env=env)
     _wait(f"http://127.0.0.1:{metrics}/health", worker)
-    smg_port = free_port()
-    smg = subprocess.Popen([
-        str(Path(sys.executable).parent / "smg"), "launch", "--host", "127.0.0.1",
-        "--port", str(smg_port), "--prometheus-host", "127.0.0.1",
-        "--prometheus-port", str(free_port()), "--worker-urls", f"grpc://127.0.0.1:{port}",
-        "--policy", "round_robin", "--log-level", "warn",
-        "--shutdown-grace-period-secs", "1"], env=env)
+    smg = subprocess.Popen([*smg_cmd, "--worker-urls", f"grpc://127.0.0.1:{port}"], env=env)
     _wait(f"http://127.0.0.1:{smg_port}/readiness", smg,
           lambda r: r.json().get("healthy_workers") == 1)
     return ([smg, worker], f"http://127.0.0.1:{smg_port}",
@@ -142,9 +151,10 @@ def start(frontend: str, ns: argparse.Namespace) -> tuple[list[subprocess.Popen]
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--frontend", nargs="+", default=["http"], choices=["http", "smg"],
+    p.add_argument("--frontend", nargs="+", default=["http"], choices=["http", "smg", "smg-zmq"],
                    help="http: radixserve's FastAPI server; smg: the smg gateway over "
-                        "radixserve serve --grpc")
+                        "radixserve serve --grpc; smg-zmq: smg over radixserve serve "
+                        "--zmq-worker (vLLM's EngineCore wire, no Python frontend)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--max-tokens", type=int, default=2000)
     p.add_argument("--num-pages", type=int, default=16384)

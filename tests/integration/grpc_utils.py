@@ -1,14 +1,16 @@
-"""Start and stop real ``radixserve serve --grpc`` workers, ``radixserve fleet`` and
-``smg launch`` processes on free 127.0.0.1 ports (test helpers)."""
+"""Start and stop real ``radixserve serve --grpc`` and ``--zmq-worker`` workers,
+``radixserve fleet`` and ``smg launch`` processes on free 127.0.0.1 ports (test helpers)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -144,6 +146,25 @@ class GrpcWorker(Proc):
         return pb_grpc.VllmEngineStub(self.channel())
 
 
+class ZmqWorker(Proc):
+    """A headless ``radixserve serve --zmq-worker ipc://DIR/engine`` engine core, which smg
+    drives over vLLM's EngineCore wire (``Smg(..., zmq_model=...)``). The socket directory is
+    short-named under /tmp: smg binds ``ipc://DIR/engine-in.sock`` and a Unix socket path has
+    at most ~100 characters."""
+
+    def __init__(self, args: list[str], workdir: Path, name: str = "zmq-worker",
+                 env: dict[str, str] | None = None) -> None:
+        self.socket_dir = Path(tempfile.mkdtemp(prefix="rs-zmq-", dir="/tmp"))
+        self.url = f"ipc://{self.socket_dir}/engine"
+        super().__init__(name, [*_radixserve(), "serve", "--zmq-worker", self.url, *args],
+                         workdir, env)
+
+    def stop(self, timeout_s: float = 20.0) -> int | None:
+        rc = super().stop(timeout_s)
+        shutil.rmtree(self.socket_dir, ignore_errors=True)
+        return rc
+
+
 class Smg(Proc):
     """``smg launch`` over ``worker_urls``, or with ``pd=(prefill_url, decode_url)`` in
     prefill/decode disaggregation (``--pd-disaggregation --prefill P --decode D``; no
@@ -151,11 +172,18 @@ class Smg(Proc):
 
     def __init__(self, worker_urls: list[str], policy: str, workdir: Path,
                  extra: list[str] = (), name: str = "smg",
-                 pd: tuple[str, str] | None = None) -> None:
+                 pd: tuple[str, str] | None = None,
+                 zmq_model: tuple[str, str] | None = None) -> None:
         self.port, self.prometheus_port = free_ports(2)
         smg = str(Path(sys.executable).parent / "smg")
         workers = (["--worker-urls", *worker_urls] if pd is None else
                    ["--pd-disaggregation", "--prefill", pd[0], "--decode", pd[1]])
+        if zmq_model is not None:
+            # ZMQ workers (vLLM's EngineCore wire) report no model: smg loads the tokenizer
+            # from the model folder and serves it under the folder's path, aliased to NAME
+            model_name, folder = zmq_model
+            workers += ["--backend", "vllm", "--model-path", folder,
+                        "--model-alias", f"{model_name}={folder}"]
         super().__init__(name, [
             smg, "launch", "--host", "127.0.0.1", "--port", str(self.port),
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.prometheus_port),

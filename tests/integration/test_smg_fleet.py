@@ -1,5 +1,6 @@
 """radixserve behind the real smg gateway (``smg launch``), with the official ``openai`` client:
-a ``radixserve fleet`` of two gRPC workers, compared with radixserve's own HTTP server
+a ``radixserve fleet`` of two gRPC workers, and a headless ``--zmq-worker`` engine core that
+smg drives over vLLM's EngineCore ZMQ wire, each compared with radixserve's own HTTP server
 (greedy, float32: the same text and prompt tokens), the OpenAI features through smg
 (structured outputs included), abort on client disconnect, cache-aware vs round-robin prefix hits, an HTTP worker behind smg, a worker
 killed mid-run, and the fleet's SIGTERM.
@@ -26,7 +27,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from grpc_utils import Proc, Smg, consecutive_free_ports, descendants, free_ports
+from grpc_utils import Proc, Smg, ZmqWorker, consecutive_free_ports, descendants, free_ports
 from pydantic import BaseModel
 from server_utils import (
     HANG_TIMEOUT_S,
@@ -107,14 +108,44 @@ def http_server(tmp_path_factory: pytest.TempPathFactory):
         srv.stop()
 
 
+class ZmqGateway:
+    """smg over one ``radixserve serve --zmq-worker`` (vLLM's EngineCore wire: no Python
+    between smg and the engine core), its KV invariants asserted after every engine step."""
+
+    def __init__(self, workdir: Path) -> None:
+        from radixserve.model_executor.loader import resolve_model
+
+        self.worker = ZmqWorker([*WORKER_ARGS, "--log-level", "info"], workdir,
+                                env={"RADIXSERVE_CHECK_INTEGRITY": "1"})
+        self.smg = Smg([self.worker.url], "round_robin", workdir, SMG_STABLE,
+                       zmq_model=(MODEL, str(resolve_model(None).folder)))
+
+    def stop(self) -> None:
+        self.smg.stop()
+        self.worker.stop()
+
+
+@pytest.fixture(scope="module")
+def zmq_gateway(tmp_path_factory: pytest.TempPathFactory):
+    g = ZmqGateway(tmp_path_factory.mktemp("zmq"))
+    try:
+        g.smg.wait_ready(1, timeout_s=600)
+        yield g
+    finally:
+        g.stop()
+
+
 def _client(base_url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0,
                          timeout=HANG_TIMEOUT_S)
 
 
-@pytest.fixture(scope="module")
-def via_smg(fleet: Fleet) -> openai.OpenAI:
-    return _client(fleet.url)
+@pytest.fixture(scope="module", params=["grpc-fleet", "zmq-worker"])
+def via_smg(request: pytest.FixtureRequest) -> openai.OpenAI:
+    """The client of smg over either worker wire (each test below runs for both)."""
+    if request.param == "grpc-fleet":
+        return _client(request.getfixturevalue("fleet").url)
+    return _client(request.getfixturevalue("zmq_gateway").smg.base_url)
 
 
 @pytest.fixture(scope="module")
@@ -234,7 +265,8 @@ class Person(BaseModel):
     age: int
 
 
-def test_structured_outputs_through_smg(via_smg, direct) -> None:
+def test_structured_outputs_through_smg(via_smg, direct, request: pytest.FixtureRequest
+                                       ) -> None:
     """``response_format`` json_schema: smg puts the schema in the ``GenerateRequest``
     constraint oneof, the worker compiles it (xgrammar) and the engine masks every step. The
     greedy output validates and equals the HTTP server's (the same grammar, float32)."""
@@ -251,13 +283,23 @@ def test_structured_outputs_through_smg(via_smg, direct) -> None:
     r = via_smg.chat.completions.parse(model=MODEL, messages=ASK_JSON, response_format=Person,
                                        max_tokens=60, temperature=1.0, seed=4)
     assert isinstance(r.choices[0].message.parsed, Person)
-    # a schema that does not compile: the worker's INVALID_ARGUMENT, a 400 from smg
+    # a schema that does not compile
     bad = {"type": "json_schema", "json_schema": {"name": "bad", "schema": {
         "type": "no-such-type"}}}
-    with pytest.raises(openai.BadRequestError) as e:
+    if request.node.callspec.params["via_smg"] == "grpc-fleet":
+        # the gRPC worker's INVALID_ARGUMENT, a 400 from smg
+        with pytest.raises(openai.BadRequestError) as e:
+            via_smg.chat.completions.create(model=MODEL, messages=ASK_JSON, max_tokens=8,
+                                            response_format=bad)
+        assert "json_schema" in str(e.value), e.value
+        return
+    # vLLM's EngineCore wire has no client-error finish: the engine core refuses the request
+    # (its log names the field) with FinishReason.ERROR, which smg answers with a 500
+    with pytest.raises(openai.InternalServerError):
         via_smg.chat.completions.create(model=MODEL, messages=ASK_JSON, max_tokens=8,
                                         response_format=bad)
-    assert "json_schema" in str(e.value), e.value
+    gateway = request.getfixturevalue("zmq_gateway")
+    assert "rejected (structured_outputs): invalid JSON schema" in gateway.worker.log_tail(20000)
 
 
 def _aborted(metrics_url: str) -> float:
@@ -289,6 +331,29 @@ def test_client_disconnect_aborts_on_the_worker(fleet: Fleet) -> None:
     # smg also sent the Abort RPC, naming the request the stream carried
     wait_until(lambda: any(f"Abort {chunk_id}" in fleet.worker_log(i) for i in range(2)),
                "the Abort RPC in a worker's log")
+
+
+def test_client_disconnect_aborts_on_the_zmq_worker(zmq_gateway: ZmqGateway) -> None:
+    """smg's ABORT frame reaches the engine core (its log names the request) and the engine
+    carries on: its KV invariants hold after every step (RADIXSERVE_CHECK_INTEGRITY) and the
+    next request completes."""
+    body = {"model": MODEL, "messages": CHATS[2], "stream": True, "max_tokens": 1500,
+            "ignore_eos": True, "temperature": 0}
+    with httpx.stream("POST", zmq_gateway.smg.base_url + "/v1/chat/completions", json=body,
+                      timeout=HANG_TIMEOUT_S) as r:
+        n = 0
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                n += 1
+                if n == 3:
+                    break  # leaving the block closes the connection mid-stream
+    wait_until(lambda: "radixserve.engine: Abort " in zmq_gateway.worker.log_tail(20000),
+               "the ABORT in the engine core's log")
+    r = _client(zmq_gateway.smg.base_url).completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0,
+        extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 4
+    assert zmq_gateway.worker.proc.poll() is None, zmq_gateway.worker.log_tail()
 
 
 WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india",

@@ -52,8 +52,8 @@ def test_greedy_argmax_and_logprobs_in_one_call() -> None:
     assert len(res.logprobs[1]) == 1 and len(res.logprobs[2]) == 3 and len(res.logprobs[3]) == 6
     want = torch.log_softmax(logits, -1)
     for i in (1, 2, 3):
-        tok, val = res.logprobs[i][0]
-        assert int(tok) == res.token_ids[i]
+        tok, val, rank = res.logprobs[i][0]
+        assert int(tok) == res.token_ids[i] and rank == 1  # greedy: the top token
         assert abs(val - float(want[i, int(tok)])) < 1e-6
 
 
@@ -74,3 +74,14 @@ def test_seeded_rows_do_not_depend_on_the_batch() -> None:
     alone = run([1], 0)
     assert run([0, 1, 2], 1) == alone
     assert run([2, 0, 1], 2) == alone
+
+
+def test_sampled_token_rank_over_the_whole_vocabulary() -> None:
+    # the rank vLLM reports (sampled_token_ranks): 1 + tokens with a strictly higher logprob,
+    # whether or not the token is among the top entries returned
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(1))
+    lp = torch.log_softmax(logits, dim=-1)
+    order = lp.argsort(dim=-1, descending=True)
+    tokens = torch.stack([order[0, 0], order[1, 4], order[2, 17]])
+    rows = logprob_rows(lp, tokens, tokens.numpy(), np.array([0, 2, 3]))
+    assert [int(r[0][2]) for r in rows] == [1, 5, 18]

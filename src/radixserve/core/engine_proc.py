@@ -18,6 +18,11 @@ so no fork ever happens after torch has started threads. The process
    so no orphan survives a killed frontend; on any other exception it sends
    ``EngineError`` and exits 1.
 
+The same loop (``EngineLoop`` over an ``EnginePort``) serves smg directly on vLLM's EngineCore
+wire (``run_vllm_engine_process``, ``radixserve serve --zmq-worker URL``): there the process
+is the server's main process, connects instead of binding, and answers ``ENGINE_CORE_DEAD``
+on exit instead of ``EngineError``.
+
 The wire format stops at the socket: received ``WireRequest``s become
 ``engine_types.EngineRequest``s and each step's ``StepOutputs`` becomes one ``WireStepOutputs``
 (``transport.messages``). A request the core rejects (``EngineCore.add_request`` raises
@@ -28,7 +33,6 @@ The wire format stops at the socket: received ``WireRequest``s become
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import logging
@@ -37,22 +41,20 @@ import signal
 import sys
 import time
 import traceback
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import msgspec
 
 from radixserve.config import EngineConfig
-from radixserve.engine_types import FINISH_ABORT, StepOutputs, TokenOutput
-from radixserve.transport.messages import (
-    AbortRequests,
-    EngineError,
-    FlushCache,
-    FlushCacheDone,
-    Shutdown,
-    WireRequest,
-    request_from_wire,
-    step_to_wire,
+from radixserve.engine_types import (
+    FINISH_ABORT,
+    EngineRequest,
+    SchedulerStats,
+    StepOutputs,
+    TokenOutput,
 )
+from radixserve.transport.messages import AbortRequests, FlushCache, Shutdown
 from radixserve.transport.zmq_io import CoreSockets, PeerGone, cleanup_ipc
 
 log = logging.getLogger("radixserve.engine")
@@ -97,18 +99,41 @@ def build_engine(config: EngineConfig, null_model: bool = False,
     return engine
 
 
+class EnginePort(Protocol):
+    """Where an ``EngineLoop`` gets commands and sends step outputs: radixserve's own wire
+    (``transport.zmq_io.CoreSockets``, to its frontend) or vLLM's EngineCore wire
+    (``transport.vllm_zmq.VllmEnginePort``, to smg)."""
+
+    def recv_commands(self, timeout_ms: int | None) -> list[Any]:
+        """Queued commands (``EngineRequest``, a rejection's ``TokenOutput``,
+        ``AbortRequests``, ``FlushCache``, ``Shutdown``), waiting up to ``timeout_ms``."""
+        ...
+
+    def send_step(self, step: StepOutputs, stats: SchedulerStats) -> None:
+        """One step's outputs (raises ``PeerGone`` when the frontend is gone)."""
+        ...
+
+    def send_flushed(self, call_id: int, pages_freed: int) -> None:
+        """Answer a ``FlushCache``."""
+        ...
+
+    def send_error(self, message: str) -> None:
+        """The engine failed (never raises)."""
+        ...
+
+
 class EngineLoop:
-    """Drives one ``EngineCore`` from a ``CoreSockets`` until shutdown.
+    """Drives one ``EngineCore`` from an ``EnginePort`` until shutdown.
 
     Args:
         engine: the loaded ``EngineCore``.
-        sockets: bound sockets, handshake done.
+        port: connected, handshake done.
         parent_pid: exit when ``os.getppid()`` stops being this (None: never check).
     """
 
-    def __init__(self, engine: Any, sockets: CoreSockets, parent_pid: int | None) -> None:
+    def __init__(self, engine: Any, port: EnginePort, parent_pid: int | None) -> None:
         self.engine = engine
-        self.sockets = sockets
+        self.port = port
         self.parent_pid = parent_pid
         self.stop_reason: str | None = None
         self._rejected: list[TokenOutput] = []
@@ -123,8 +148,8 @@ class EngineLoop:
         """Loop until Shutdown, a signal or the parent's death; returns the reason."""
         try:
             return self._run()
-        except PeerGone:
-            return "the frontend is gone (no peer on the output socket)"
+        except PeerGone as e:
+            return f"the frontend is gone ({e})"
 
     def _run(self) -> str:
         engine = self.engine
@@ -133,13 +158,13 @@ class EngineLoop:
         kv_work = getattr(engine, "has_kv_transfer_work", lambda: False)
         while self.stop_reason is None:
             if engine.has_unfinished_requests() or self._rejected:
-                msgs = self.sockets.recv_nowait()
+                timeout = 0
             else:
-                first = self.sockets.recv(timeout_ms=KV_POLL_MS if kv_work() else IDLE_POLL_MS)
-                msgs = [] if first is None else [first, *self.sockets.recv_nowait()]
+                timeout = KV_POLL_MS if kv_work() else IDLE_POLL_MS
+            cmds = self.port.recv_commands(timeout)
             self._check_parent()
-            for msg in msgs:
-                self._handle(msg)
+            for cmd in cmds:
+                self._handle(cmd)
             if self.stop_reason is not None:
                 break
             step = engine.step() if engine.has_unfinished_requests() or kv_work() else None
@@ -155,31 +180,34 @@ class EngineLoop:
             if step is not None:
                 stats = msgspec.structs.replace(engine.get_stats(),
                                                 step_timings=engine.drain_step_timings())
-                self.sockets.send(step_to_wire(step, stats))
+                self.port.send_step(step, stats)
                 self._dirty = False
         return self.stop_reason
 
-    def _handle(self, msg: Any) -> None:
-        if isinstance(msg, WireRequest):
+    def _handle(self, cmd: Any) -> None:
+        if isinstance(cmd, EngineRequest):
             try:
-                self.engine.add_request(request_from_wire(msg))
+                self.engine.add_request(cmd)
             except ValueError as e:
                 # RequestRejected names the field; any other ValueError from admission is still
                 # this request's fault alone, never a reason to take the engine down
+                log.warning("request %s rejected (%s): %s", cmd.request_id,
+                            getattr(e, "param", None), e)
                 self._rejected.append(TokenOutput(
-                    request_id=msg.request_id, finish_reason=FINISH_ABORT, error=str(e),
+                    request_id=cmd.request_id, finish_reason=FINISH_ABORT, error=str(e),
                     error_param=getattr(e, "param", None), error_code=getattr(e, "code", None)))
-        elif isinstance(msg, AbortRequests):
-            self.engine.abort_requests(msg.request_ids, notify=False)
+        elif isinstance(cmd, TokenOutput):  # rejected by the port before it became a request
+            self._rejected.append(cmd)
+        elif isinstance(cmd, AbortRequests):
+            self.engine.abort_requests(cmd.request_ids, notify=False)
             self._dirty = True
-        elif isinstance(msg, FlushCache):
+        elif isinstance(cmd, FlushCache):
             freed = self.engine.flush_cache()
             log.info("flush_cache: %d KV pages freed", freed)
-            self.sockets.send(FlushCacheDone(msg.call_id, freed))
+            self.port.send_flushed(cmd.call_id, freed)
             self._dirty = True  # the stats (cached pages) changed
-        elif isinstance(msg, Shutdown):
+        elif isinstance(cmd, Shutdown):
             self.request_stop("shutdown requested")
-        # a repeated Hello is harmless: ignore it
 
     def _check_parent(self) -> None:
         if self.parent_pid is None:
@@ -195,8 +223,57 @@ class EngineLoop:
 def run_engine_process(input_addr: str, output_addr: str, config: EngineConfig,
                        parent_pid: int | None = None, null_model: bool = False,
                        null_step_s: float = 0.0) -> int:
-    """Bind, load, handshake, loop. Returns the process exit status (0 clean, 1 error)."""
+    """Behind radixserve's frontend: bind, load, handshake, loop. Returns the process exit
+    status (0 clean, 1 error)."""
     sockets = CoreSockets(input_addr, output_addr, bind=True, send_timeout_ms=SEND_TIMEOUT_MS)
+
+    def handshake(engine: Any, _stop: Callable[[], bool]) -> None:
+        sockets.handshake(timeout_s=HANDSHAKE_TIMEOUT_S,
+                          info=msgspec.structs.replace(engine.info, pid=os.getpid()))
+
+    try:
+        return _serve(sockets, handshake, config, parent_pid, null_model, null_step_s)
+    finally:
+        sockets.close()
+        cleanup_ipc(input_addr, output_addr)
+
+
+def run_vllm_engine_process(url: str, config: EngineConfig, null_model: bool = False,
+                            null_step_s: float = 0.0) -> int:
+    """Behind smg, on vLLM's EngineCore wire (``transport.vllm_zmq``): load, then connect to
+    smg's handshake at ``url`` (waiting for smg as long as it takes), loop; on exit push
+    ``ENGINE_CORE_DEAD`` so smg fails in-flight requests at once and takes a replacement.
+
+    Args:
+        url: the ``ipc://PATH`` given to smg's ``--worker-urls``, or ``tcp://HOST:PORT``.
+
+    Returns:
+        the exit status (0 clean, 1 error).
+
+    Raises:
+        ValueError: a URL of another scheme.
+    """
+    from radixserve.transport.vllm_wire import ready_response
+    from radixserve.transport.vllm_zmq import VllmEnginePort
+
+    port = VllmEnginePort(url, send_timeout_ms=SEND_TIMEOUT_MS)
+
+    def handshake(engine: Any, stop: Callable[[], bool]) -> None:
+        port.handshake(ready_response(engine.info, config.max_num_seqs,
+                                      config.max_num_batched_tokens,
+                                      f"radixserve-{os.getpid()}"), stop)
+
+    try:
+        return _serve(port, handshake, config, None, null_model, null_step_s)
+    finally:
+        port.close()
+
+
+def _serve(port: EnginePort, handshake: Callable[[Any, Callable[[], bool]], None],
+           config: EngineConfig, parent_pid: int | None, null_model: bool,
+           null_step_s: float) -> int:
+    """Load the engine, ``handshake(engine, stopped)``, run the loop; SIGTERM and SIGINT stop
+    it (during the load or the handshake too). Returns the exit status."""
     loop: EngineLoop | None = None
     pending_signal: list[str] = []
 
@@ -206,46 +283,39 @@ def run_engine_process(input_addr: str, output_addr: str, config: EngineConfig,
             loop.request_stop(reason)
         else:
             pending_signal.append(reason)
-            raise KeyboardInterrupt(reason)  # interrupt the model load
+            raise KeyboardInterrupt(reason)  # interrupt the model load or the handshake
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
-        try:
-            engine = build_engine(config, null_model, null_step_s)
-            # everything built so far lives as long as the process: keep the cyclic GC from
-            # rescanning it on every collection during serving
-            gc.collect()
-            gc.freeze()
-            sockets.handshake(timeout_s=HANDSHAKE_TIMEOUT_S,
-                              info=msgspec.structs.replace(engine.info, pid=os.getpid()))
-        except KeyboardInterrupt:
-            log.info("engine core: %s during start-up, exiting", pending_signal or "interrupt")
-            return 0
-        except Exception as e:  # noqa: BLE001 - any load failure is reported to the frontend
-            log.error("engine core failed to start: %s", e)
-            with contextlib.suppress(PeerGone):  # nobody left to tell
-                sockets.send(EngineError(f"{type(e).__name__}: {e}"))
-            return 1
-        loop = EngineLoop(engine, sockets, parent_pid)
-        if pending_signal:
-            return 0
-        log.info("engine core ready: pid %d", os.getpid())
-        try:
-            reason = loop.run()
-        except Exception as e:  # noqa: BLE001 - report, then exit non-zero
-            log.error("engine core failed: %s", traceback.format_exc())
-            with contextlib.suppress(PeerGone):  # nobody left to tell
-                sockets.send(EngineError(f"{type(e).__name__}: {e}"))
-            return 1
-        log.info("engine core exiting: %s", reason)
-        shutdown = getattr(engine, "shutdown", None)
-        if shutdown is not None:
-            shutdown()  # finish the in-flight step, stop the forward thread
+        engine = build_engine(config, null_model, null_step_s)
+        # everything built so far lives as long as the process: keep the cyclic GC from
+        # rescanning it on every collection during serving
+        gc.collect()
+        gc.freeze()
+        handshake(engine, lambda: bool(pending_signal))
+    except KeyboardInterrupt:
+        log.info("engine core: %s during start-up, exiting", pending_signal or "interrupt")
         return 0
-    finally:
-        sockets.close()
-        cleanup_ipc(input_addr, output_addr)
+    except Exception as e:  # noqa: BLE001 - any load failure is reported to the frontend
+        log.error("engine core failed to start: %s", e)
+        port.send_error(f"{type(e).__name__}: {e}")
+        return 1
+    loop = EngineLoop(engine, port, parent_pid)
+    if pending_signal:
+        return 0
+    log.info("engine core ready: pid %d", os.getpid())
+    try:
+        reason = loop.run()
+    except Exception as e:  # noqa: BLE001 - report, then exit non-zero
+        log.error("engine core failed: %s", traceback.format_exc())
+        port.send_error(f"{type(e).__name__}: {e}")
+        return 1
+    log.info("engine core exiting: %s", reason)
+    shutdown = getattr(engine, "shutdown", None)
+    if shutdown is not None:
+        shutdown()  # finish the in-flight step, stop the forward thread
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

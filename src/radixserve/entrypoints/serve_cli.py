@@ -1,5 +1,7 @@
 """``radixserve serve [MODEL]``: the OpenAI-compatible server (frontend + engine-core process),
-or with ``--grpc`` a gRPC engine worker for smg (``entrypoints/grpc_worker``).
+or with ``--grpc`` a gRPC engine worker for smg (``entrypoints/grpc_worker``), or with
+``--zmq-worker URL`` a headless engine core that smg drives directly over vLLM's EngineCore
+ZMQ wire (``core.engine_proc.run_vllm_engine_process``).
 
 Exit status: 0 after SIGTERM/SIGINT (in-flight requests aborted, engine stopped, IPC files
 removed, within ``graceful_timeout_s`` + a few seconds); 1 when the engine core died or failed
@@ -50,6 +52,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--metrics-port", type=int, default=None,
                    help="with --grpc: serve Prometheus /metrics and /health over HTTP on this "
                         "port (default: none)")
+    p.add_argument("--zmq-worker", metavar="URL", default=None,
+                   help="run headless: the engine core alone, driven by smg over vLLM's "
+                        "EngineCore ZMQ wire (`smg launch --backend vllm --worker-urls URL "
+                        "--model-path MODEL_DIR`); URL is the same ipc://PATH, or smg's "
+                        "handshake address tcp://HOST:PORT. No HTTP, no gRPC: smg tokenizes, "
+                        "detokenizes and serves the OpenAI API")
     p.add_argument("--null-model", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--null-step-ms", type=float, default=0.0, help=argparse.SUPPRESS)
     add_engine_args(p, skip=("model",))
@@ -71,6 +79,11 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"radixserve: error: {e}", file=sys.stderr)
         return 2
+    if ns.zmq_worker is not None and (ns.grpc or ns.metrics_port is not None
+                                      or server_config.api_key):
+        print("radixserve: error: --zmq-worker runs the engine core alone: --grpc, "
+              "--metrics-port and --api-key do not apply (smg serves the API)", file=sys.stderr)
+        return 2
     if ns.metrics_port is not None and not ns.grpc:
         print("radixserve: error: --metrics-port needs --grpc (the HTTP server serves /metrics)",
               file=sys.stderr)
@@ -82,7 +95,16 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=ns.log_level.upper(),
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    if ns.grpc:
+    if ns.zmq_worker is not None:
+        from radixserve.core.engine_proc import run_vllm_engine_process
+
+        try:
+            rc = run_vllm_engine_process(ns.zmq_worker, engine_config, ns.null_model,
+                                         ns.null_step_ms / 1000)
+        except ValueError as e:  # a URL of another scheme
+            print(f"radixserve: error: {e}", file=sys.stderr)
+            return 2
+    elif ns.grpc:
         try:
             from radixserve.entrypoints.grpc_worker.server import run_grpc_worker
         except ImportError as e:

@@ -251,8 +251,9 @@ def _repick(logits: torch.Tensor, sp: SamplingBatch, tokens: torch.Tensor,
 
 def logprob_rows(logprobs: torch.Tensor, tokens: torch.Tensor, token_ids: np.ndarray,
                  want: np.ndarray) -> list[list[list[float]] | None]:
-    """Per row ``[[sampled, its logprob], [top1, lp], ...]`` with ``want[i]`` top entries
-    (None where ``want[i] < 0``).
+    """Per row ``[[sampled, its logprob, its rank], [top1, lp], ...]`` with ``want[i]`` top
+    entries (None where ``want[i] < 0``); the rank is 1-based over the whole vocabulary (1 +
+    tokens with a strictly higher logprob), as vLLM reports it (``sampled_token_ranks``).
 
     Among top entries of equal value the sampled token comes first, and when it ties with
     the last kept value it is kept: a client reading ``top_logprobs[0]`` after a greedy step
@@ -264,7 +265,9 @@ def logprob_rows(logprobs: torch.Tensor, tokens: torch.Tensor, token_ids: np.nda
         want: int64 [S] top logprobs per row, -1 for none.
     """
     max_n = int(want.max())
-    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).cpu().tolist()
+    chosen_t = logprobs.gather(1, tokens[:, None]).squeeze(1)
+    ranks = ((logprobs > chosen_t[:, None]).sum(dim=-1) + 1).cpu().tolist()
+    chosen = chosen_t.cpu().tolist()
     top_v_l = top_i_l = None
     if max_n > 0:
         top_v, top_i = logprobs.topk(max_n, dim=-1)
@@ -275,7 +278,7 @@ def logprob_rows(logprobs: torch.Tensor, tokens: torch.Tensor, token_ids: np.nda
             out.append(None)
             continue
         tok, lp = int(token_ids[i]), chosen[i]
-        row = [[float(tok), lp]]
+        row = [[float(tok), lp, float(ranks[i])]]
         if n and top_i_l is not None and top_v_l is not None:
             ids, vals = top_i_l[i][:n], top_v_l[i][:n]
             if tok in ids:

@@ -23,13 +23,20 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from radixserve.engine_types import EngineInfo
+from radixserve.engine_types import EngineInfo, EngineRequest, SchedulerStats, StepOutputs
 from radixserve.transport.messages import (
     SCHEMA_VERSION,
+    AbortRequests,
     ClientMessage,
     CoreMessage,
     EngineError,
+    FlushCache,
+    FlushCacheDone,
     Hello,
+    Shutdown,
+    WireRequest,
+    request_from_wire,
+    step_to_wire,
 )
 
 #: Longest IPC socket path the OS accepts (sun_path is 108 bytes on Linux, less elsewhere).
@@ -193,6 +200,31 @@ class CoreSockets:
             self._out.send(buf, copy=len(buf) < 65536)
         except zmq.Again:
             raise PeerGone("no frontend on the output socket") from None
+
+    # the engine loop's port (core.engine_proc.EngineLoop): commands in, steps out
+
+    def recv_commands(self, timeout_ms: int | None
+                      ) -> list[EngineRequest | AbortRequests | FlushCache | Shutdown]:
+        """Every command queued, waiting up to ``timeout_ms`` for the first (0: no wait, None:
+        forever); requests converted to ``EngineRequest`` and repeated Hellos dropped."""
+        first = self.recv(timeout_ms)
+        if first is None:
+            return []
+        return [request_from_wire(m) if isinstance(m, WireRequest) else m
+                for m in (first, *self.recv_nowait()) if not isinstance(m, Hello)]
+
+    def send_step(self, step: StepOutputs, stats: SchedulerStats) -> None:
+        """One ``WireStepOutputs`` for an engine step, with the scheduler's stats."""
+        self.send(step_to_wire(step, stats))
+
+    def send_flushed(self, call_id: int, pages_freed: int) -> None:
+        """Answer a ``FlushCache``."""
+        self.send(FlushCacheDone(call_id, pages_freed))
+
+    def send_error(self, message: str) -> None:
+        """The engine failed: the frontend fails in-flight requests and exits non-zero."""
+        with contextlib.suppress(PeerGone):  # nobody left to tell
+            self.send(EngineError(message))
 
     def handshake(self, timeout_s: float = 60.0, info: EngineInfo | None = None) -> Hello:
         """Wait for the frontend's Hello, check its schema version, answer with ours (carrying
