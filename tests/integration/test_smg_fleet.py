@@ -522,6 +522,39 @@ def test_worker_killed_mid_run(fleet: Fleet, tmp_path) -> None:
         smg.stop()
 
 
+def test_zmq_fleet_serves_and_stops_cleanly(direct, tmp_path: Path) -> None:
+    """``radixserve fleet --wire zmq``: two headless engine cores behind smg (``--backend
+    vllm``, the model's folder aliased to its name), ready when smg counts both; concurrent
+    requests get the HTTP server's greedy text; SIGTERM stops everything and removes the
+    socket directory."""
+    port, metrics_port = free_ports(2)
+    proc = Proc("zmq-fleet", [
+        sys.executable, "-m", "radixserve.cli", "fleet", "--wire", "zmq", "--workers", "2",
+        "--port", str(port), "--prometheus-port", str(metrics_port), "--policy", "round_robin",
+        "--log-dir", str(tmp_path / "logs"), "--stop-timeout", "10",
+        f"--smg-arg={' '.join(SMG_STABLE)}", "--", *WORKER_ARGS], tmp_path)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        proc.wait_http(url + "/readiness", lambda r: r.json().get("healthy_workers") == 2,
+                       timeout_s=600)
+        assert list((tmp_path / "tmp").glob("rs-fleet-*"))  # the workers' socket directory
+        ours = _chat(direct, CHATS[1], False, max_tokens=16, temperature=0)
+        c = _client(url)
+        with cf.ThreadPoolExecutor(4) as ex:
+            outs = list(ex.map(lambda _: _chat(c, CHATS[1], False, max_tokens=16,
+                                               temperature=0), range(4)))
+        assert outs == [ours] * 4
+        family = descendants(proc.proc.pid)
+        assert len(family) >= 3  # smg and two engine cores
+        proc.proc.send_signal(signal.SIGTERM)
+        assert proc.proc.wait(HANG_TIMEOUT_S) == 0
+        wait_until(lambda: not any(pid_alive(p) for p in family),
+                   "every fleet process to exit", timeout_s=30)
+        assert not list((tmp_path / "tmp").glob("rs-fleet-*"))
+    finally:
+        proc.stop()
+
+
 def test_fleet_sigterm_leaves_no_process_behind(fleet: Fleet) -> None:
     """Last in this module: it stops the shared fleet."""
     family = descendants(fleet.proc.proc.pid)

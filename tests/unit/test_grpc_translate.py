@@ -324,8 +324,11 @@ def test_fleet_core_split_and_worker_args() -> None:
     assert core_slices([0, 1, 2, 3], 2, 1) == [[0], [1]]
     with pytest.raises(ValueError):
         core_slices([0], 0, None)
-    assert check_worker_args(["--", "--dtype", "float32"]) == ["--dtype", "float32"]
+    args, serve_ns = check_worker_args(["--", "--dtype", "float32", "/models/m"])
+    assert args == ["--dtype", "float32", "/models/m"] and serve_ns.model == "/models/m"
     with pytest.raises(ValueError, match="--port"):
         check_worker_args(["--port=5"])
+    with pytest.raises(ValueError, match="--zmq-worker"):
+        check_worker_args(["--zmq-worker", "ipc:///tmp/x"])
     with pytest.raises(SystemExit):
         check_worker_args(["--no-such-flag"])

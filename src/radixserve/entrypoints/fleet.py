@@ -1,9 +1,16 @@
-"""``radixserve fleet --workers N [-- SERVE ARGS]``: N gRPC engine workers behind one smg gateway
+"""``radixserve fleet --workers N [-- SERVE ARGS]``: N engine workers behind one smg gateway
 on this machine, each worker pinned to its own CPU cores, all stopped together.
 
 ::
 
     radixserve fleet --workers 2 --port 8000 --policy cache_aware -- --dtype float32
+    radixserve fleet --wire zmq --workers 2 --port 8000 -- --dtype float32
+
+* ``--wire zmq``: worker i is a headless ``radixserve serve --zmq-worker ipc://DIR/worker-i``
+  engine core that smg drives over vLLM's EngineCore wire (``smg launch --backend vllm
+  --model-path FOLDER``, the model's Hugging Face folder, served as the model's name): no
+  Python frontend per worker, and no worker ports; smg starts with the workers and the fleet is
+  ready when smg counts them healthy. The rest of this list is the default, ``--wire grpc``.
 
 * worker i is ``radixserve serve --grpc`` on ``--worker-base-port + 2i`` (its Prometheus
   ``/metrics`` and ``/health`` on the next port), with everything after ``--`` passed to it
@@ -35,6 +42,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -43,7 +51,7 @@ from pathlib import Path
 log = logging.getLogger("radixserve.fleet")
 
 #: Flags the fleet sets on every worker itself.
-_OWNED_FLAGS = ("--grpc", "--host", "--port", "--metrics-port")
+_OWNED_FLAGS = ("--grpc", "--zmq-worker", "--host", "--port", "--metrics-port")
 #: Seconds between two looks at the children.
 POLL_S = 0.2
 _PR_SET_PDEATHSIG = 1
@@ -61,6 +69,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the gateway's Prometheus port (default 29000)")
     p.add_argument("--worker-base-port", type=int, default=31000,
                    help="worker i serves gRPC on BASE+2i and /metrics on BASE+2i+1")
+    p.add_argument("--wire", choices=["grpc", "zmq"], default="grpc",
+                   help="grpc: `radixserve serve --grpc` workers (default); zmq: headless "
+                        "`radixserve serve --zmq-worker` engine cores on vLLM's EngineCore "
+                        "wire (cheapest per token; no per-worker /metrics)")
     p.add_argument("--policy", default="cache_aware",
                    help="smg routing policy: cache_aware, round_robin, power_of_two, ... "
                         "(default cache_aware)")
@@ -80,7 +92,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="write each child's output to DIR/{smg,worker-N}.log (default: this "
                         "terminal)")
     p.add_argument("worker_args", nargs=argparse.REMAINDER,
-                   help="after --: arguments for every `radixserve serve --grpc` worker")
+                   help="after --: arguments for every `radixserve serve` worker")
     p.set_defaults(func=cmd_fleet)
 
 
@@ -186,9 +198,9 @@ def _healthy(url: str) -> bool:
     return False
 
 
-def check_worker_args(args: list[str]) -> list[str]:
-    """The worker arguments without a leading ``--``; checked by ``radixserve serve``'s own
-    parser (argparse exits 2 on a bad flag).
+def check_worker_args(args: list[str]) -> tuple[list[str], argparse.Namespace]:
+    """The worker arguments without a leading ``--``, and ``radixserve serve``'s reading of
+    them (its own parser: argparse exits 2 on a bad flag).
 
     Raises:
         ValueError: a flag the fleet sets itself.
@@ -202,15 +214,14 @@ def check_worker_args(args: list[str]) -> list[str]:
 
     p = argparse.ArgumentParser(prog="radixserve fleet -- ")
     register_serve(p.add_subparsers())
-    p.parse_args(["serve", *args])
-    return args
+    return args, p.parse_args(["serve", *args])
 
 
 def cmd_fleet(ns: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO,
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     try:
-        worker_args = check_worker_args(ns.worker_args)
+        worker_args, serve_ns = check_worker_args(ns.worker_args)
         cores = sorted(os.sched_getaffinity(0))
         slices = core_slices(cores, ns.workers, ns.cores_per_worker)
     except ValueError as e:
@@ -228,32 +239,62 @@ def cmd_fleet(ns: argparse.Namespace) -> int:
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
     user_threads = any(a.split("=", 1)[0] == "--num-threads" for a in worker_args)
+    socket_dir = None
+    smg_model: list[str] = []
+    if ns.wire == "zmq":
+        from radixserve.model_executor.loader import resolve_model
+
+        try:
+            files = resolve_model(serve_ns.model)  # converts a GGUF once, cached
+        except (ValueError, FileNotFoundError) as e:
+            print(f"radixserve: error: {e}", file=sys.stderr)
+            return 2
+        folder = str(files.folder)
+        name = serve_ns.served_model_name or files.name
+        smg_model = ["--backend", "vllm", "--model-path", folder]
+        if name != folder:
+            smg_model += ["--model-alias", f"{name}={folder}"]
+        socket_dir = Path(tempfile.mkdtemp(prefix="rs-fleet-"))
     workers: list[Child] = []
-    health_urls = []
+    health_urls: list[str] = []
+    urls: list[str] = []
     for i, cs in enumerate(slices):
-        port = ns.worker_base_port + 2 * i
         env = dict(os.environ, OMP_NUM_THREADS=str(len(cs)), MKL_NUM_THREADS=str(len(cs)))
-        cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--grpc", "--host", ns.host,
-               "--port", str(port), "--metrics-port", str(port + 1), *worker_args]
+        cmd = [sys.executable, "-m", "radixserve.cli", "serve"]
+        if socket_dir is not None:
+            urls.append(f"ipc://{socket_dir}/worker-{i}")
+            cmd += ["--zmq-worker", urls[-1], *worker_args]
+        else:
+            port = ns.worker_base_port + 2 * i
+            urls.append(f"grpc://{ns.host}:{port}")
+            health_urls.append(f"http://{ns.host}:{port + 1}/health")
+            cmd += ["--grpc", "--host", ns.host, "--port", str(port), "--metrics-port",
+                    str(port + 1), *worker_args]
         if not user_threads:
             cmd += ["--num-threads", str(len(cs))]
         workers.append(Child(f"worker-{i}", cmd, env, cs,
                              log_file=log_dir / f"worker-{i}.log" if log_dir else None))
-        health_urls.append(f"http://{ns.host}:{port + 1}/health")
-    urls = [f"grpc://{ns.host}:{ns.worker_base_port + 2 * i}" for i in range(ns.workers)]
     smg_cmd = [smg, "launch", "--host", ns.host, "--port", str(ns.port),
                "--prometheus-host", ns.host, "--prometheus-port", str(ns.prometheus_port),
-               "--worker-urls", *urls, "--policy", ns.policy,
+               "--worker-urls", *urls, *smg_model, "--policy", ns.policy,
                "--health-check-interval-secs", "1", "--shutdown-grace-period-secs", "5"]
     for extra in ns.smg_arg:
         smg_cmd += shlex.split(extra)
     gateway = Child("smg", smg_cmd, dict(os.environ),
                     log_file=log_dir / "smg.log" if log_dir else None)
-    return Fleet(workers, health_urls, gateway, ns).run()
+    try:
+        return Fleet(workers, health_urls, gateway, ns).run()
+    finally:
+        if socket_dir is not None:
+            shutil.rmtree(socket_dir, ignore_errors=True)
 
 
 class Fleet:
-    """Starts the workers, then smg; supervises them; stops them all on a signal."""
+    """Starts the workers, then smg; supervises them; stops them all on a signal.
+
+    ``health_urls``: each worker's ``/health`` (gRPC workers), waited for before smg starts;
+    empty for ZMQ workers, which smg's own handshake admits (``/readiness`` then says when).
+    """
 
     def __init__(self, workers: list[Child], health_urls: list[str], gateway: Child,
                  ns: argparse.Namespace) -> None:
@@ -287,7 +328,7 @@ class Fleet:
 
     def _wait_ready(self) -> bool:
         deadline = time.monotonic() + self.ns.start_timeout
-        pending = set(range(len(self.workers)))
+        pending = set(range(len(self.health_urls)))
         while pending:
             if self.stop_reason is not None:
                 return False
@@ -316,6 +357,11 @@ class Fleet:
                 log.error("smg exited with code %s while starting",
                           self.gateway.proc.returncode if self.gateway.proc else None)
                 return False
+            for w in self.workers:
+                if not w.alive:
+                    log.error("%s exited with code %s while starting", w.name,
+                              w.proc.returncode if w.proc else None)
+                    return False
             body = _get_json(url)
             if body and body.get("healthy_workers") == len(self.workers):
                 return True

@@ -196,7 +196,7 @@ def _completion(state: RequestState) -> CompletionOutput:
     comp = CompletionOutput(index=state.index, text=state.text, token_ids=list(state.token_ids),
                             finish_reason=state.finish_reason, stop_reason=state.stop_reason)
     if state.want_logprobs:
-        comp.logprobs = [{int(t): lp for t, lp in row} for row in state.logprob_rows]
+        comp.logprobs = [{int(e[0]): e[1] for e in row} for row in state.logprob_rows]
         comp.cumulative_logprob = sum(row[0][1] for row in state.logprob_rows)
     return comp
 
