@@ -8,7 +8,9 @@
 * ``serve``: throughput, TTFT and ITL at each concurrency level, (a) straight to
   ``radixserve serve`` (HTTP), (b) through ``smg launch`` to one ``radixserve serve --grpc``
   worker with the same engine flags, (c) through ``radixserve fleet --workers 2`` (one core
-  each). Writes ``gateway-serve-{direct,smg,fleet}.json``.
+  each), (d) through smg to one headless ``radixserve serve --zmq-worker`` engine core
+  (vLLM's EngineCore wire), (e) ``radixserve fleet --wire zmq --workers 2``. Writes
+  ``gateway-serve-{direct,smg,fleet,smg-zmq,fleet-zmq}.json``; ``--setups`` picks some.
 * ``prefix``: the shared-prefix set (4 groups x 8 requests, 400-token group prefix,
   concurrency 8) through smg over two workers, ``cache_aware`` then ``round_robin`` (caches
   flushed in between); prefix-cache hit rate from the workers' own counters and from the
@@ -95,6 +97,29 @@ def grpc_worker(args: list[str]) -> tuple[subprocess.Popen, str, str]:
     return p, f"grpc://127.0.0.1:{port}", f"http://127.0.0.1:{metrics}"
 
 
+def zmq_worker(args: list[str]) -> tuple[subprocess.Popen, subprocess.Popen, str]:
+    """A ``--zmq-worker`` engine core and smg (``--backend vllm``) over it: (worker, smg,
+    smg's URL)."""
+    import tempfile
+
+    from radixserve.model_executor.loader import resolve_model
+
+    folder = str(resolve_model(next((a for a in args if not a.startswith("-")), None)).folder)
+    url = f"ipc://{tempfile.mkdtemp(prefix='rs-gw-')}/engine"
+    w = subprocess.Popen([str(BIN / "radixserve"), "serve", "--zmq-worker", url,
+                          "--log-level", "warning", *args], env=ENV)
+    port = free_port()
+    g = subprocess.Popen([str(BIN / "smg"), "launch", "--host", "127.0.0.1", "--port", str(port),
+                          "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+                          "--worker-urls", url, "--backend", "vllm", "--model-path", folder,
+                          "--policy", "round_robin", "--health-check-interval-secs", "1",
+                          "--log-level", "warn", "--shutdown-grace-period-secs", "1"],
+                         env=ENV, stdout=subprocess.DEVNULL)
+    gurl = f"http://127.0.0.1:{port}"
+    wait(gurl + "/readiness", g, lambda r: r.json().get("healthy_workers") == 1)
+    return w, g, gurl
+
+
 def bench(url: str, out: Path, extra: list[str]) -> dict:
     subprocess.run([str(BIN / "radixserve"), "bench", "serve", "--base-url", url,
                     "--disable-tqdm", "--json", str(out), *extra], env=ENV, check=True)
@@ -106,39 +131,52 @@ def cmd_serve(ns: argparse.Namespace, args: list[str]) -> None:
             "--random-input-len", "128", "--random-output-len", "64",
             "--sweep-concurrency", ns.levels]
     out = Path(ns.out)
-    # (a) direct
-    port = free_port()
-    http = subprocess.Popen([str(BIN / "radixserve"), "serve", "--port", str(port),
-                             "--log-level", "warning", *args], env=ENV)
-    try:
-        wait(f"http://127.0.0.1:{port}/health", http)
-        bench(f"http://127.0.0.1:{port}", out / "gateway-serve-direct.json",
-              [*load, "--label", "direct (HTTP)"])
-    finally:
-        stop(http)
-    # (b) smg -> one gRPC worker
-    w, wurl, _ = grpc_worker(args)
-    try:
-        g, gurl = smg([wurl])
+    setups = ns.setups.split(",")
+    if "direct" in setups:
+        port = free_port()
+        http = subprocess.Popen([str(BIN / "radixserve"), "serve", "--port", str(port),
+                                 "--log-level", "warning", *args], env=ENV)
         try:
-            bench(gurl, out / "gateway-serve-smg.json", [*load, "--label", "smg + 1 gRPC worker"])
+            wait(f"http://127.0.0.1:{port}/health", http)
+            bench(f"http://127.0.0.1:{port}", out / "gateway-serve-direct.json",
+                  [*load, "--label", "direct (HTTP)"])
         finally:
-            stop(g)
-    finally:
-        stop(w)
-    # (c) the fleet: two workers, one core each
-    port, base = free_port(), free_port(4)
-    fleet = subprocess.Popen([str(BIN / "radixserve"), "fleet", "--workers", "2", "--port",
-                              str(port), "--prometheus-port", str(free_port()),
-                              "--worker-base-port", str(base), "--policy", "cache_aware",
-                              "--smg-arg=--log-level warn", "--", *args], env=ENV)
-    try:
-        wait(f"http://127.0.0.1:{port}/readiness", fleet,
-             lambda r: r.json().get("healthy_workers") == 2)
-        bench(f"http://127.0.0.1:{port}", out / "gateway-serve-fleet.json",
-              [*load, "--label", "smg + fleet of 2 (1 core each)"])
-    finally:
-        stop(fleet)
+            stop(http)
+    if "smg" in setups:
+        w, wurl, _ = grpc_worker(args)
+        try:
+            g, gurl = smg([wurl])
+            try:
+                bench(gurl, out / "gateway-serve-smg.json",
+                      [*load, "--label", "smg + 1 gRPC worker"])
+            finally:
+                stop(g)
+        finally:
+            stop(w)
+    if "smg-zmq" in setups:
+        w, g, gurl = zmq_worker(args)
+        try:
+            bench(gurl, out / "gateway-serve-smg-zmq.json",
+                  [*load, "--label", "smg + 1 ZMQ worker (headless engine core)"])
+        finally:
+            stop(g, w)
+    for wire in ("grpc", "zmq"):
+        name = "fleet" if wire == "grpc" else "fleet-zmq"
+        if name not in setups:
+            continue
+        port, base = free_port(), free_port(4)
+        fleet = subprocess.Popen([str(BIN / "radixserve"), "fleet", "--wire", wire,
+                                  "--workers", "2", "--port", str(port),
+                                  "--prometheus-port", str(free_port()),
+                                  "--worker-base-port", str(base), "--policy", "cache_aware",
+                                  "--smg-arg=--log-level warn", "--", *args], env=ENV)
+        try:
+            wait(f"http://127.0.0.1:{port}/readiness", fleet,
+                 lambda r: r.json().get("healthy_workers") == 2)
+            bench(f"http://127.0.0.1:{port}", out / f"gateway-serve-{name}.json",
+                  [*load, "--label", f"smg + fleet of 2 {wire} workers (1 core each)"])
+        finally:
+            stop(fleet)
 
 
 def _counters(metrics_urls: list[str]) -> dict[str, float]:
@@ -194,6 +232,8 @@ def main() -> int:
     p.add_argument("--out", default="docs/benchmarks")
     p.add_argument("--levels", default="1,16,64")
     p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--setups", default="direct,smg,fleet,smg-zmq,fleet-zmq",
+                   help="serve: which of direct, smg, fleet, smg-zmq, fleet-zmq to run")
     ns = p.parse_args(argv)
     Path(ns.out).mkdir(parents=True, exist_ok=True)
     {"serve": cmd_serve, "prefix": cmd_prefix}[ns.what](ns, args)
