@@ -102,9 +102,10 @@ def zmq_worker(args: list[str]) -> tuple[subprocess.Popen, subprocess.Popen, str
     smg's URL)."""
     import tempfile
 
+    from radixserve.entrypoints.fleet import check_worker_args
     from radixserve.model_executor.loader import resolve_model
 
-    folder = str(resolve_model(next((a for a in args if not a.startswith("-")), None)).folder)
+    folder = str(resolve_model(check_worker_args(args)[1].model).folder)
     url = f"ipc://{tempfile.mkdtemp(prefix='rs-gw-')}/engine"
     w = subprocess.Popen([str(BIN / "radixserve"), "serve", "--zmq-worker", url,
                           "--log-level", "warning", *args], env=ENV)
