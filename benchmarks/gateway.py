@@ -28,6 +28,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -100,8 +101,6 @@ def grpc_worker(args: list[str]) -> tuple[subprocess.Popen, str, str]:
 def zmq_worker(args: list[str]) -> tuple[subprocess.Popen, subprocess.Popen, str]:
     """A ``--zmq-worker`` engine core and smg (``--backend vllm``) over it: (worker, smg,
     smg's URL)."""
-    import tempfile
-
     from radixserve.entrypoints.fleet import check_worker_args
     from radixserve.model_executor.loader import resolve_model
 

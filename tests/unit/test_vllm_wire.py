@@ -155,3 +155,29 @@ def test_utility_reply_and_registration() -> None:
         assert key in reg
     assert reg["dtype"] == "float32" and reg["num_gpu_blocks"] == 64
     assert reg["kv_cache_size_tokens"] == 1024 and reg["data_parallel_size"] == 1
+
+
+def test_port_turns_smg_frames_into_engine_commands() -> None:
+    """ADD, ABORT and vLLM's ``reset_prefix_cache`` utility as the engine loop's commands;
+    a refused ADD becomes the request's terminal output (``error`` set, the field named)."""
+    from radixserve.engine_types import EngineRequest
+    from radixserve.transport.messages import AbortRequests, FlushCache
+    from radixserve.transport.vllm_zmq import VllmEnginePort
+
+    port = VllmEnginePort("tcp://127.0.0.1:9")  # no socket is opened before the handshake
+    try:
+        enc = msgspec.msgpack.encode
+        cmds: list = []
+        port._command([vw.REQUEST_ADD, enc(_add(_sampling()))], cmds)
+        port._command([vw.REQUEST_ADD, enc(_add(_sampling(allowed_token_ids=[3])))], cmds)
+        port._command([vw.REQUEST_ADD, enc(_add(_sampling(), abort_immediately=True))], cmds)
+        port._command([vw.REQUEST_ABORT, enc(["cmpl-abc-0"])], cmds)
+        port._command([vw.REQUEST_UTILITY, enc([0, 7, "reset_prefix_cache", []])], cmds)
+        port._command([vw.REQUEST_ADD, b"\xc1"], cmds)  # undecodable: logged, dropped
+        assert isinstance(cmds[0], EngineRequest) and cmds[0].request_id == "cmpl-abc-0"
+        assert isinstance(cmds[1], TokenOutput) and cmds[1].request_id == "cmpl-abc-0"
+        assert cmds[1].error_param == "sampling_params.allowed_token_ids"
+        assert isinstance(cmds[2], EngineRequest) and cmds[3] == AbortRequests(["cmpl-abc-0"])
+        assert cmds[4:] == [AbortRequests(["cmpl-abc-0"]), FlushCache(7)]
+    finally:
+        port.close()

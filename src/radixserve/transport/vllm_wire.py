@@ -59,7 +59,7 @@ EXT_RAW_VIEW = 3
 
 # Positions in the ``EngineCoreRequest`` array (vLLM 0.32; smg sends the first 21).
 _R_ID, _R_PROMPT, _R_MM, _R_SAMPLING, _R_POOLING, _R_ARRIVAL = 0, 1, 2, 3, 4, 5
-_R_LORA, _R_CACHE_SALT, _R_DP_RANK, _R_EMBEDS, _R_IS_TOKEN_IDS = 6, 7, 8, 9, 10
+_R_LORA, _R_CACHE_SALT, _R_DP_RANK, _R_EMBEDS = 6, 7, 8, 9
 _R_PRIORITY, _R_RESUMABLE, _R_REASONING_ENDED, _R_REASONING_KWARGS = 13, 15, 17, 18
 _R_ABORT_NOW = 19
 
