@@ -31,7 +31,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -127,17 +126,10 @@ def start(frontend: str, ns: argparse.Namespace) -> tuple[list[subprocess.Popen]
                "--log-level", "warn", "--shutdown-grace-period-secs", "1",
                "--health-check-interval-secs", "1"]
     if frontend == "smg-zmq":
-        from radixserve.model_executor.loader import resolve_model
+        from gateway import zmq_worker  # this script's folder is on sys.path
 
-        folder = str(resolve_model(None).folder)
-        url = f"ipc://{tempfile.mkdtemp(prefix='rs-fe-')}/engine"
-        smg = subprocess.Popen([*smg_cmd, "--worker-urls", url, "--backend", "vllm",
-                                "--model-path", folder, "--model-alias", f"{MODEL}={folder}"],
-                               env=env)
-        worker = subprocess.Popen([*serve, "--zmq-worker", url], env=env)
-        _wait(f"http://127.0.0.1:{smg_port}/readiness", smg,
-              lambda r: r.json().get("healthy_workers") == 1)
-        return [smg, worker], f"http://127.0.0.1:{smg_port}", {"smg": smg.pid}, worker.pid
+        worker, smg, url = zmq_worker(serve[2:])
+        return [smg, worker], url, {"smg": smg.pid}, worker.pid
     worker = subprocess.Popen([*serve, "--grpc", "--port", str(port), "--metrics-port",
                                str(metrics)], env=env)
     _wait(f"http://127.0.0.1:{metrics}/health", worker)

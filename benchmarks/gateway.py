@@ -99,12 +99,14 @@ def grpc_worker(args: list[str]) -> tuple[subprocess.Popen, str, str]:
 
 
 def zmq_worker(args: list[str]) -> tuple[subprocess.Popen, subprocess.Popen, str]:
-    """A ``--zmq-worker`` engine core and smg (``--backend vllm``) over it: (worker, smg,
-    smg's URL)."""
+    """A ``--zmq-worker`` engine core and smg (``--backend vllm``, the model's folder aliased
+    to its name) over it: (worker, smg, smg's URL). Also used by
+    ``frontend_cpu_per_token.py``."""
     from radixserve.entrypoints.fleet import check_worker_args
     from radixserve.model_executor.loader import resolve_model
 
-    folder = str(resolve_model(check_worker_args(args)[1].model).folder)
+    files = resolve_model(check_worker_args(args)[1].model)
+    folder = str(files.folder)
     url = f"ipc://{tempfile.mkdtemp(prefix='rs-gw-')}/engine"
     w = subprocess.Popen([str(BIN / "radixserve"), "serve", "--zmq-worker", url,
                           "--log-level", "warning", *args], env=ENV)
@@ -112,6 +114,7 @@ def zmq_worker(args: list[str]) -> tuple[subprocess.Popen, subprocess.Popen, str
     g = subprocess.Popen([str(BIN / "smg"), "launch", "--host", "127.0.0.1", "--port", str(port),
                           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
                           "--worker-urls", url, "--backend", "vllm", "--model-path", folder,
+                          "--model-alias", f"{files.name}={folder}",
                           "--policy", "round_robin", "--health-check-interval-secs", "1",
                           "--log-level", "warn", "--shutdown-grace-period-secs", "1"],
                          env=ENV, stdout=subprocess.DEVNULL)

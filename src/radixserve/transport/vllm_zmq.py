@@ -205,8 +205,8 @@ class VllmEnginePort:
         self._send(vw.utility_reply(call_id, True))
 
     def send_error(self, message: str) -> None:
-        """The engine failed: tell smg with the dead sentinel (it fails in-flight requests)."""
-        log.error("engine core failed: %s", message)
+        """The engine failed (the caller has logged ``message``): tell smg with the dead
+        sentinel, which fails the in-flight requests; smg has no field for the reason."""
         self.send_dead()
 
     def send_dead(self) -> None:
