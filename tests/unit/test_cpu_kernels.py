@@ -76,12 +76,34 @@ def test_kernel_matches_sdpa_float32(kernel, b, h, hkv, d, page, max_len, thread
     torch.testing.assert_close(out, _reference(kv, pt, lens, q, scale), atol=2e-6, rtol=1e-5)
 
 
-def test_kernel_bfloat16(kernel) -> None:
-    kv, pt, lens, q = _case(3, 5, 9, 3, 64, 16, 70, torch.bfloat16)
-    out = torch.empty(5, 9, 64, dtype=torch.bfloat16)
-    kernel.paged_decode_attention(q, kv[0], kv[1], pt, lens, out, 0.125)
-    ref = _reference(kv, pt, lens, q, 0.125)  # float32 math on the same bf16 inputs
+@pytest.mark.parametrize(("b", "h", "hkv", "d", "page", "max_len"), [
+    (5, 9, 3, 64, 16, 70),       # SmolLM2's GQA: three heads share each value row
+    (1, 9, 3, 64, 16, 300),      # one sequence: tasks split by KV head
+    (4, 10, 2, 64, 16, 45),      # five heads per KV head: register sets of 4 and 1
+    (3, 14, 2, 128, 16, 90),     # seven heads per KV head at D 128: sets of 2, 2, 2, 1
+    (6, 4, 4, 128, 1, 33),       # no GQA, page size 1
+    (4, 6, 2, 96, 8, 40),        # D 96: AVX512-BF16 scores, portable P.V
+    (3, 6, 1, 24, 4, 33),        # D % 32 != 0: the portable path throughout
+])
+def test_kernel_bfloat16(kernel, b, h, hkv, d, page, max_len) -> None:
+    kv, pt, lens, q = _case(3 + d, b, h, hkv, d, page, max_len, torch.bfloat16)
+    out = torch.empty(b, h, d, dtype=torch.bfloat16)
+    scale = d ** -0.5
+    kernel.paged_decode_attention(q, kv[0], kv[1], pt, lens, out, scale)
+    ref = _reference(kv, pt, lens, q, scale)  # float32 math on the same bf16 inputs
     torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
+
+
+def test_bf16_attention_isa_follows_the_cpu(kernel) -> None:
+    """The build is -march=native, so the instruction-set path must be the CPU's own."""
+    flags = set()
+    for line in open("/proc/cpuinfo").read().splitlines():  # noqa: SIM115 - small file
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    want = ("avx512-bf16" if {"avx512f", "avx512_bf16"} <= flags
+            else "avx512" if "avx512f" in flags else "portable")
+    assert kernel.bf16_attention_isa == want
 
 
 def test_kernel_rejects_bad_input(kernel) -> None:
@@ -266,6 +288,8 @@ PREFILL_SHAPES = [
     (9, 3, 64, 16, 1),      # one token
     (9, 3, 64, 16, 97),     # SmolLM2's GQA shape, tiles of 16 rows and a partial one
     (8, 2, 128, 1, 40),     # page size 1, head_dim 128
+    (14, 2, 128, 16, 50),   # seven heads per KV head at D 128
+    (6, 2, 96, 8, 37),      # D 96
     (6, 1, 24, 4, 33),      # multi-query
     (4, 2, 20, 3, 29),      # D % 8 != 0: the scalar path
     (2, 2, 16, 8, 70),      # no GQA

@@ -160,6 +160,18 @@ def _attention_reason(asked: str, device: torch.device, dtype: torch.dtype,
     return "the C kernels failed to build or load (see the log above)", True
 
 
+def _attention_isa(kernels: CpuKernels, dtype: torch.dtype) -> tuple[str, str]:
+    """The instruction-set path of the C attention kernels for ``dtype``, and why."""
+    if dtype != torch.bfloat16:
+        return "portable", f"{dtype} runs the portable vector code on every CPU"
+    isa = kernels.bf16_attention_isa
+    why = {"avx512-bf16": "AVX512-BF16 pair dot products for the scores, value rows widened "
+                          "in registers (1.3-1.5x per layer on Zen 5, docs/benchmarks.md)",
+           "avx512": "value rows widened in registers; no AVX512-BF16 for the scores",
+           "portable": "no AVX-512 on this CPU: the portable vector code"}[isa]
+    return isa, why
+
+
 def read_config(folder: Path) -> SimpleNamespace | None:
     """``config.json`` as attributes, without importing transformers (~2.5 s per process).
 
@@ -243,6 +255,8 @@ class ModelRunner:
         paths.pick("attention", self.attention_backend, *_attention_reason(
             config.attention_backend, self.device, self.dtype, self.kernels is not None,
             use_triton, no_triton))
+        if self.kernels is not None:
+            paths.pick("attention_isa", *_attention_isa(self.kernels, self.dtype))
         model = CausalLM(args, inv_freq, rope_scale, max(model_len, self.max_model_len) + 1,
                          self.kernels, self.attention_backend, self.shard)
         model.load_weights(iter_safetensors(files.folder))

@@ -119,6 +119,15 @@ class CpuKernels:
         fn.argtypes = [c_int, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64]
         fn.restype = c_int
         self._store_kv = fn
+        fn = lib.rs_kernel_isa
+        fn.argtypes = []
+        fn.restype = c_int
+        isa = fn()
+        #: the bfloat16 attention path this build has, by the instructions the compiler found
+        #: (``-march=native``): "avx512-bf16" (scores with ``vdpbf16ps``, P.V widened in
+        #: registers), "avx512" (P.V in registers only) or "portable" (vector extensions)
+        self.bf16_attention_isa = ("avx512-bf16" if isa & 1 else "avx512" if isa & 2
+                                   else "portable")
 
     @classmethod
     def load(cls) -> CpuKernels | None:
