@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from radixserve import LLM, SamplingParams
 from radixserve.engine_types import EngineRequest
@@ -75,3 +76,23 @@ def test_greedy_tokens_alone_equal_batched_in_default_dtype(auto_llm: LLM) -> No
     differ = [i for i in range(NUM_PROMPTS) if got[i] != alone[i]]
     assert not differ, (f"{len(differ)}/{NUM_PROMPTS} requests changed when batched "
                         f"(dtype {llm.model_info.dtype}): {differ}")
+
+
+def test_single_row_gemv_gives_the_gemm_tokens_and_logprobs(auto_llm: LLM) -> None:
+    """A lone decode runs its linears through the single-row GEMV where the CPU has
+    AVX512-BF16 and the dtype is bf16; it must reproduce the reference (two rows through
+    oneDNN's GEMM) exactly: the same tokens and the same logprob values."""
+    ref = LLM(dtype="auto", seed=0, num_pages=128, single_row_gemv=False)
+    runner = auto_llm.engine.runner
+    want_path = ("gemv" if runner.dtype == torch.bfloat16 and runner.kernels is not None
+                 and runner.kernels.bf16_attention_isa == "avx512-bf16" else "gemm")
+    assert runner.paths.paths["linear_single_row"] == want_path
+    assert ref.engine.runner.paths.paths["linear_single_row"] == "gemm"
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    prompts = ["What is 2+2?", "Name three colors.", "Write a haiku about the sea."]
+    for p in prompts:
+        _drop_prefix_cache(auto_llm)
+        a = auto_llm.generate(p, sp, use_tqdm=False)[0].outputs[0]
+        b = ref.generate(p, sp, use_tqdm=False)[0].outputs[0]
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == b.logprobs

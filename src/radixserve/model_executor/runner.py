@@ -329,12 +329,28 @@ class ModelRunner:
             reason = choice.reason
         else:
             reason = "--pack-weights"
-        if self.model.pack_linears(batch_hint=hint):
+        if self.model.pack_linears(batch_hint=hint, single_row_gemv=config.single_row_gemv):
             paths.pick("linear", "packed", reason)
+            paths.pick("linear_single_row", *self._single_row_reason(config))
             return True
         paths.pick("linear", "dense", "oneDNN packing unavailable in this torch build",
                    fallback=True)
         return False
+
+    def _single_row_reason(self, config: EngineConfig) -> tuple[str, str]:
+        """The path of one-row linears with packed weights ("gemv" where every projection
+        and the LM head took it, "mixed" where some did, else "gemm") and why."""
+        if not config.single_row_gemv:
+            return "gemm", "--no-single-row-gemv: two equal rows through oneDNN's GEMM"
+        blocks = self.model.gemv_k_blocks
+        if not blocks:
+            return "gemm", ("two equal rows through oneDNN's GEMM: the GEMV needs bf16 "
+                            "weights without bias and the C kernels built with AVX512-BF16")
+        used = {f"{n}x{k}": kb for (n, k), kb in blocks.items()}
+        path = ("gemv" if all(kb is not None for kb in blocks.values())
+                else "mixed" if any(kb is not None for kb in blocks.values()) else "gemm")
+        return path, (f"radixserve's GEMV over oneDNN's packed weights, bit-identical to its "
+                      f"GEMM, K blocking per [N, K] (None: the GEMM): {used}")
 
     def stats(self) -> RunnerStats:
         """The paths in use, steps run and shadow-check counts (cumulative)."""

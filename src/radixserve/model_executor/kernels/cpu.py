@@ -119,6 +119,10 @@ class CpuKernels:
         fn.argtypes = [c_int, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64]
         fn.restype = c_int
         self._store_kv = fn
+        fn = lib.rs_gemv_bf16_packed
+        fn.argtypes = [ptr, ptr, ptr, i64, i64, i64, c_int]
+        fn.restype = c_int
+        self._gemv = fn
         fn = lib.rs_kernel_isa
         fn.argtypes = []
         fn.restype = c_int
@@ -335,6 +339,31 @@ class CpuKernels:
         self._argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(),
                      torch.get_num_threads())
         return out
+
+    def gemv_bf16_packed(self, x: torch.Tensor, packed_ptr: int, out: torch.Tensor,
+                         k_block: int) -> None:
+        """One row through a bf16 weight in oneDNN's packed layout ([N/64][K/2][64][2],
+        ``layers.packed_gemv``), summed as oneDNN's GEMM does with K blocks of ``k_block``.
+
+        Args:
+            x: contiguous bfloat16 [1, K].
+            packed_ptr: address of the packed buffer (``torch.ops.mkldnn.data_ptr``), at
+                least ``N * K`` bf16 values; only its first ``N / 64`` blocks are read.
+            out: contiguous bfloat16 [1, N], N a multiple of 64: written.
+            k_block: even, > 0.
+
+        Raises:
+            ValueError: wrong dtype, shape or layout.
+            RuntimeError: the build lacks AVX512-BF16 (code 5) or bad sizes (1).
+        """
+        if (x.dtype != torch.bfloat16 or out.dtype != torch.bfloat16 or x.dim() != 2
+                or out.dim() != 2 or x.shape[0] != 1 or out.shape[0] != 1
+                or not x.is_contiguous() or not out.is_contiguous()):
+            raise ValueError("gemv_bf16_packed needs contiguous bfloat16 x [1, K], out [1, N]")
+        rc = self._gemv(x.data_ptr(), packed_ptr, out.data_ptr(), out.shape[1], x.shape[1],
+                        k_block, torch.get_num_threads())
+        if rc:
+            raise RuntimeError(f"bf16 GEMV kernel failed with code {rc}")
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

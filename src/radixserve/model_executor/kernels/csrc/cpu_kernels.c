@@ -928,3 +928,56 @@ int rs_store_kv(int dtype, const void *k, int64_t k_stride, const void *v, int64
     }
     return 0;
 }
+
+/* One row through a linear layer whose bfloat16 weights oneDNN has packed (torch's
+ * `mkldnn._reorder_linear_weight`): y[N] = x[K] . W^T, read from oneDNN's own buffer, laid out
+ * [N/64][K/2][64][2] (64 outputs per block, consecutive k in pairs: the VNNI layout that
+ * `vdpbf16ps` consumes). oneDNN runs a single row through a matrix-vector path that streams the
+ * weights at ~31 GB/s on a 2-core Zen 5 (of the ~47 GB/s this VM reads) and whose sums differ
+ * from its GEMM's; this kernel streams them sequentially per thread and reproduces the GEMM's
+ * arithmetic, so a lone decode gets the bits a batched one gets:
+ *   each output accumulates its k pairs in order with `vdpbf16ps`, restarting every `kblk`
+ *   elements (oneDNN's K blocking, measured per shape by the caller), the blocks' sums added
+ *   in order, then rounded to bfloat16 (nearest even).
+ *   x: K bf16; w: oneDNN's buffer; y: N bf16. N % 64 == 0, K and kblk even and > 0.
+ * Returns 0; 1 on bad sizes; 5 where the build lacks AVX512-BF16 (the caller keeps oneDNN). */
+#define GEMV_NB 64
+int rs_gemv_bf16_packed(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t N, int64_t K,
+                        int64_t kblk, int num_threads) {
+#if RS_BF16_DOT
+    if (N <= 0 || N % GEMV_NB || K <= 0 || K % 2 || kblk <= 0 || kblk % 2) return 1;
+    const int64_t blocks = N / GEMV_NB;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t nb = 0; nb < blocks; ++nb) {
+        const uint16_t *wb = w + nb * K * GEMV_NB;
+        __m512 tot[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                         _mm512_setzero_ps()};
+        for (int64_t k0 = 0; k0 < K; k0 += kblk) {
+            const int64_t k1 = k0 + kblk < K ? k0 + kblk : K;
+            __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                           _mm512_setzero_ps()};
+            for (int64_t k = k0; k < k1; k += 2) {
+                const uint16_t *wk = wb + k * GEMV_NB;
+                __builtin_prefetch(wk + 16 * GEMV_NB, 0, 3);
+                __builtin_prefetch(wk + 16 * GEMV_NB + 32, 0, 3);
+                __builtin_prefetch(wk + 16 * GEMV_NB + 64, 0, 3);
+                __builtin_prefetch(wk + 16 * GEMV_NB + 96, 0, 3);
+                int32_t xp;
+                memcpy(&xp, x + k, 4);
+                const __m512bh xv = (__m512bh)_mm512_set1_epi32(xp);
+                for (int u = 0; u < 4; ++u)
+                    a[u] = _mm512_dpbf16_ps(a[u], xv,
+                                            (__m512bh)_mm512_loadu_si512(wk + 32 * u));
+            }
+            for (int u = 0; u < 4; ++u) tot[u] = k0 == 0 ? a[u] : _mm512_add_ps(tot[u], a[u]);
+        }
+        for (int u = 0; u < 4; ++u)
+            _mm256_storeu_si256((__m256i *)(y + nb * GEMV_NB + 16 * u),
+                                (__m256i)_mm512_cvtneps_pbh(tot[u]));
+    }
+    return 0;
+#else
+    (void)x, (void)w, (void)y, (void)N, (void)K, (void)kblk, (void)num_threads;
+    return 5;
+#endif
+}
