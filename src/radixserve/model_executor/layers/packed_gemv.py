@@ -19,7 +19,7 @@ packed layout, a bias, float32, no AVX512-BF16) the two-row GEMM stays.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,7 +35,7 @@ PROBE_ROWS = 256
 PROBE_OUTPUTS = 1024
 
 
-@dataclass(frozen=True)
+@dataclass
 class SingleRowGemv:
     """The GEMV for one packed weight.
 
@@ -52,12 +52,24 @@ class SingleRowGemv:
     n: int
     k: int
     k_block: int
+    _ptr: int = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # the packed buffer never moves: its address once, not per call
+        self._ptr = torch.ops.mkldnn.data_ptr(self.packed)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x bfloat16 [1, K] (contiguous) -> bfloat16 [1, N]."""
+        """x bfloat16 [1, K] (contiguous) -> bfloat16 [1, N].
+
+        Raises:
+            ValueError: x is not a contiguous bfloat16 [1, K].
+        """
+        if x.dtype != torch.bfloat16 or x.shape != (1, self.k) or not x.is_contiguous():
+            raise ValueError(f"single-row GEMV needs contiguous bfloat16 [1, {self.k}], got "
+                             f"{x.dtype} {tuple(x.shape)}")
         out = torch.empty(1, self.n, dtype=torch.bfloat16)
-        self.kernels.gemv_bf16_packed(x, torch.ops.mkldnn.data_ptr(self.packed), out,
-                                      self.k_block)
+        self.kernels.gemv_bf16_packed_unchecked(x.data_ptr(), self._ptr, out.data_ptr(),
+                                                self.n, self.k, self.k_block)
         return out
 
 
