@@ -1,16 +1,20 @@
 """Benchmark plumbing without a model: SSE parsing and metrics of ``bench serve`` against a
-mock transport, and ``bench compare``'s reporting of missing peers."""
+real HTTP server on 127.0.0.1 (aiohttp's, serving canned streams), and ``bench compare``'s
+reporting of missing peers."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-import httpx
+from aiohttp import web
 
 from radixserve.bench import compare, serve
 from radixserve.bench.datasets import BenchPrompt
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def _sse(chunks: list[dict]) -> bytes:
@@ -18,26 +22,49 @@ def _sse(chunks: list[dict]) -> bytes:
         b"data: [DONE]\n\n"
 
 
-def _run(handler, api: str = "completions") -> serve.RequestResult:  # noqa: ANN001
+def _stream(chunks: list[dict]) -> Handler:
+    """A handler streaming ``chunks`` as SSE events, one write each (as a server does)."""
+    async def handler(req: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(req)
+        for part in _sse(chunks).split(b"\n\n")[:-1]:
+            await resp.write(part + b"\n\n")
+        await resp.write_eof()
+        return resp
+    return handler
+
+
+def _run(handler: Handler, api: str = "completions") -> serve.RequestResult:
     async def go() -> serve.RequestResult:
-        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-            body = serve.build_payload(BenchPrompt([1, 2, 3], 3, "hi", "sys"), api, "m", True,
-                                       0.0)
-            return await serve.send_request(client, "http://x" + serve.ENDPOINTS[api], body,
-                                             api, 3)
+        app = web.Application()
+        app.router.add_post(serve.ENDPOINTS[api], handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            async with serve.client_session(30) as client:
+                body = serve.build_payload(BenchPrompt([1, 2, 3], 3, "hi", "sys"), api, "m",
+                                           True, 0.0)
+                return await serve.send_request(
+                    client, f"http://127.0.0.1:{port}" + serve.ENDPOINTS[api], body, api, 3)
+        finally:
+            await runner.cleanup()
     return asyncio.run(go())
 
 
 def test_send_request_parses_stream_and_usage() -> None:
     seen = {}
+    inner = _stream([
+        {"choices": [{"text": "a"}]}, {"choices": [{"text": "b"}]},
+        {"choices": [{"text": "c", "finish_reason": "length"}]},
+        {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3,
+                                  "prompt_tokens_details": {"cached_tokens": 4}}}])
 
-    def handler(req: httpx.Request) -> httpx.Response:
-        seen.update(json.loads(req.content))
-        return httpx.Response(200, content=_sse([
-            {"choices": [{"text": "a"}]}, {"choices": [{"text": "b"}]},
-            {"choices": [{"text": "c", "finish_reason": "length"}]},
-            {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3,
-                                      "prompt_tokens_details": {"cached_tokens": 4}}}]))
+    async def handler(req: web.Request) -> web.StreamResponse:
+        seen.update(await req.json())
+        return await inner(req)
 
     r = _run(handler)
     assert r.ok and r.output_tokens == 3 and r.prompt_len == 7 and r.cached_tokens == 4
@@ -47,13 +74,15 @@ def test_send_request_parses_stream_and_usage() -> None:
 
 
 def test_send_request_chat_counts_chunks_without_usage() -> None:
-    def handler(req: httpx.Request) -> httpx.Response:
-        body = json.loads(req.content)
+    inner = _stream([
+        {"choices": [{"delta": {"role": "assistant"}}]},
+        {"choices": [{"delta": {"content": "x"}}]},
+        {"choices": [{"delta": {"content": "y"}, "finish_reason": "stop"}]}])
+
+    async def handler(req: web.Request) -> web.StreamResponse:
+        body = await req.json()
         assert body["messages"][0] == {"role": "system", "content": "sys"}
-        return httpx.Response(200, content=_sse([
-            {"choices": [{"delta": {"role": "assistant"}}]},
-            {"choices": [{"delta": {"content": "x"}}]},
-            {"choices": [{"delta": {"content": "y"}, "finish_reason": "stop"}]}]))
+        return await inner(req)
 
     r = _run(handler, "chat")
     assert r.ok and r.output_tokens == 2 and r.cached_tokens is None
@@ -61,13 +90,25 @@ def test_send_request_chat_counts_chunks_without_usage() -> None:
 
 def test_stream_cut_short_is_a_failure() -> None:
     # llama-cpp-python's server ends a stream early when another request interrupts it
-    r = _run(lambda req: httpx.Response(200, content=_sse([{"choices": [{"text": "a"}]}])))
+    r = _run(_stream([{"choices": [{"text": "a"}]}]))
     assert not r.ok and "finish_reason" in r.error
 
 
 def test_send_request_http_error_is_a_failure() -> None:
-    r = _run(lambda req: httpx.Response(400, json={"error": {"message": "bad"}}))
-    assert not r.ok and "HTTP 400" in r.error
+    async def handler(req: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "bad"}}, status=400)
+
+    r = _run(handler)
+    assert not r.ok and "HTTP 400" in r.error and "bad" in r.error
+
+
+def test_send_request_unreachable_server_is_a_failure() -> None:
+    async def go() -> serve.RequestResult:
+        async with serve.client_session(5) as client:
+            return await serve.send_request(client, "http://127.0.0.1:9/v1/completions", {},
+                                            "completions", 0)
+    r = asyncio.run(go())
+    assert not r.ok and "Error" in r.error
 
 
 def test_summarize_keys_and_tpot() -> None:

@@ -33,7 +33,13 @@ import torch
 
 from radixserve.bench.datasets import BenchPrompt, random_text
 from radixserve.bench.ports import free_ports
-from radixserve.bench.serve import _arrivals, _stats, build_payload, send_request
+from radixserve.bench.serve import (
+    _arrivals,
+    _stats,
+    build_payload,
+    client_session,
+    send_request,
+)
 
 # ---------------------------------------------------------------------------- transfer
 
@@ -247,8 +253,7 @@ def _workload(tok: Any, n: int, long_every: int, short_len: int, long_len: int,
 async def _drive(base_url: str, model: str, work: list[tuple[str, BenchPrompt]],
                  rate: float, seed: int) -> dict[str, Any]:
     url = base_url + "/v1/chat/completions"
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(900), limits=limits) as client:
+    async with client_session(900) as client:
         for _ in range(2):  # warm-up: both instances behind the router
             w = await send_request(client, url, build_payload(
                 BenchPrompt([], 4, "Say hi."), "chat", model, True, 0.0), "chat", 0)
