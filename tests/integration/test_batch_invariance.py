@@ -85,7 +85,7 @@ def test_single_row_gemv_gives_the_gemm_tokens_and_logprobs(auto_llm: LLM) -> No
     ref = LLM(dtype="auto", seed=0, num_pages=128, single_row_gemv=False)
     runner = auto_llm.engine.runner
     want_path = ("gemv" if runner.dtype == torch.bfloat16 and runner.kernels is not None
-                 and runner.kernels.bf16_attention_isa == "avx512-bf16" else "gemm")
+                 and runner.kernels.has_bf16_dot else "gemm")
     assert runner.paths.paths["linear_single_row"] == want_path
     assert ref.engine.runner.paths.paths["linear_single_row"] == "gemm"
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)

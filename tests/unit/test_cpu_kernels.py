@@ -104,6 +104,7 @@ def test_bf16_attention_isa_follows_the_cpu(kernel) -> None:
     want = ("avx512-bf16" if {"avx512f", "avx512_bf16"} <= flags
             else "avx512" if "avx512f" in flags else "portable")
     assert kernel.bf16_attention_isa == want
+    assert kernel.has_bf16_dot == (want == "avx512-bf16")
 
 
 def test_kernel_rejects_bad_input(kernel) -> None:

@@ -23,7 +23,7 @@ def kernels() -> CpuKernels:
 
 
 def _has_bf16_gemv(kernels: CpuKernels) -> bool:
-    return kernels.bf16_attention_isa == "avx512-bf16"
+    return kernels.has_bf16_dot
 
 
 @pytest.mark.parametrize(("n", "k"), SHAPES)

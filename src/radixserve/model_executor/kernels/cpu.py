@@ -132,6 +132,8 @@ class CpuKernels:
         #: registers), "avx512" (P.V in registers only) or "portable" (vector extensions)
         self.bf16_attention_isa = ("avx512-bf16" if isa & 1 else "avx512" if isa & 2
                                    else "portable")
+        #: the build has AVX512-BF16's ``vdpbf16ps`` (the bf16 scores and the single-row GEMV)
+        self.has_bf16_dot = bool(isa & 1)
 
     @classmethod
     def load(cls) -> CpuKernels | None:

@@ -146,7 +146,7 @@ def single_row_gemv(kernels: CpuKernels | None, packed: torch.Tensor, weight: to
         k_blocks: per-(N, K) results of ``find_k_block``, shared across a model's layers.
     """
     n, k = weight.shape
-    if (kernels is None or kernels.bf16_attention_isa != "avx512-bf16" or bias is not None
+    if (kernels is None or not kernels.has_bf16_dot or bias is not None
             or weight.dtype != torch.bfloat16 or not layout_matches(packed, n, k)):
         return None
     if (n, k) not in k_blocks:
