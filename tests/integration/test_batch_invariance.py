@@ -87,6 +87,9 @@ def test_single_row_gemv_gives_the_gemm_tokens_and_logprobs(auto_llm: LLM) -> No
     want_path = ("gemv" if runner.dtype == torch.bfloat16 and runner.kernels is not None
                  and runner.kernels.has_bf16_dot else "gemm")
     assert runner.paths.paths["linear_single_row"] == want_path
+    # every SmolLM2 shape reproduces the GEMM where the GEMV is built: no fall-back counted
+    assert "linear_single_row" not in runner.paths.fallbacks
+    assert all(kb is not None for kb in runner.model.gemv_k_blocks.values())
     assert ref.engine.runner.paths.paths["linear_single_row"] == "gemm"
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
     prompts = ["What is 2+2?", "Name three colors.", "Write a haiku about the sea."]

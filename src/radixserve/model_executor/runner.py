@@ -331,7 +331,10 @@ class ModelRunner:
             reason = "--pack-weights"
         if self.model.pack_linears(batch_hint=hint, single_row_gemv=config.single_row_gemv):
             paths.pick("linear", "packed", reason)
-            paths.pick("linear_single_row", *self._single_row_reason(config))
+            path, why = self._single_row_reason(config)
+            # a shape the GEMV could not reproduce on a machine that has it: a fall-back
+            fell_back = any(kb is None for kb in self.model.gemv_k_blocks.values())
+            paths.pick("linear_single_row", path, why, fallback=fell_back)
             return True
         paths.pick("linear", "dense", "oneDNN packing unavailable in this torch build",
                    fallback=True)
