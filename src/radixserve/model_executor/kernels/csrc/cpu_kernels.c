@@ -366,7 +366,6 @@ int rs_paged_decode_attention(int dtype, const void *q, int64_t q_stride_b, int6
     const int64_t row = Hkv * D;     /* elements of one token's K (or V) row */
     const int fast = D % 8 == 0 && D / 8 <= MAX_D8;
     const int bf16dot = RS_BF16_DOT && dtype == 1 && D % 32 == 0;
-    (void)bf16dot;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -387,7 +386,9 @@ int rs_paged_decode_attention(int dtype, const void *q, int64_t q_stride_b, int6
             float *scores = buf, *qs = buf + HG * max_len, *acc = qs + HG * D;
             float *tmp = acc + HG * D;
             const int64_t *pages = page_table + b * pt_stride;
-            for (int64_t j = 0; j < HG; ++j) {
+            /* float32 queries, pre-scaled, for `scores8`/`dot` (the bf16 scores read q as
+             * stored) */
+            for (int64_t j = 0; !bf16dot && j < HG; ++j) {
                 const int64_t h = kh0 * G + j;
                 const float *qr = row_f32(dtype, q, b * q_stride_b + h * q_stride_h, D, tmp);
                 for (int64_t i = 0; i < D; ++i) qs[j * D + i] = qr[i] * scale;
@@ -598,7 +599,7 @@ int rs_paged_prefill_attention(int dtype, const void *q, int64_t q_stride_t, int
             const int64_t Lmax = L0 + nr - 1;
             float *scores = buf, *qs = buf + HG * ctx, *acc = qs + HG * D;
             float *blk = acc + HG * D, *tmp = blk + PREFILL_KB * D;
-            for (int64_t r = 0; r < nr; ++r)
+            for (int64_t r = 0; !bf16dot && r < nr; ++r)
                 for (int64_t g = 0; g < G; ++g) {
                     const float *qr = row_f32(dtype, q, (r0 + r) * q_stride_t +
                                               (kh * G + g) * q_stride_h, D, tmp);
@@ -958,6 +959,8 @@ int rs_gemv_bf16_packed(const uint16_t *x, const uint16_t *w, uint16_t *y, int64
                            _mm512_setzero_ps()};
             for (int64_t k = k0; k < k1; k += 2) {
                 const uint16_t *wk = wb + k * GEMV_NB;
+                /* the four lines of the k pair 8 steps (2 KiB) ahead: a block's weights are
+                 * one sequential stream, but the hardware prefetcher stops at 4 KiB pages */
                 __builtin_prefetch(wk + 16 * GEMV_NB, 0, 3);
                 __builtin_prefetch(wk + 16 * GEMV_NB + 32, 0, 3);
                 __builtin_prefetch(wk + 16 * GEMV_NB + 64, 0, 3);
