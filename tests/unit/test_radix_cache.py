@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from radixserve.kvcache.manager import KVCacheManager
 from radixserve.kvcache.page_pool import PagePool
@@ -69,6 +71,65 @@ def test_page_pool_rejects_double_free_and_bad_ids():
         pool.free([5])
     with pytest.raises(ValueError):
         PagePool(1)
+
+
+def test_page_pool_places_requests_in_runs_with_room_to_grow():
+    """A new request's pages open a run with ``room`` free ids ahead; its later pages continue
+    the run; the next request starts past that room; a taken next id opens a new run."""
+    pool = PagePool(64)
+    a = pool.alloc(3, room=8)
+    b = pool.alloc(2, room=8)
+    assert a.tolist() == [1, 2, 3] and b.tolist() == [9, 10]
+    assert pool.alloc(2, after=int(a[-1]), room=6).tolist() == [4, 5]
+    grown = pool.alloc_after(np.array([5, 10]), np.array([4, 6]))
+    assert grown.dtype == np.int32 and grown.tolist() == [6, 11]
+    assert pool.alloc(1, after=11).tolist() == [12]  # another caller takes 12
+    # so b's next page opens a new run at the cursor, past b's room
+    assert pool.alloc_after(np.array([11]), np.array([4])).tolist() == [17]
+    assert pool.num_free == 63 - 11
+
+
+def test_page_pool_alloc_after_shared_last_page_and_shortage():
+    pool = PagePool(12)
+    first = pool.alloc(2, room=2)  # [1, 2]
+    # two requests both ending on the shared page 2: one gets 3, the other a new run
+    ids = pool.alloc_after(np.array([2, 2, 0]), np.array([1, 1, 1]))
+    assert ids[0] == 3 and len(set(ids.tolist())) == 3 and not set(ids.tolist()) & {1, 2}
+    left = pool.num_free
+    assert pool.alloc_after(np.arange(left + 1), np.ones(left + 1, np.int64)) is None
+    assert pool.num_free == left  # short: nothing taken
+    pool.alloc(left)
+    pool.free(first)
+    assert pool.alloc(2, room=2).tolist() == [1, 2]  # the search wraps to the freed run
+
+
+@given(st.lists(st.tuples(st.sampled_from(["alloc", "after", "free"]),
+                          st.integers(0, 6), st.integers(0, 12)), max_size=60))
+def test_page_pool_never_hands_out_a_taken_page(ops):
+    """Random alloc / alloc_after / free sequences: no id is handed out twice while taken,
+    page 0 never, and the free count always equals the ids not held."""
+    pool = PagePool(24)
+    held: list[int] = []
+    for op, n, room in ops:
+        if op == "free":
+            if held:
+                give, held = held[:n], held[n:]
+                pool.free(give)
+            continue
+        last = held[-1] if held else 0
+        if op == "alloc":
+            ids = pool.alloc(n, after=last, room=room)
+        else:
+            ids = pool.alloc_after(np.array([last] * n), np.full(n, room))
+        if ids is None:
+            assert n > pool.num_free
+            continue
+        got = ids.tolist()
+        assert len(got) == n and len(set(got)) == n and 0 not in got
+        assert not set(got) & set(held)
+        held += got
+        assert pool.num_free == 23 - len(held)
+        assert pool.free_set() == set(range(1, 24)) - set(held)
 
 
 # ---------------------------------------------------------------------------- match / insert

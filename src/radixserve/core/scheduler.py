@@ -6,7 +6,9 @@ Each step: running requests in decode take one token each first; the rest of
 then of waiting ones (FCFS, or longest prefix match first with ``lpm``). Pages are taken per
 chunk and per decoded token, never reserved for ``max_tokens`` up front; when a decode cannot get
 a page, the most recently admitted running request is preempted (pages released to the radix
-cache, request back at the front of the waiting queue). This is vLLM V1's scheduling shape
+cache, request back at the front of the waiting queue). Where pages go is the pool's choice: a
+request's pages continue its previous ones when those ids are free (``PagePool``), with room
+for its expected length kept ahead of it, which the decode attention reads faster. This is vLLM V1's scheduling shape
 (Sarathi-Serve's stall-free batching) over SGLang's radix cache.
 
 With a KV connector (prefill/decode disaggregation) a request admitted with an asynchronous
@@ -32,6 +34,9 @@ from radixserve.kv_transfer.base import KVConnectorOutput, KVConnectorScheduler
 from radixserve.kvcache.manager import HeldPages, KVCacheManager
 
 _NO_PAGES = np.empty(0, dtype=np.int32)
+#: the most pages a request's run keeps free ahead of it (``_room``): 64 pages of 16 are 1,024
+#: tokens, past which a long generation opens a new run rather than spreading new requests thin
+ROOM_PAGES_MAX = 64
 
 
 class Scheduler:
@@ -151,12 +156,22 @@ class Scheduler:
         need = -(-upto_tokens // self.page_size) - req.num_pages
         if need <= 0:
             return True
-        pages = self.kv.allocate(need)
+        pages = self.kv.allocate(need, self._last_page(req), max(self._room(req), need))
         if pages is None:
             return False
         self.tables.page_table[req.row, req.num_pages:req.num_pages + need] = pages
         req.num_pages += need
         return True
+
+    def _last_page(self, req: Request) -> int:
+        """The page a request's next pages should follow (0: it has none)."""
+        return int(self.tables.page_table[req.row, req.num_pages - 1]) if req.num_pages else 0
+
+    def _room(self, req: Request) -> int:
+        """Pages ``req`` expects to take from now on (prompt and ``max_tokens`` to come), at
+        most ``ROOM_PAGES_MAX``: only where its pages are placed (``PagePool``) reads it."""
+        end = min(req.num_prompt_tokens + req.max_tokens, self.max_model_len)
+        return min(-(-end // self.page_size) - req.num_pages, ROOM_PAGES_MAX)
 
     def _release(self, req: Request) -> None:
         pages = self.tables.page_table[req.row, :req.num_pages].copy()
@@ -376,7 +391,9 @@ class Scheduler:
                 left -= 1
             if not needy:
                 return decodes, others
-            pages = self.kv.allocate(len(needy))
+            pages = self.kv.allocate_after(
+                np.array([self._last_page(r) for r in needy], dtype=np.int64),
+                np.array([self._room(r) for r in needy], dtype=np.int64))
             if pages is not None:
                 rows = [r.row for r in needy]
                 cols = [r.num_pages for r in needy]

@@ -86,11 +86,21 @@ class KVCacheManager:
         self.tree.lock(node)
         return pages, node
 
-    def allocate(self, n: int) -> np.ndarray | None:
-        """``n`` pages as int32 [n], evicting unlocked cached pages if needed; None if short."""
+    def allocate(self, n: int, after: int = 0, room: int = 0) -> np.ndarray | None:
+        """``n`` pages as int32 [n], evicting unlocked cached pages if needed; None if short.
+        ``after`` (the caller's last page, 0: none) and ``room`` (pages it expects to need) as
+        in ``PagePool.alloc``: they place the pages, never change how many."""
+        self._make_free(n)
+        return self.pool.alloc(n, after, room)
+
+    def allocate_after(self, lasts: np.ndarray, rooms: np.ndarray) -> np.ndarray | None:
+        """One page per caller (``PagePool.alloc_after``), evicting if needed; None if short."""
+        self._make_free(len(lasts))
+        return self.pool.alloc_after(lasts, rooms)
+
+    def _make_free(self, n: int) -> None:
         if n > self.pool.num_free and self.tree is not None:
             self.tree.evict(n - self.pool.num_free)
-        return self.pool.alloc(n)
 
     def evict_all(self) -> int:
         """Free every cached page no live request holds (``FlushCache``, ``POST /flush_cache``).
