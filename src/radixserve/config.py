@@ -180,11 +180,12 @@ class EngineConfig:
             decode batch sizes; the dense copies are freed). None (default): packed or dense,
             whichever measured faster on this machine and model (``path_choice``, cached);
             True/False force it. Ignored on CUDA.
-        single_row_gemv: with packed bf16 weights on a CPU with AVX512-BF16, run one-row
-            linears (a lone decode) through radixserve's GEMV over oneDNN's packed weights,
-            where it reproduces oneDNN's GEMM bit for bit (checked per shape at load,
-            ``layers/packed_gemv.py``); False (``--no-single-row-gemv``): two equal rows
-            through the GEMM, the reference.
+        bf16_linear_kernel: with packed bf16 weights on a CPU with AVX512-BF16, run linears
+            of up to 512 rows (decode batches, short prefill chunks) through radixserve's C
+            kernel over oneDNN's packed weights (a GEMV for one row, a GEMM for more), where it
+            reproduces oneDNN's GEMM bit for bit (checked per shape at load,
+            ``layers/packed_bf16.py``); False (``--no-bf16-linear-kernel``): oneDNN's GEMM
+            for every call (one row as two equal rows), the reference.
         tune_malloc: on CPU, raise glibc's mmap and trim thresholds at start-up so that each
             step's activations reuse heap memory instead of page-faulting fresh pages
             (``model_executor/cpu_malloc.py``; skipped where the environment already sets
@@ -224,7 +225,7 @@ class EngineConfig:
     num_threads: int | None = None
     attention_backend: str = "auto"
     pack_weights: bool | None = None
-    single_row_gemv: bool = True
+    bf16_linear_kernel: bool = True
     tune_malloc: bool = True
     shadow_rate: float = 0.0
     kv_transfer_config: KVTransferConfig | None = None

@@ -78,19 +78,20 @@ def test_greedy_tokens_alone_equal_batched_in_default_dtype(auto_llm: LLM) -> No
                         f"(dtype {llm.model_info.dtype}): {differ}")
 
 
-def test_single_row_gemv_gives_the_gemm_tokens_and_logprobs(auto_llm: LLM) -> None:
-    """A lone decode runs its linears through the single-row GEMV where the CPU has
-    AVX512-BF16 and the dtype is bf16; it must reproduce the reference (two rows through
-    oneDNN's GEMM) exactly: the same tokens and the same logprob values."""
-    ref = LLM(dtype="auto", seed=0, num_pages=128, single_row_gemv=False)
+def test_bf16_linear_kernel_gives_oneDNN_tokens_and_logprobs(auto_llm: LLM) -> None:
+    """Linears of up to 512 rows run through radixserve's kernel (a GEMV alone, a GEMM in a
+    batch) where the CPU has AVX512-BF16 and the dtype is bf16; it must reproduce the reference
+    (oneDNN's GEMM for every call) exactly: the same tokens and the same logprob values, for
+    requests alone and together."""
+    ref = LLM(dtype="auto", seed=0, num_pages=128, bf16_linear_kernel=False)
     runner = auto_llm.engine.runner
-    want_path = ("gemv" if runner.dtype == torch.bfloat16 and runner.kernels is not None
-                 and runner.kernels.has_bf16_dot else "gemm")
-    assert runner.paths.paths["linear_single_row"] == want_path
-    # every SmolLM2 shape reproduces the GEMM where the GEMV is built: no fall-back counted
-    assert "linear_single_row" not in runner.paths.fallbacks
-    assert all(kb is not None for kb in runner.model.gemv_k_blocks.values())
-    assert ref.engine.runner.paths.paths["linear_single_row"] == "gemm"
+    want_path = ("radixserve" if runner.dtype == torch.bfloat16 and runner.kernels is not None
+                 and runner.kernels.has_bf16_dot else "onednn")
+    assert runner.paths.paths["linear_kernel"] == want_path
+    # every SmolLM2 shape reproduces the GEMM where the kernel is built: no fall-back counted
+    assert "linear_kernel" not in runner.paths.fallbacks
+    assert all(kb is not None for kb in runner.model.kernel_k_blocks.values())
+    assert ref.engine.runner.paths.paths["linear_kernel"] == "onednn"
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
     prompts = ["What is 2+2?", "Name three colors.", "Write a haiku about the sea."]
     for p in prompts:
@@ -99,3 +100,8 @@ def test_single_row_gemv_gives_the_gemm_tokens_and_logprobs(auto_llm: LLM) -> No
         b = ref.generate(p, sp, use_tqdm=False)[0].outputs[0]
         assert a.token_ids == b.token_ids
         assert a.logprobs == b.logprobs
+    _drop_prefix_cache(auto_llm)
+    together = auto_llm.generate(prompts, sp, use_tqdm=False)
+    for out, want in zip(together, ref.generate(prompts, sp, use_tqdm=False), strict=True):
+        assert out.outputs[0].token_ids == want.outputs[0].token_ids
+        assert out.outputs[0].logprobs == want.outputs[0].logprobs

@@ -22,6 +22,7 @@ from radixserve.model_executor.cpu_malloc import tune_malloc
 from radixserve.model_executor.cuda_graphs import maybe_decode_graphs
 from radixserve.model_executor.forward_batch import ForwardBatch, SampleResult
 from radixserve.model_executor.kernels.cpu import CpuKernels
+from radixserve.model_executor.layers.packed_bf16 import MAX_ROWS
 from radixserve.model_executor.models.llama import CausalLM, ModelArgs, rope_inv_freq
 from radixserve.model_executor.parallel.group import TensorParallelGroup
 from radixserve.model_executor.parallel.sharding import ShardLayout
@@ -329,31 +330,34 @@ class ModelRunner:
             reason = choice.reason
         else:
             reason = "--pack-weights"
-        if self.model.pack_linears(batch_hint=hint, single_row_gemv=config.single_row_gemv):
+        if self.model.pack_linears(batch_hint=hint, bf16_kernel=config.bf16_linear_kernel):
             paths.pick("linear", "packed", reason)
-            path, why = self._single_row_reason(config)
-            # a shape the GEMV could not reproduce on a machine that has it: a fall-back
-            fell_back = any(kb is None for kb in self.model.gemv_k_blocks.values())
-            paths.pick("linear_single_row", path, why, fallback=fell_back)
+            path, why = self._linear_kernel_reason(config)
+            # a shape the kernel could not reproduce on a machine that has it: a fall-back
+            fell_back = any(kb is None for kb in self.model.kernel_k_blocks.values())
+            paths.pick("linear_kernel", path, why, fallback=fell_back)
             return True
         paths.pick("linear", "dense", "oneDNN packing unavailable in this torch build",
                    fallback=True)
         return False
 
-    def _single_row_reason(self, config: EngineConfig) -> tuple[str, str]:
-        """The path of one-row linears with packed weights ("gemv" where every projection
-        and the LM head took it, "mixed" where some did, else "gemm") and why."""
-        if not config.single_row_gemv:
-            return "gemm", "--no-single-row-gemv: two equal rows through oneDNN's GEMM"
-        blocks = self.model.gemv_k_blocks
+    def _linear_kernel_reason(self, config: EngineConfig) -> tuple[str, str]:
+        """Which kernel runs packed linears of up to ``packed_bf16.MAX_ROWS`` rows
+        ("radixserve" where every projection and the LM head took radixserve's, "mixed" where
+        some did, else "onednn") and why."""
+        if not config.bf16_linear_kernel:
+            return "onednn", ("--no-bf16-linear-kernel: oneDNN's GEMM (one row as two equal "
+                              "rows)")
+        blocks = self.model.kernel_k_blocks
         if not blocks:
-            return "gemm", ("two equal rows through oneDNN's GEMM: the GEMV needs bf16 "
-                            "weights without bias and the C kernels built with AVX512-BF16")
+            return "onednn", ("oneDNN's GEMM: radixserve's needs bf16 weights without bias and "
+                              "the C kernels built with AVX512-BF16")
         used = {f"{n}x{k}": kb for (n, k), kb in blocks.items()}
-        path = ("gemv" if all(kb is not None for kb in blocks.values())
-                else "mixed" if any(kb is not None for kb in blocks.values()) else "gemm")
-        return path, (f"radixserve's GEMV over oneDNN's packed weights, bit-identical to its "
-                      f"GEMM, K blocking per [N, K] (None: the GEMM): {used}")
+        path = ("radixserve" if all(kb is not None for kb in blocks.values())
+                else "mixed" if any(kb is not None for kb in blocks.values()) else "onednn")
+        return path, (f"radixserve's GEMV/GEMM over oneDNN's packed weights up to {MAX_ROWS} "
+                      f"rows, bit-identical to its GEMM, K blocking per [N, K] (None: "
+                      f"oneDNN): {used}")
 
     def stats(self) -> RunnerStats:
         """The paths in use, steps run and shadow-check counts (cumulative)."""

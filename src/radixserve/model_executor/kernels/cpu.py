@@ -119,10 +119,10 @@ class CpuKernels:
         fn.argtypes = [c_int, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64]
         fn.restype = c_int
         self._store_kv = fn
-        fn = lib.rs_gemv_bf16_packed
-        fn.argtypes = [ptr, ptr, ptr, i64, i64, i64, c_int]
+        fn = lib.rs_linear_bf16_packed
+        fn.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, c_int]
         fn.restype = c_int
-        self._gemv = fn
+        self._linear_bf16 = fn
         fn = lib.rs_kernel_isa
         fn.argtypes = []
         fn.restype = c_int
@@ -132,7 +132,7 @@ class CpuKernels:
         #: registers), "avx512" (P.V in registers only) or "portable" (vector extensions)
         self.bf16_attention_isa = ("avx512-bf16" if isa & 1 else "avx512" if isa & 2
                                    else "portable")
-        #: the build has AVX512-BF16's ``vdpbf16ps`` (the bf16 scores and the single-row GEMV)
+        #: the build has AVX512-BF16's ``vdpbf16ps`` (the bf16 scores and the packed bf16 linears)
         self.has_bf16_dot = bool(isa & 1)
 
     @classmethod
@@ -342,16 +342,17 @@ class CpuKernels:
                      torch.get_num_threads())
         return out
 
-    def gemv_bf16_packed(self, x: torch.Tensor, packed_ptr: int, out: torch.Tensor,
-                         k_block: int) -> None:
-        """One row through a bf16 weight in oneDNN's packed layout ([N/64][K/2][64][2],
-        ``layers.packed_gemv``), summed as oneDNN's GEMM does with K blocks of ``k_block``.
+    def linear_bf16_packed(self, x: torch.Tensor, packed_ptr: int, out: torch.Tensor,
+                           k_block: int) -> None:
+        """``out = x @ W.T`` for a bf16 weight W [N, K] in oneDNN's packed layout
+        ([N/64][K/2][64][2], ``layers.packed_bf16``), each row summed as oneDNN's GEMM sums it,
+        with K blocks of ``k_block``: a GEMV for one row, a register-tiled GEMM for more.
 
         Args:
-            x: contiguous bfloat16 [1, K].
+            x: contiguous bfloat16 [M, K].
             packed_ptr: address of the packed buffer (``torch.ops.mkldnn.data_ptr``), at
                 least ``N * K`` bf16 values; only its first ``N / 64`` blocks are read.
-            out: contiguous bfloat16 [1, N], N a multiple of 64: written.
+            out: contiguous bfloat16 [M, N], N a multiple of 64: written.
             k_block: even, > 0.
 
         Raises:
@@ -359,23 +360,25 @@ class CpuKernels:
             RuntimeError: the build lacks AVX512-BF16 (code 5) or bad sizes (1).
         """
         if (x.dtype != torch.bfloat16 or out.dtype != torch.bfloat16 or x.dim() != 2
-                or out.dim() != 2 or x.shape[0] != 1 or out.shape[0] != 1
+                or out.dim() != 2 or x.shape[0] != out.shape[0]
                 or not x.is_contiguous() or not out.is_contiguous()):
-            raise ValueError("gemv_bf16_packed needs contiguous bfloat16 x [1, K], out [1, N]")
-        self.gemv_bf16_packed_unchecked(x.data_ptr(), packed_ptr, out.data_ptr(), out.shape[1],
-                                        x.shape[1], k_block)
+            raise ValueError("linear_bf16_packed needs contiguous bfloat16 x [M, K], "
+                             "out [M, N]")
+        self.linear_bf16_packed_unchecked(x.data_ptr(), packed_ptr, out.data_ptr(),
+                                          x.shape[0], out.shape[1], x.shape[1], k_block)
 
-    def gemv_bf16_packed_unchecked(self, x_ptr: int, packed_ptr: int, out_ptr: int, n: int,
-                                   k: int, k_block: int) -> None:
-        """``gemv_bf16_packed`` on raw addresses, for a caller that has checked the tensors
+    def linear_bf16_packed_unchecked(self, x_ptr: int, packed_ptr: int, out_ptr: int, m: int,
+                                     n: int, k: int, k_block: int) -> None:
+        """``linear_bf16_packed`` on raw addresses, for a caller that has checked the tensors
         once (a lone decode makes 120 of these calls per SmolLM2 step: ~5 us of checks each).
 
         Raises:
-            RuntimeError: the kernel's error code (see ``gemv_bf16_packed``).
+            RuntimeError: the kernel's error code (see ``linear_bf16_packed``).
         """
-        rc = self._gemv(x_ptr, packed_ptr, out_ptr, n, k, k_block, torch.get_num_threads())
+        rc = self._linear_bf16(x_ptr, packed_ptr, out_ptr, m, n, k, k_block,
+                               torch.get_num_threads())
         if rc:
-            raise RuntimeError(f"bf16 GEMV kernel failed with code {rc}")
+            raise RuntimeError(f"bf16 linear kernel failed with code {rc}")
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

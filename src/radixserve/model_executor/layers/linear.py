@@ -53,14 +53,15 @@ def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Line
     return batch_invariant(lambda x: F.linear(x, weight, bias))
 
 
-#: builds the single-row path of a packed weight: (packed, weight, bias) -> a callable
-#: ``[1, K] -> [1, N]`` bit-identical to the packed GEMM's rows, or None (``packed_gemv``)
-SingleRowFactory = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None],
-                            LinearFn | None]
+#: builds radixserve's kernel path of a packed weight: (packed, weight, bias) -> a callable
+#: ``[M, K] -> [M, N]`` for ``1 <= M <= .max_rows``, bit-identical to the packed GEMM's rows,
+#: or None (``packed_bf16``)
+KernelFactory = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None],
+                         LinearFn | None]
 
 
 def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int,
-                  single_row: SingleRowFactory | None = None) -> LinearFn | None:
+                  kernel: KernelFactory | None = None) -> LinearFn | None:
     """``x [M, K] -> [M, N]`` with ``weight [N, K]`` packed for oneDNN; None where torch lacks
     the ops, the tensor is not a CPU float32/bfloat16 one, or the packed result disagrees with
     ``F.linear`` on a probe row.
@@ -70,8 +71,9 @@ def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: i
         bias: [N] or None.
         batch_hint: the M the packed layout is tuned for (tokens per call, typically the decode
             batch); any M works.
-        single_row: where given and it returns a path, one-row calls take it instead of two
-            equal rows through the GEMM (``batch_invariant``); it must give the GEMM's bits.
+        kernel: where given and it returns a path, calls of up to its ``max_rows`` rows take it
+            (one row then no longer goes as two equal rows through the GEMM,
+            ``batch_invariant``); it must give the GEMM's bits.
     """
     if weight.device.type != "cpu" or weight.dtype not in PACKABLE_DTYPES:
         return None
@@ -90,12 +92,13 @@ def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: i
         return None
     op = mkldnn._linear_pointwise
     gemm = batch_invariant(lambda x: op(x, packed, bias, "none", [], ""))
-    row = single_row(packed, weight, bias) if single_row is not None else None
-    if row is None:
+    own = kernel(packed, weight, bias) if kernel is not None else None
+    if own is None:
         return gemm
+    max_rows = own.max_rows  # type: ignore[attr-defined]
 
     def call(x: torch.Tensor) -> torch.Tensor:
-        return row(x.contiguous()) if x.shape[0] == 1 else gemm(x)
+        return own(x.contiguous()) if x.shape[0] <= max_rows else gemm(x)
 
-    call.single_row = row  # type: ignore[attr-defined] - for tests and the start-up log
+    call.kernel = own  # type: ignore[attr-defined] - for tests
     return call

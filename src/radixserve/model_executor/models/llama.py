@@ -23,12 +23,12 @@ from radixserve.model_executor.attention.paged_attention import (
 )
 from radixserve.model_executor.kernels.cpu import CpuKernels
 from radixserve.model_executor.layers.linear import (
+    KernelFactory,
     LinearFn,
-    SingleRowFactory,
     dense_linear,
     packed_linear,
 )
-from radixserve.model_executor.layers.packed_gemv import single_row_gemv as single_row_gemv_for
+from radixserve.model_executor.layers.packed_bf16 import packed_bf16_linear
 from radixserve.model_executor.parallel.group import TensorParallelGroup
 from radixserve.model_executor.parallel.sharding import ShardLayout, single
 
@@ -164,16 +164,15 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj: LinearFn = dense_linear(self.gate_up)
         self.down_proj: LinearFn = dense_linear(self.down)
 
-    def pack_linears(self, batch_hint: int,
-                     single_row: SingleRowFactory | None = None) -> bool:
+    def pack_linears(self, batch_hint: int, kernel: KernelFactory | None = None) -> bool:
         """Pack the four projections for oneDNN (CPU) and free their dense copies;
-        ``single_row`` as in ``packed_linear``.
+        ``kernel`` as in ``packed_linear``.
 
         Returns False where packing is not available (decided on the first weight, before
         anything is freed)."""
         names = ("qkv", "o", "gate_up", "down")
         ops = [packed_linear(self.get_parameter(n), getattr(self, n + "_bias", None), batch_hint,
-                             single_row)
+                             kernel)
                for n in names]
         if any(op is None for op in ops):
             return False
@@ -265,9 +264,9 @@ class CausalLM(nn.Module):
         self.lm_head = None if a.tie_word_embeddings else nn.Parameter(
             torch.empty(rows, a.hidden_size))
         self._lm_head_proj: LinearFn | None = None
-        #: [N, K] -> the single-row GEMV's K blocking, None where the GEMM stays
-        #: (``pack_linears(single_row_gemv=True)``)
-        self.gemv_k_blocks: dict[tuple[int, int], int | None] = {}
+        #: [N, K] -> the packed bf16 kernel's K blocking, None where oneDNN stays
+        #: (``pack_linears(bf16_kernel=True)``)
+        self.kernel_k_blocks: dict[tuple[int, int], int | None] = {}
         pos = torch.arange(max_positions, dtype=torch.float32)
         freqs = pos[:, None] * inv_freq[None, :]
         # float32 tables [max_positions, head_dim // 2], kept outside the module's buffers so
@@ -275,7 +274,7 @@ class CausalLM(nn.Module):
         self.cos_table = freqs.cos() * rope_scale
         self.sin_table = freqs.sin() * rope_scale
 
-    def pack_linears(self, batch_hint: int, single_row_gemv: bool = False) -> bool:
+    def pack_linears(self, batch_hint: int, bf16_kernel: bool = False) -> bool:
         """Pack every projection and the LM head for oneDNN (CPU float32/bfloat16); the dense
         layer weights are freed (the embedding stays: token lookup needs it). Call after the
         weights are loaded and cast. Returns False where packing is not
@@ -283,17 +282,18 @@ class CausalLM(nn.Module):
 
         Args:
             batch_hint: tokens per call the packed layout is tuned for (any count works).
-            single_row_gemv: one-row calls (a lone decode) through the C kernels' GEMV over
-                the packed weights where it reproduces oneDNN's GEMM (``packed_gemv``);
-                ``gemv_k_blocks`` then says, per [N, K], its K blocking or None (the GEMM).
+            bf16_kernel: calls of up to ``packed_bf16.MAX_ROWS`` rows through radixserve's C
+                kernel over the packed weights where it reproduces oneDNN's GEMM
+                (``packed_bf16``); ``kernel_k_blocks`` then says, per [N, K], its K blocking
+                or None (oneDNN).
         """
         factory = None
-        if single_row_gemv and self.kernels is not None:
-            kernels, blocks = self.kernels, self.gemv_k_blocks
+        if bf16_kernel and self.kernels is not None:
+            kernels, blocks = self.kernels, self.kernel_k_blocks
 
             def factory(packed: torch.Tensor, weight: torch.Tensor,
                         bias: torch.Tensor | None) -> LinearFn | None:
-                return single_row_gemv_for(kernels, packed, weight, bias, batch_hint, blocks)
+                return packed_bf16_linear(kernels, packed, weight, bias, batch_hint, blocks)
 
         w = self.embed if self.lm_head is None else self.lm_head
         head = packed_linear(w, None, batch_hint, factory)

@@ -940,13 +940,11 @@ int rs_store_kv(int dtype, const void *k, int64_t k_stride, const void *v, int64
  *   each output accumulates its k pairs in order with `vdpbf16ps`, restarting every `kblk`
  *   elements (oneDNN's K blocking, measured per shape by the caller), the blocks' sums added
  *   in order, then rounded to bfloat16 (nearest even).
- *   x: K bf16; w: oneDNN's buffer; y: N bf16. N % 64 == 0, K and kblk even and > 0.
- * Returns 0; 1 on bad sizes; 5 where the build lacks AVX512-BF16 (the caller keeps oneDNN). */
+ *   x: K bf16; w: oneDNN's buffer; y: N bf16; sizes checked by `rs_linear_bf16_packed`. */
 #define GEMV_NB 64
-int rs_gemv_bf16_packed(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t N, int64_t K,
-                        int64_t kblk, int num_threads) {
 #if RS_BF16_DOT
-    if (N <= 0 || N % GEMV_NB || K <= 0 || K % 2 || kblk <= 0 || kblk % 2) return 1;
+static int gemv_bf16_packed(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t N,
+                            int64_t K, int64_t kblk, int num_threads) {
     const int64_t blocks = N / GEMV_NB;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t nb = 0; nb < blocks; ++nb) {
@@ -979,8 +977,96 @@ int rs_gemv_bf16_packed(const uint16_t *x, const uint16_t *w, uint16_t *y, int64
                                 (__m256i)_mm512_cvtneps_pbh(tot[u]));
     }
     return 0;
+}
+#endif
+
+/* Rows through the same packed bf16 linear as the GEMV above, with the same per-row
+ * arithmetic (so every row gets the bits oneDNN's GEMM gives it, whatever M), tiled GEMM_MR rows
+ * x 64 outputs in registers; one row goes to the GEMV. Why not oneDNN: at decode-sized M it
+ * streams each weight block from DRAM while it computes on it (~680 GFLOP/s over SmolLM2's 30
+ * layers at M = 64 on a 2-core Zen 5); here each thread prefetches its next 64-output block
+ * while it computes the current one over all rows, which then come from L2 (~860 GFLOP/s; at
+ * or above oneDNN for M = 2..512, docs/benchmarks.md session 10).
+ *   x: M x K bf16 (row stride K); y: M x N bf16 (row stride N); N % 64 == 0, K, kblk even.
+ * Returns 0; 1 on bad sizes; 5 where the build lacks AVX512-BF16 (the caller keeps oneDNN). */
+#define GEMM_MR 6
+#if RS_BF16_DOT
+static inline __attribute__((always_inline)) void gemm_tile(
+        const int mr, const uint16_t *x, int64_t K, const uint16_t *wb, int64_t kblk,
+        float *tot, const char *pf, int64_t *pf_off, int64_t pf_end, int64_t pf_lines) {
+    for (int64_t k0 = 0; k0 < K; k0 += kblk) {
+        const int64_t k1 = k0 + kblk < K ? k0 + kblk : K;
+        __m512 a[GEMM_MR][4];
+        for (int r = 0; r < mr; ++r)
+            for (int u = 0; u < 4; ++u) a[r][u] = _mm512_setzero_ps();
+        for (int64_t k = k0; k < k1; k += 2) {
+            const uint16_t *wk = wb + k * GEMV_NB;
+            const __m512bh b0 = (__m512bh)_mm512_loadu_si512(wk);
+            const __m512bh b1 = (__m512bh)_mm512_loadu_si512(wk + 32);
+            const __m512bh b2 = (__m512bh)_mm512_loadu_si512(wk + 64);
+            const __m512bh b3 = (__m512bh)_mm512_loadu_si512(wk + 96);
+            for (int64_t l = 0; l < pf_lines && *pf_off < pf_end; ++l, *pf_off += 64)
+                __builtin_prefetch(pf + *pf_off, 0, 3);
+            for (int r = 0; r < mr; ++r) {
+                int32_t xp;
+                memcpy(&xp, x + r * K + k, 4);
+                const __m512bh xv = (__m512bh)_mm512_set1_epi32(xp);
+                a[r][0] = _mm512_dpbf16_ps(a[r][0], xv, b0);
+                a[r][1] = _mm512_dpbf16_ps(a[r][1], xv, b1);
+                a[r][2] = _mm512_dpbf16_ps(a[r][2], xv, b2);
+                a[r][3] = _mm512_dpbf16_ps(a[r][3], xv, b3);
+            }
+        }
+        for (int r = 0; r < mr; ++r)
+            for (int u = 0; u < 4; ++u) {
+                float *t = tot + r * GEMV_NB + 16 * u;
+                _mm512_storeu_ps(t, k0 == 0 ? a[r][u] : _mm512_add_ps(_mm512_loadu_ps(t), a[r][u]));
+            }
+    }
+}
+#endif
+
+int rs_linear_bf16_packed(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M,
+                          int64_t N, int64_t K, int64_t kblk, int num_threads) {
+#if RS_BF16_DOT
+    if (M <= 0 || N <= 0 || N % GEMV_NB || K <= 0 || K % 2 || kblk <= 0 || kblk % 2) return 1;
+    if (M == 1) return gemv_bf16_packed(x, w, y, N, K, kblk, num_threads);
+    const int64_t blocks = N / GEMV_NB, tiles = (M + GEMM_MR - 1) / GEMM_MR;
+    const int64_t block_bytes = K * GEMV_NB * 2;
+    /* lines of the next block to prefetch per k pair, so it is all requested within the
+     * current block's first pass over the tiles */
+    const int64_t pf_lines = (block_bytes / 64 + tiles * (K / 2) - 1) / (tiles * (K / 2));
+#pragma omp parallel num_threads(num_threads)
+    {
+        float tot[GEMM_MR * GEMV_NB];
+#pragma omp for schedule(static)
+        for (int64_t nb = 0; nb < blocks; ++nb) {
+            const uint16_t *wb = w + nb * K * GEMV_NB;
+            const char *pf = (const char *)(wb + K * GEMV_NB);
+            int64_t pf_off = 0;
+            const int64_t pf_end = nb + 1 < blocks ? block_bytes : 0;
+            for (int64_t m0 = 0; m0 < M; m0 += GEMM_MR) {
+                const int64_t mr = M - m0 < GEMM_MR ? M - m0 : GEMM_MR;
+                const uint16_t *xm = x + m0 * K;
+                switch (mr) {
+                case 6: gemm_tile(6, xm, K, wb, kblk, tot, pf, &pf_off, pf_end, pf_lines); break;
+                case 5: gemm_tile(5, xm, K, wb, kblk, tot, pf, &pf_off, pf_end, pf_lines); break;
+                case 4: gemm_tile(4, xm, K, wb, kblk, tot, pf, &pf_off, pf_end, pf_lines); break;
+                case 3: gemm_tile(3, xm, K, wb, kblk, tot, pf, &pf_off, pf_end, pf_lines); break;
+                case 2: gemm_tile(2, xm, K, wb, kblk, tot, pf, &pf_off, pf_end, pf_lines); break;
+                default: gemm_tile(1, xm, K, wb, kblk, tot, pf, &pf_off, pf_end, pf_lines); break;
+                }
+                for (int64_t r = 0; r < mr; ++r)
+                    for (int u = 0; u < 4; ++u)
+                        _mm256_storeu_si256(
+                            (__m256i *)(y + (m0 + r) * N + nb * GEMV_NB + 16 * u),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(tot + r * GEMV_NB + 16 * u)));
+            }
+        }
+    }
+    return 0;
 #else
-    (void)x, (void)w, (void)y, (void)N, (void)K, (void)kblk, (void)num_threads;
+    (void)x, (void)w, (void)y, (void)M, (void)N, (void)K, (void)kblk, (void)num_threads;
     return 5;
 #endif
 }
