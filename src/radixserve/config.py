@@ -186,6 +186,11 @@ class EngineConfig:
             reproduces oneDNN's GEMM bit for bit (checked per shape at load,
             ``layers/packed_bf16.py``); False (``--no-bf16-linear-kernel``): oneDNN's GEMM
             for every call (one row as two equal rows), the reference.
+        fused_decode: run a decode step's layers in one call into radixserve's C kernels
+            (the same kernels in the same order as the per-op path, so the same bits) where
+            the model allows it: bf16 weights on ``bf16_linear_kernel``, the "cpu" attention
+            backend, no tensor parallelism (``models/decode_stack.py``); False
+            (``--no-fused-decode``): one call per op, the reference.
         tune_malloc: on CPU, raise glibc's mmap and trim thresholds at start-up so that each
             step's activations reuse heap memory instead of page-faulting fresh pages
             (``model_executor/cpu_malloc.py``; skipped where the environment already sets
@@ -226,6 +231,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     pack_weights: bool | None = None
     bf16_linear_kernel: bool = True
+    fused_decode: bool = True
     tune_malloc: bool = True
     shadow_rate: float = 0.0
     kv_transfer_config: KVTransferConfig | None = None

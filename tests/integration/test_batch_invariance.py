@@ -105,3 +105,71 @@ def test_bf16_linear_kernel_gives_oneDNN_tokens_and_logprobs(auto_llm: LLM) -> N
     for out, want in zip(together, ref.generate(prompts, sp, use_tqdm=False), strict=True):
         assert out.outputs[0].token_ids == want.outputs[0].token_ids
         assert out.outputs[0].logprobs == want.outputs[0].logprobs
+
+
+def test_fused_decode_gives_the_per_op_tokens_and_logprobs(auto_llm: LLM) -> None:
+    """Decode steps run all layers in one C call where the model allows it (bf16 on
+    radixserve's linear kernel); it runs the per-op path's kernels in its order, so tokens and
+    logprob values must be the per-op path's exactly, alone and batched."""
+    runner = auto_llm.engine.runner
+    stack = runner.model.decode_stack
+    fused = (runner.dtype == torch.bfloat16 and runner.kernels is not None
+             and runner.kernels.has_bf16_dot)
+    assert runner.paths.paths["decode_layers"] == ("fused" if fused else "per-op")
+    assert (stack is not None) == fused
+    ref = LLM(dtype="auto", seed=0, num_pages=128, fused_decode=False)
+    assert ref.engine.runner.paths.paths["decode_layers"] == "per-op"
+    assert ref.engine.runner.paths.reasons["decode_layers"] == "--no-fused-decode"
+    calls = []
+    if stack is not None:
+        run = stack.run
+
+        def counting(h, *args):
+            calls.append(h.shape[0])
+            return run(h, *args)
+
+        stack.run = counting
+    try:
+        sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=3)
+        prompts = ["Tell me a joke.", "List four fruits.", "Why is the sky blue?", "Hi!"]
+        _drop_prefix_cache(auto_llm)
+        together = auto_llm.generate(prompts, sp, use_tqdm=False)
+        _drop_prefix_cache(auto_llm)
+        alone = auto_llm.generate(prompts[1], sp, use_tqdm=False)[0]
+    finally:
+        if stack is not None:
+            del stack.run
+    want = ref.generate(prompts, sp, use_tqdm=False)
+    for got, w in zip([*together, alone], [*want, want[1]], strict=True):
+        assert got.outputs[0].token_ids == w.outputs[0].token_ids
+        assert got.outputs[0].logprobs == w.outputs[0].logprobs
+    if fused:
+        assert 4 in calls and 1 in calls  # the batch's decode steps and the lone one's
+
+
+def test_fused_decode_rejects_bad_metadata_without_writing(auto_llm: LLM) -> None:
+    """Wrong layouts are refused before the C call; a page id outside the pool is the
+    attention kernel's error 4, raised, and the engine serves on."""
+    from radixserve.model_executor.attention.paged_attention import AttentionMetadata
+
+    runner = auto_llm.engine.runner
+    stack = runner.model.decode_stack
+    if stack is None:
+        pytest.skip("no fused decode stack on this machine: per-op path only (checked above)")
+    kv = runner.kv.layers
+    num_pages, page_size = kv[0].shape[1], kv[0].shape[2]
+    hidden, half = runner.model.a.hidden_size, runner.model.a.head_dim // 2
+    h = torch.zeros(1, hidden, dtype=torch.bfloat16)
+    cs = torch.zeros(1, half, dtype=torch.bfloat16)
+    slot = torch.tensor([(num_pages - 1) * page_size])  # a free page's slot: idle engine
+
+    def meta(pages, lens) -> AttentionMetadata:
+        return AttentionMetadata(slot_mapping=slot, num_decodes=1, decode_page_table=pages,
+                                 decode_seq_lens=lens, decode_mask=None, prefill=[])
+
+    with pytest.raises(ValueError, match="layout"):
+        stack.run(h, cs, cs, kv, meta(torch.tensor([[1]]), torch.tensor([1], dtype=torch.int32)))
+    with pytest.raises(RuntimeError, match="code 4"):
+        stack.run(h, cs, cs, kv, meta(torch.tensor([[num_pages + 3]]), torch.tensor([1])))
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    assert len(auto_llm.generate("Hello", sp, use_tqdm=False)[0].outputs[0].token_ids) == 4

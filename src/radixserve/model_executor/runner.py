@@ -265,6 +265,8 @@ class ModelRunner:
         self.shadow = (ShadowChecker(reference_copy(self.model), config.shadow_rate, config.seed)
                        if config.shadow_rate > 0 else None)
         self.packed_weights = self._pick_linears(config, paths)
+        if "decode_layers" not in paths.paths:
+            paths.pick("decode_layers", "per-op", "the fused stack needs packed bf16 linears")
         #: greedy rows' argmax: the C kernel's (3.3x torch's at 64 x 49,152) with the C kernels
         self._argmax = None if self.kernels is None else self.kernels.argmax_rows
         paths.pick("argmax", "torch" if self._argmax is None else "cpu",
@@ -336,6 +338,7 @@ class ModelRunner:
             # a shape the kernel could not reproduce on a machine that has it: a fall-back
             fell_back = any(kb is None for kb in self.model.kernel_k_blocks.values())
             paths.pick("linear_kernel", path, why, fallback=fell_back)
+            paths.pick("decode_layers", *self.model.enable_decode_stack(config.fused_decode))
             return True
         paths.pick("linear", "dense", "oneDNN packing unavailable in this torch build",
                    fallback=True)

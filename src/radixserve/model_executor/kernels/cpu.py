@@ -123,6 +123,12 @@ class CpuKernels:
         fn.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, c_int]
         fn.restype = c_int
         self._linear_bf16 = fn
+        fn = lib.rs_decode_layers_bf16
+        fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, i64, i64, i64,
+                       i64, i64, i64, i64, c_float, c_float, c_int]
+        fn.restype = c_int
+        #: ``rs_decode_layers_bf16`` (``models/decode_stack.py`` checks and calls it)
+        self.decode_layers_bf16 = fn
         fn = lib.rs_kernel_isa
         fn.argtypes = []
         fn.restype = c_int

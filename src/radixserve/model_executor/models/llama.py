@@ -29,6 +29,7 @@ from radixserve.model_executor.layers.linear import (
     packed_linear,
 )
 from radixserve.model_executor.layers.packed_bf16 import packed_bf16_linear
+from radixserve.model_executor.models.decode_stack import DecodeStack
 from radixserve.model_executor.parallel.group import TensorParallelGroup
 from radixserve.model_executor.parallel.sharding import ShardLayout, single
 
@@ -264,6 +265,8 @@ class CausalLM(nn.Module):
         self.lm_head = None if a.tie_word_embeddings else nn.Parameter(
             torch.empty(rows, a.hidden_size))
         self._lm_head_proj: LinearFn | None = None
+        #: decode steps' layers in one C call (``enable_decode_stack``), or None: per op
+        self.decode_stack: DecodeStack | None = None
         #: [N, K] -> the packed bf16 kernel's K blocking, None where oneDNN stays
         #: (``pack_linears(bf16_kernel=True)``)
         self.kernel_k_blocks: dict[tuple[int, int], int | None] = {}
@@ -305,6 +308,21 @@ class CausalLM(nn.Module):
             self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype)
         return True
 
+    def enable_decode_stack(self, on: bool) -> tuple[str, str]:
+        """Run decode steps' layers in one C call where the model allows it (after
+        ``pack_linears``; ``decode_stack.py``). Returns the path ("fused" or "per-op") and
+        why."""
+        if not on:
+            self.decode_stack = None
+            return "per-op", "--no-fused-decode"
+        why = DecodeStack.eligible(list(self.layers), self.kernels, self.tp)
+        if why is not None:
+            self.decode_stack = None
+            return "per-op", why
+        self.decode_stack = DecodeStack(self.kernels, list(self.layers))
+        return "fused", ("decode steps run every layer in one call of radixserve's C kernels "
+                         "(the per-op path's kernels, in its order)")
+
     def join_group(self, group: TensorParallelGroup) -> None:
         """Sharded model: run its collectives over ``group`` (size must match the shard's).
 
@@ -329,9 +347,13 @@ class CausalLM(nn.Module):
         # [T, head_dim // 2] in the activation dtype, as transformers casts them
         cos = self.cos_table[positions].to(h.dtype)
         sin = self.sin_table[positions].to(h.dtype)
-        residual = None
-        for layer, kv in zip(self.layers, kv_layers, strict=True):
-            h, residual = layer(h, residual, cos, sin, kv, meta)
+        stack = self.decode_stack
+        if stack is not None and stack.applies(h, meta):
+            h, residual = stack.run(h, cos, sin, kv_layers, meta)
+        else:
+            residual = None
+            for layer, kv in zip(self.layers, kv_layers, strict=True):
+                h, residual = layer(h, residual, cos, sin, kv, meta)
         if self.kernels is not None:
             return self.kernels.add_rms_norm(h, residual, self.norm, self.a.rms_norm_eps)
         return rms_norm(residual + h, self.norm, self.a.rms_norm_eps)

@@ -1070,3 +1070,68 @@ int rs_linear_bf16_packed(const uint16_t *x, const uint16_t *w, uint16_t *y, int
     return 5;
 #endif
 }
+
+/* A decode step's whole layer stack in one call (bf16, packed weights through
+ * `rs_linear_bf16_packed`): per layer, add + RMSNorm, QKV, RoPE on Q and K, K/V into their
+ * slots, paged decode attention, O, add + RMSNorm, gate/up, SiLU-and-multiply, down. These are
+ * the functions the per-op path (`models/llama.py`, one ctypes call each) calls, in the same
+ * order on the same data, so the results are the same bits; what goes is ~10 Python-level
+ * calls, tensor allocations and argument checks per layer (~70 us per layer on the Zen 5 VM).
+ *   layers: int64 [L, DL_FIELDS] addresses and K blockings (DL_* below);
+ *   h: bf16 [B, hidden], the embeddings in, the last layer's output out; residual: bf16
+ *   [B, hidden], updated in place (the first layer copies h into it);
+ *   cos, sin: bf16 [B, D / 2]; slots: int64 [B]; page_table: int64 [B, pt_stride] (pt_cols
+ *   used); seq_lens: int64 [B].
+ * Returns 0, or the first failing kernel's code (3: out of memory). */
+enum { DL_IN_NORM, DL_POST_NORM, DL_QKV, DL_QKV_KB, DL_O, DL_O_KB, DL_GATE_UP, DL_GATE_UP_KB,
+       DL_DOWN, DL_DOWN_KB, DL_K_CACHE, DL_V_CACHE, DL_FIELDS };
+
+int rs_decode_layers_bf16(const int64_t *layers, int64_t L, uint16_t *h, uint16_t *residual,
+                          const uint16_t *cos, const uint16_t *sin, const int64_t *slots,
+                          const int64_t *page_table, int64_t pt_stride, int64_t pt_cols,
+                          int64_t num_pages, const int64_t *seq_lens, int64_t B, int64_t hidden,
+                          int64_t inter, int64_t H, int64_t Hkv, int64_t D, int64_t P,
+                          float eps, float scale, int num_threads) {
+    const int64_t qd = H * D, kvd = Hkv * D, qkvd = qd + 2 * kvd;
+    const size_t n = (size_t)B * (size_t)(hidden + qkvd + qd + 2 * inter + inter);
+    uint16_t *buf = (uint16_t *)malloc(n * sizeof(uint16_t));
+    if (buf == NULL) return 3;
+    uint16_t *x = buf, *qkv = x + B * hidden, *o = qkv + B * qkvd, *gu = o + B * qd;
+    uint16_t *act = gu + B * 2 * inter;
+    int rc = 0;
+    memcpy(residual, h, (size_t)(B * hidden) * sizeof(uint16_t));
+    for (int64_t l = 0; l < L && rc == 0; ++l) {
+        const int64_t *ly = layers + l * DL_FIELDS;
+        void *k_cache = (void *)(intptr_t)ly[DL_K_CACHE], *v_cache = (void *)(intptr_t)ly[DL_V_CACHE];
+        rc = rs_add_rms_norm_bf16(l == 0 ? NULL : h, residual, (const uint16_t *)(intptr_t)ly[DL_IN_NORM],
+                                  x, B, hidden, eps, num_threads);
+        if (rc) break;
+        rc = rs_linear_bf16_packed(x, (const uint16_t *)(intptr_t)ly[DL_QKV], qkv, B, qkvd, hidden,
+                                   ly[DL_QKV_KB], num_threads);
+        if (rc) break;
+        rc = rs_rope(1, qkv, B, H + Hkv, D, qkvd, cos, sin, num_threads);
+        if (rc) break;
+        rc = rs_store_kv(1, qkv + qd, qkvd, qkv + qd + kvd, qkvd, k_cache, v_cache, slots, B, kvd,
+                         num_pages * P);
+        if (rc) break;
+        rc = rs_paged_decode_attention(1, qkv, qkvd, D, k_cache, v_cache, page_table, pt_stride,
+                                       pt_cols, num_pages, seq_lens, o, B, H, Hkv, D, P, scale,
+                                       num_threads);
+        if (rc) break;
+        rc = rs_linear_bf16_packed(o, (const uint16_t *)(intptr_t)ly[DL_O], h, B, hidden, qd,
+                                   ly[DL_O_KB], num_threads);
+        if (rc) break;
+        rc = rs_add_rms_norm_bf16(h, residual, (const uint16_t *)(intptr_t)ly[DL_POST_NORM], x, B,
+                                  hidden, eps, num_threads);
+        if (rc) break;
+        rc = rs_linear_bf16_packed(x, (const uint16_t *)(intptr_t)ly[DL_GATE_UP], gu, B, 2 * inter,
+                                   hidden, ly[DL_GATE_UP_KB], num_threads);
+        if (rc) break;
+        rc = rs_silu_mul(1, gu, act, B, inter, num_threads);
+        if (rc) break;
+        rc = rs_linear_bf16_packed(act, (const uint16_t *)(intptr_t)ly[DL_DOWN], h, B, hidden, inter,
+                                   ly[DL_DOWN_KB], num_threads);
+    }
+    free(buf);
+    return rc;
+}

@@ -1,0 +1,135 @@
+"""A decode step's whole layer stack in one C call (``rs_decode_layers_bf16``).
+
+Why: in a decode step every layer makes ~10 calls from Python into the C kernels (add +
+RMSNorm, four linears, RoPE, the K/V store, attention, SiLU-and-multiply), each with argument
+checks, tensor allocations and a ctypes crossing: about 70 us per layer on the Zen 5 VM, 2 ms of
+a batch-1 step that streams its weights in ~5 ms. The C function runs the same kernels in the
+same order on the same data, so it gives the per-op path's bits exactly; the checks are made
+once per step here instead of once per op.
+
+It applies where every op of the per-op path is one of those kernels: bf16 packed weights
+through radixserve's linear kernel (``packed_bf16``), the "cpu" attention backend, no tensor
+parallelism, no Q/K bias or norm, and a step of decodes only with at most ``MAX_ROWS`` rows.
+Any other step runs the per-op path (``CausalLM.forward``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from radixserve.model_executor.attention.paged_attention import (
+    AttentionMetadata,
+    CpuKernelPagedAttention,
+)
+from radixserve.model_executor.kernels.cpu import CpuKernels
+from radixserve.model_executor.layers.packed_bf16 import MAX_ROWS, PackedBf16Linear
+
+#: int64 fields per layer in the table the C function reads (its ``DL_*`` enum, in order)
+FIELDS = 12
+
+
+class DecodeStack:
+    """The layer table and the call.
+
+    Args:
+        kernels: the loaded C kernels (with AVX512-BF16).
+        layers: the model's ``DecoderLayer`` list, packed, each projection with a
+            ``PackedBf16Linear`` (``eligible`` says whether they are).
+    """
+
+    def __init__(self, kernels: CpuKernels, layers: list) -> None:  # list[DecoderLayer]
+        self.kernels = kernels
+        self.layers = layers
+        a = layers[0].a
+        self.a = a
+        self.scale = a.head_dim ** -0.5
+        #: [L, FIELDS] int64, built for one set of KV tensors (``_table``)
+        self._table: np.ndarray | None = None
+        self._kv_key: tuple[int, ...] = ()
+
+    @staticmethod
+    def eligible(layers: list, kernels: CpuKernels | None, tp: object | None) -> str | None:
+        """None where the fused stack can run this model, else why not (for the start-up
+        log and ``forward_path_info``)."""
+        if kernels is None or not kernels.has_bf16_dot:
+            return "needs the C kernels built with AVX512-BF16"
+        if tp is not None:
+            return "tensor parallel: the layers all-reduce between ops"
+        for layer in layers:
+            if layer.qkv_bias is not None or layer.q_norm is not None:
+                return "Q/K bias or Q/K norm is not in the fused layer"
+            if not isinstance(layer.attn, CpuKernelPagedAttention):
+                return "needs the 'cpu' attention backend"
+            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+                if not isinstance(getattr(getattr(layer, name), "kernel", None),
+                                  PackedBf16Linear):
+                    return "needs every projection on radixserve's bf16 linear kernel"
+        return None
+
+    def applies(self, h: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Whether this step is one the stack runs: decodes only, at most ``MAX_ROWS``."""
+        t = h.shape[0]
+        return (meta.num_decodes == t and not meta.prefill and 0 < t <= MAX_ROWS
+                and h.dtype == torch.bfloat16)
+
+    def _table_for(self, kv_layers: list[torch.Tensor]) -> np.ndarray:
+        key = tuple(kv.data_ptr() for kv in kv_layers)
+        if self._table is None or key != self._kv_key:
+            rows = []
+            for layer, kv in zip(self.layers, kv_layers, strict=True):
+                if not kv.is_contiguous() or kv.dtype != torch.bfloat16:
+                    raise ValueError("fused decode needs contiguous bfloat16 KV tensors")
+                ops = [getattr(layer, n).kernel
+                       for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
+                rows.append([layer.input_norm.data_ptr(), layer.post_norm.data_ptr()]
+                            + [v for op in ops for v in (op._ptr, op.k_block)]
+                            + [kv[0].data_ptr(), kv[1].data_ptr()])
+            self._table = np.asarray(rows, dtype=np.int64)
+            assert self._table.shape[1] == FIELDS
+            self._kv_key = key
+        return self._table
+
+    def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            kv_layers: list[torch.Tensor], meta: AttentionMetadata
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """All layers of a decode step (``applies``): h bf16 [B, hidden] embeddings,
+        overwritten -> (the last layer's output, which is ``h``, and the residual stream), both
+        [B, hidden], as the per-op loop in ``CausalLM.forward`` returns them.
+
+        Args:
+            cos, sin: bf16 [B, head_dim // 2].
+            kv_layers: per layer [2, num_pages, page_size, Hkv, D] bf16.
+            meta: the step's metadata (``slot_mapping``, ``decode_page_table``,
+                ``decode_seq_lens``).
+
+        Raises:
+            ValueError: a tensor of the wrong dtype, shape or layout.
+            RuntimeError: a kernel's error code (2: a length outside the page table, 4: a page
+                id or slot outside the pool, 3: out of memory).
+        """
+        a = self.a
+        b = h.shape[0]
+        pt, lens, slots = meta.decode_page_table, meta.decode_seq_lens, meta.slot_mapping
+        half = a.head_dim // 2
+        if (pt is None or lens is None or pt.dtype != torch.int64 or pt.stride(1) != 1
+                or pt.shape[0] != b or lens.dtype != torch.int64 or lens.shape != (b,)
+                or not lens.is_contiguous() or slots.dtype != torch.int64
+                or slots.shape != (b,) or not slots.is_contiguous()
+                or not h.is_contiguous() or cos.shape != (b, half) or sin.shape != (b, half)
+                or cos.dtype != torch.bfloat16 or sin.dtype != torch.bfloat16
+                or not cos.is_contiguous() or not sin.is_contiguous()):
+            raise ValueError("fused decode: metadata or activations of the wrong layout")
+        table = self._table_for(kv_layers)
+        kv0 = kv_layers[0]
+        num_pages, page_size = kv0.shape[1], kv0.shape[2]
+        residual = torch.empty_like(h)
+        rc = self.kernels.decode_layers_bf16(
+            table.ctypes.data, table.shape[0], h.data_ptr(), residual.data_ptr(),
+            cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), pt.data_ptr(), pt.stride(0),
+            pt.shape[1], num_pages, lens.data_ptr(), b, a.hidden_size, a.intermediate_size,
+            a.num_heads, a.num_kv_heads, a.head_dim, page_size, a.rms_norm_eps, self.scale,
+            torch.get_num_threads())
+        if rc:
+            raise RuntimeError(f"fused decode layers failed with code {rc}")
+        return h, residual
