@@ -63,7 +63,7 @@ def main() -> int:
                 for (_, k), p in zip(SHAPES, layer, strict=True):
                     mk._linear_pointwise(xs[k], p, None, "none", [], "")
 
-        def ours(xs=xs, ys=ys) -> None:
+        def ours(xs=xs, ys=ys, m=m) -> None:
             for layer in ptrs:
                 for (n, k), ptr in zip(SHAPES, layer, strict=True):
                     kernels.linear_bf16_packed_unchecked(xs[k].data_ptr(), ptr,

@@ -147,9 +147,9 @@ def test_fused_decode_gives_the_per_op_tokens_and_logprobs(auto_llm: LLM) -> Non
         assert 4 in calls and 1 in calls  # the batch's decode steps and the lone one's
 
 
-def test_fused_decode_rejects_bad_metadata_without_writing(auto_llm: LLM) -> None:
-    """Wrong layouts are refused before the C call; a page id outside the pool is the
-    attention kernel's error 4, raised, and the engine serves on."""
+def test_fused_decode_rejects_bad_metadata(auto_llm: LLM) -> None:
+    """Wrong layouts are refused before the C call (nothing written); a page id outside the
+    pool is the attention kernel's error 4, raised, and the engine serves on."""
     from radixserve.model_executor.attention.paged_attention import AttentionMetadata
 
     runner = auto_llm.engine.runner

@@ -62,11 +62,11 @@ class PackedBf16Linear:
     k: int
     k_block: int
     max_rows: int = MAX_ROWS
-    _ptr: int = field(init=False, repr=False)
+    #: the packed buffer's address (it never moves: read once, not per call)
+    ptr: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        # the packed buffer never moves: its address once, not per call
-        self._ptr = torch.ops.mkldnn.data_ptr(self.packed)
+        self.ptr = torch.ops.mkldnn.data_ptr(self.packed)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x bfloat16 [M, K] (contiguous, 1 <= M <= max_rows) -> bfloat16 [M, N].
@@ -80,7 +80,7 @@ class PackedBf16Linear:
             raise ValueError(f"packed bf16 linear needs contiguous bfloat16 [1..{self.max_rows}, "
                              f"{self.k}], got {x.dtype} {tuple(x.shape)}")
         out = torch.empty(m, self.n, dtype=torch.bfloat16)
-        self.kernels.linear_bf16_packed_unchecked(x.data_ptr(), self._ptr, out.data_ptr(),
+        self.kernels.linear_bf16_packed_unchecked(x.data_ptr(), self.ptr, out.data_ptr(),
                                                   m, self.n, self.k, self.k_block)
         return out
 

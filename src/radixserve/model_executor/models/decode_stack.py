@@ -15,6 +15,8 @@ Any other step runs the per-op path (``CausalLM.forward``).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
@@ -24,6 +26,9 @@ from radixserve.model_executor.attention.paged_attention import (
 )
 from radixserve.model_executor.kernels.cpu import CpuKernels
 from radixserve.model_executor.layers.packed_bf16 import MAX_ROWS, PackedBf16Linear
+
+if TYPE_CHECKING:
+    from radixserve.model_executor.models.llama import DecoderLayer
 
 #: int64 fields per layer in the table the C function reads (its ``DL_*`` enum, in order)
 FIELDS = 12
@@ -38,7 +43,7 @@ class DecodeStack:
             ``PackedBf16Linear`` (``eligible`` says whether they are).
     """
 
-    def __init__(self, kernels: CpuKernels, layers: list) -> None:  # list[DecoderLayer]
+    def __init__(self, kernels: CpuKernels, layers: list[DecoderLayer]) -> None:
         self.kernels = kernels
         self.layers = layers
         a = layers[0].a
@@ -49,7 +54,8 @@ class DecodeStack:
         self._kv_key: tuple[int, ...] = ()
 
     @staticmethod
-    def eligible(layers: list, kernels: CpuKernels | None, tp: object | None) -> str | None:
+    def eligible(layers: list[DecoderLayer], kernels: CpuKernels | None,
+                 tp: object | None) -> str | None:
         """None where the fused stack can run this model, else why not (for the start-up
         log and ``forward_path_info``)."""
         if kernels is None or not kernels.has_bf16_dot:
@@ -83,7 +89,7 @@ class DecodeStack:
                 ops = [getattr(layer, n).kernel
                        for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
                 rows.append([layer.input_norm.data_ptr(), layer.post_norm.data_ptr()]
-                            + [v for op in ops for v in (op._ptr, op.k_block)]
+                            + [v for op in ops for v in (op.ptr, op.k_block)]
                             + [kv[0].data_ptr(), kv[1].data_ptr()])
             self._table = np.asarray(rows, dtype=np.int64)
             assert self._table.shape[1] == FIELDS
