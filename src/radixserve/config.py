@@ -180,15 +180,15 @@ class EngineConfig:
             decode batch sizes; the dense copies are freed). None (default): packed or dense,
             whichever measured faster on this machine and model (``path_choice``, cached);
             True/False force it. Ignored on CUDA.
-        bf16_linear_kernel: with packed bf16 weights on a CPU with AVX512-BF16, run linears
-            of up to 512 rows (decode batches, short prefill chunks) through radixserve's C
-            kernel over oneDNN's packed weights (a GEMV for one row, a GEMM for more), where it
+        cpu_linear_kernel: with packed weights, run linears of decode-sized calls (up to 512
+            rows; 64 for float32 on AVX2 builds) through radixserve's C kernel over oneDNN's
+            packed weights (bf16 with AVX512-BF16, float32 with AVX2 + FMA), where it
             reproduces oneDNN's GEMM bit for bit (checked per shape at load,
-            ``layers/packed_bf16.py``); False (``--no-bf16-linear-kernel``): oneDNN's GEMM
+            ``layers/packed_kernel.py``); False (``--no-cpu-linear-kernel``): oneDNN's GEMM
             for every call (one row as two equal rows), the reference.
         fused_decode: run a decode step's layers in one call into radixserve's C kernels
             (the same kernels in the same order as the per-op path, so the same bits) where
-            the model allows it: bf16 weights on ``bf16_linear_kernel``, the "cpu" attention
+            the model allows it: weights on ``cpu_linear_kernel``, the "cpu" attention
             backend, no tensor parallelism (``models/decode_stack.py``); False
             (``--no-fused-decode``): one call per op, the reference.
         tune_malloc: on CPU, raise glibc's mmap and trim thresholds at start-up so that each
@@ -230,7 +230,7 @@ class EngineConfig:
     num_threads: int | None = None
     attention_backend: str = "auto"
     pack_weights: bool | None = None
-    bf16_linear_kernel: bool = True
+    cpu_linear_kernel: bool = True
     fused_decode: bool = True
     tune_malloc: bool = True
     shadow_rate: float = 0.0

@@ -78,15 +78,15 @@ def test_greedy_tokens_alone_equal_batched_in_default_dtype(auto_llm: LLM) -> No
                         f"(dtype {llm.model_info.dtype}): {differ}")
 
 
-def test_bf16_linear_kernel_gives_oneDNN_tokens_and_logprobs(auto_llm: LLM) -> None:
-    """Linears of up to 512 rows run through radixserve's kernel (a GEMV alone, a GEMM in a
-    batch) where the CPU has AVX512-BF16 and the dtype is bf16; it must reproduce the reference
-    (oneDNN's GEMM for every call) exactly: the same tokens and the same logprob values, for
-    requests alone and together."""
-    ref = LLM(dtype="auto", seed=0, num_pages=128, bf16_linear_kernel=False)
+def test_cpu_linear_kernel_gives_oneDNN_tokens_and_logprobs(auto_llm: LLM) -> None:
+    """Decode-sized linears run through radixserve's kernel where the CPU has the instructions
+    for the default dtype (bf16: AVX512-BF16; float32: AVX2 + FMA); it must reproduce the
+    reference (oneDNN's GEMM for every call) exactly: the same tokens and the same logprob
+    values, for requests alone and together."""
+    ref = LLM(dtype="auto", seed=0, num_pages=128, cpu_linear_kernel=False)
     runner = auto_llm.engine.runner
-    want_path = ("radixserve" if runner.dtype == torch.bfloat16 and runner.kernels is not None
-                 and runner.kernels.has_bf16_dot else "onednn")
+    want_path = ("radixserve" if runner.kernels is not None
+                 and runner.kernels.has_linear_kernel(runner.dtype) else "onednn")
     assert runner.paths.paths["linear_kernel"] == want_path
     # every SmolLM2 shape reproduces the GEMM where the kernel is built: no fall-back counted
     assert "linear_kernel" not in runner.paths.fallbacks
@@ -108,13 +108,12 @@ def test_bf16_linear_kernel_gives_oneDNN_tokens_and_logprobs(auto_llm: LLM) -> N
 
 
 def test_fused_decode_gives_the_per_op_tokens_and_logprobs(auto_llm: LLM) -> None:
-    """Decode steps run all layers in one C call where the model allows it (bf16 on
+    """Decode steps run all layers in one C call where the model allows it (weights on
     radixserve's linear kernel); it runs the per-op path's kernels in its order, so tokens and
     logprob values must be the per-op path's exactly, alone and batched."""
     runner = auto_llm.engine.runner
     stack = runner.model.decode_stack
-    fused = (runner.dtype == torch.bfloat16 and runner.kernels is not None
-             and runner.kernels.has_bf16_dot)
+    fused = runner.kernels is not None and runner.kernels.has_linear_kernel(runner.dtype)
     assert runner.paths.paths["decode_layers"] == ("fused" if fused else "per-op")
     assert (stack is not None) == fused
     ref = LLM(dtype="auto", seed=0, num_pages=128, fused_decode=False)
@@ -173,3 +172,22 @@ def test_fused_decode_rejects_bad_metadata(auto_llm: LLM) -> None:
         stack.run(h, cs, cs, kv, meta(torch.tensor([[num_pages + 3]]), torch.tensor([1])))
     sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     assert len(auto_llm.generate("Hello", sp, use_tqdm=False)[0].outputs[0].token_ids) == 4
+
+
+def test_fused_decode_and_linear_kernel_in_float32() -> None:
+    """The float32 kernels (AVX2 + FMA or AVX-512) on both CPU kinds, whatever the default
+    dtype: the fused stack and the linear kernel give the tokens and logprob values of the
+    per-op oneDNN reference, batched."""
+    fast = LLM(dtype="float32", seed=0, num_pages=128)
+    ref = LLM(dtype="float32", seed=0, num_pages=128, cpu_linear_kernel=False)
+    runner = fast.engine.runner
+    has = runner.kernels is not None and runner.kernels.has_linear_kernel(torch.float32)
+    assert runner.paths.paths["linear_kernel"] == ("radixserve" if has else "onednn")
+    assert runner.paths.paths["decode_layers"] == ("fused" if has else "per-op")
+    assert ref.engine.runner.paths.paths["decode_layers"] == "per-op"
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    prompts = ["Count to five.", "Name a planet.", "What is rain?"]
+    for got, want in zip(fast.generate(prompts, sp, use_tqdm=False),
+                         ref.generate(prompts, sp, use_tqdm=False), strict=True):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert got.outputs[0].logprobs == want.outputs[0].logprobs

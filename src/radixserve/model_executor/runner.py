@@ -22,7 +22,6 @@ from radixserve.model_executor.cpu_malloc import tune_malloc
 from radixserve.model_executor.cuda_graphs import maybe_decode_graphs
 from radixserve.model_executor.forward_batch import ForwardBatch, SampleResult
 from radixserve.model_executor.kernels.cpu import CpuKernels
-from radixserve.model_executor.layers.packed_bf16 import MAX_ROWS
 from radixserve.model_executor.models.llama import CausalLM, ModelArgs, rope_inv_freq
 from radixserve.model_executor.parallel.group import TensorParallelGroup
 from radixserve.model_executor.parallel.sharding import ShardLayout
@@ -332,7 +331,7 @@ class ModelRunner:
             reason = choice.reason
         else:
             reason = "--pack-weights"
-        if self.model.pack_linears(batch_hint=hint, bf16_kernel=config.bf16_linear_kernel):
+        if self.model.pack_linears(batch_hint=hint, linear_kernel=config.cpu_linear_kernel):
             paths.pick("linear", "packed", reason)
             path, why = self._linear_kernel_reason(config)
             # a shape the kernel could not reproduce on a machine that has it: a fall-back
@@ -345,21 +344,21 @@ class ModelRunner:
         return False
 
     def _linear_kernel_reason(self, config: EngineConfig) -> tuple[str, str]:
-        """Which kernel runs packed linears of up to ``packed_bf16.MAX_ROWS`` rows
+        """Which kernel runs decode-sized packed linears (``packed_kernel``)
         ("radixserve" where every projection and the LM head took radixserve's, "mixed" where
         some did, else "onednn") and why."""
-        if not config.bf16_linear_kernel:
-            return "onednn", ("--no-bf16-linear-kernel: oneDNN's GEMM (one row as two equal "
+        if not config.cpu_linear_kernel:
+            return "onednn", ("--no-cpu-linear-kernel: oneDNN's GEMM (one row as two equal "
                               "rows)")
         blocks = self.model.kernel_k_blocks
         if not blocks:
-            return "onednn", ("oneDNN's GEMM: radixserve's needs bf16 weights without bias and "
-                              "the C kernels built with AVX512-BF16")
+            return "onednn", ("oneDNN's GEMM: radixserve's needs weights without bias and the C "
+                              "kernels built with AVX512-BF16 (bf16) or AVX2 + FMA (float32)")
         used = {f"{n}x{k}": kb for (n, k), kb in blocks.items()}
         path = ("radixserve" if all(kb is not None for kb in blocks.values())
                 else "mixed" if any(kb is not None for kb in blocks.values()) else "onednn")
-        return path, (f"radixserve's GEMV/GEMM over oneDNN's packed weights up to {MAX_ROWS} "
-                      f"rows, bit-identical to its GEMM, K blocking per [N, K] (None: "
+        return path, (f"radixserve's GEMM over oneDNN's packed weights for decode-sized "
+                      f"calls, bit-identical to its GEMM, K blocking per [N, K] (None: "
                       f"oneDNN): {used}")
 
     def stats(self) -> RunnerStats:

@@ -119,16 +119,24 @@ class CpuKernels:
         fn.argtypes = [c_int, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64]
         fn.restype = c_int
         self._store_kv = fn
-        fn = lib.rs_linear_bf16_packed
-        fn.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, c_int]
+        self._linear = {}
+        for dt, name in ((torch.bfloat16, "rs_linear_bf16_packed"),
+                         (torch.float32, "rs_linear_f32_packed")):
+            fn = getattr(lib, name)
+            fn.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, c_int]
+            fn.restype = c_int
+            self._linear[dt] = fn
+        fn = lib.rs_decode_layers
+        fn.argtypes = [c_int, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, i64,
+                       i64, i64, i64, i64, i64, i64, c_float, c_float, c_int]
         fn.restype = c_int
-        self._linear_bf16 = fn
-        fn = lib.rs_decode_layers_bf16
-        fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, i64, i64, i64,
-                       i64, i64, i64, i64, c_float, c_float, c_int]
+        #: ``rs_decode_layers`` (``models/decode_stack.py`` checks and calls it)
+        self.decode_layers = fn
+        fn = lib.rs_has_f32_gemm
+        fn.argtypes = []
         fn.restype = c_int
-        #: ``rs_decode_layers_bf16`` (``models/decode_stack.py`` checks and calls it)
-        self.decode_layers_bf16 = fn
+        #: the float32 linear kernel's build: "avx512", "avx2" (AVX2 + FMA) or None (not built)
+        self.f32_gemm_isa: str | None = {2: "avx512", 1: "avx2"}.get(fn())
         fn = lib.rs_kernel_isa
         fn.argtypes = []
         fn.restype = c_int
@@ -138,7 +146,7 @@ class CpuKernels:
         #: registers), "avx512" (P.V in registers only) or "portable" (vector extensions)
         self.bf16_attention_isa = ("avx512-bf16" if isa & 1 else "avx512" if isa & 2
                                    else "portable")
-        #: the build has AVX512-BF16's ``vdpbf16ps`` (the bf16 scores and the packed bf16 linears)
+        #: the build has AVX512-BF16's ``vdpbf16ps`` (the bf16 scores and the bf16 linear kernel)
         self.has_bf16_dot = bool(isa & 1)
 
     @classmethod
@@ -348,43 +356,50 @@ class CpuKernels:
                      torch.get_num_threads())
         return out
 
-    def linear_bf16_packed(self, x: torch.Tensor, packed_ptr: int, out: torch.Tensor,
-                           k_block: int) -> None:
-        """``out = x @ W.T`` for a bf16 weight W [N, K] in oneDNN's packed layout
-        ([N/64][K/2][64][2], ``layers.packed_bf16``), each row summed as oneDNN's GEMM sums it,
-        with K blocks of ``k_block``: a GEMV for one row, a register-tiled GEMM for more.
+    def has_linear_kernel(self, dtype: torch.dtype) -> bool:
+        """Whether ``linear_packed`` is built for ``dtype`` on this machine (bf16: AVX512-BF16;
+        float32: AVX2 + FMA or AVX-512)."""
+        return self.has_bf16_dot if dtype == torch.bfloat16 else (
+            dtype == torch.float32 and self.f32_gemm_isa is not None)
+
+    def linear_packed(self, x: torch.Tensor, packed_ptr: int, out: torch.Tensor,
+                      k_block: int) -> None:
+        """``out = x @ W.T`` for a weight W [N, K] in oneDNN's packed layout (bf16
+        [N/64][K/2][64][2], float32 [N/64][K][64]; ``layers.packed_kernel``), each row summed
+        as oneDNN's GEMM sums it, with K blocks of ``k_block``: a register-tiled GEMM (bf16: a
+        GEMV for one row).
 
         Args:
-            x: contiguous bfloat16 [M, K].
+            x: contiguous bfloat16 or float32 [M, K].
             packed_ptr: address of the packed buffer (``torch.ops.mkldnn.data_ptr``), at
-                least ``N * K`` bf16 values; only its first ``N / 64`` blocks are read.
-            out: contiguous bfloat16 [M, N], N a multiple of 64: written.
-            k_block: even, > 0.
+                least ``N * K`` values; only its first ``N / 64`` blocks are read.
+            out: contiguous [M, N] of x's dtype, N a multiple of 64: written.
+            k_block: > 0 (bf16: even).
 
         Raises:
             ValueError: wrong dtype, shape or layout.
-            RuntimeError: the build lacks AVX512-BF16 (code 5) or bad sizes (1).
+            RuntimeError: the build lacks the instructions (code 5) or bad sizes (1).
         """
-        if (x.dtype != torch.bfloat16 or out.dtype != torch.bfloat16 or x.dim() != 2
+        if (x.dtype not in self._linear or out.dtype != x.dtype or x.dim() != 2
                 or out.dim() != 2 or x.shape[0] != out.shape[0]
                 or not x.is_contiguous() or not out.is_contiguous()):
-            raise ValueError("linear_bf16_packed needs contiguous bfloat16 x [M, K], "
-                             "out [M, N]")
-        self.linear_bf16_packed_unchecked(x.data_ptr(), packed_ptr, out.data_ptr(),
-                                          x.shape[0], out.shape[1], x.shape[1], k_block)
+            raise ValueError("linear_packed needs contiguous bfloat16/float32 x [M, K], "
+                             "out [M, N] of one dtype")
+        self.linear_packed_unchecked(x.dtype, x.data_ptr(), packed_ptr, out.data_ptr(),
+                                     x.shape[0], out.shape[1], x.shape[1], k_block)
 
-    def linear_bf16_packed_unchecked(self, x_ptr: int, packed_ptr: int, out_ptr: int, m: int,
-                                     n: int, k: int, k_block: int) -> None:
-        """``linear_bf16_packed`` on raw addresses, for a caller that has checked the tensors
+    def linear_packed_unchecked(self, dtype: torch.dtype, x_ptr: int, packed_ptr: int,
+                                out_ptr: int, m: int, n: int, k: int, k_block: int) -> None:
+        """``linear_packed`` on raw addresses, for a caller that has checked the tensors
         once (a lone decode makes 120 of these calls per SmolLM2 step: ~5 us of checks each).
 
         Raises:
-            RuntimeError: the kernel's error code (see ``linear_bf16_packed``).
+            RuntimeError: the kernel's error code (see ``linear_packed``).
         """
-        rc = self._linear_bf16(x_ptr, packed_ptr, out_ptr, m, n, k, k_block,
-                               torch.get_num_threads())
+        rc = self._linear[dtype](x_ptr, packed_ptr, out_ptr, m, n, k, k_block,
+                                 torch.get_num_threads())
         if rc:
-            raise RuntimeError(f"bf16 linear kernel failed with code {rc}")
+            raise RuntimeError(f"{dtype} linear kernel failed with code {rc}")
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -55,7 +55,7 @@ def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Line
 
 #: builds radixserve's kernel path of a packed weight: (packed, weight, bias) -> a callable
 #: ``[M, K] -> [M, N]`` for ``1 <= M <= .max_rows``, bit-identical to the packed GEMM's rows,
-#: or None (``packed_bf16``)
+#: or None (``packed_kernel``)
 KernelFactory = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None],
                          LinearFn | None]
 

@@ -1,4 +1,4 @@
-"""A decode step's whole layer stack in one C call (``rs_decode_layers_bf16``).
+"""A decode step's whole layer stack in one C call (``rs_decode_layers``).
 
 Why: in a decode step every layer makes ~10 calls from Python into the C kernels (add +
 RMSNorm, four linears, RoPE, the K/V store, attention, SiLU-and-multiply), each with argument
@@ -7,9 +7,10 @@ a batch-1 step that streams its weights in ~5 ms. The C function runs the same k
 same order on the same data, so it gives the per-op path's bits exactly; the checks are made
 once per step here instead of once per op.
 
-It applies where every op of the per-op path is one of those kernels: bf16 packed weights
-through radixserve's linear kernel (``packed_bf16``), the "cpu" attention backend, no tensor
-parallelism, no Q/K bias or norm, and a step of decodes only with at most ``MAX_ROWS`` rows.
+It applies where every op of the per-op path is one of those kernels: packed weights (bf16 or
+float32) through radixserve's linear kernel (``packed_kernel``), the "cpu" attention backend, no
+tensor parallelism, no Q/K bias or norm, and a step of decodes only with at most the kernel's
+``max_rows`` rows.
 Any other step runs the per-op path (``CausalLM.forward``).
 """
 
@@ -25,7 +26,7 @@ from radixserve.model_executor.attention.paged_attention import (
     CpuKernelPagedAttention,
 )
 from radixserve.model_executor.kernels.cpu import CpuKernels
-from radixserve.model_executor.layers.packed_bf16 import MAX_ROWS, PackedBf16Linear
+from radixserve.model_executor.layers.packed_kernel import PackedLinearKernel
 
 if TYPE_CHECKING:
     from radixserve.model_executor.models.llama import DecoderLayer
@@ -38,9 +39,9 @@ class DecodeStack:
     """The layer table and the call.
 
     Args:
-        kernels: the loaded C kernels (with AVX512-BF16).
+        kernels: the loaded C kernels.
         layers: the model's ``DecoderLayer`` list, packed, each projection with a
-            ``PackedBf16Linear`` (``eligible`` says whether they are).
+            ``PackedLinearKernel`` (``eligible`` says whether they are).
     """
 
     def __init__(self, kernels: CpuKernels, layers: list[DecoderLayer]) -> None:
@@ -49,6 +50,11 @@ class DecodeStack:
         a = layers[0].a
         self.a = a
         self.scale = a.head_dim ** -0.5
+        first = layers[0].qkv_proj.kernel
+        self.dtype: torch.dtype = first.dtype
+        #: the most rows of a step the stack takes (the linear kernel's)
+        self.max_rows = min(getattr(layer, n).kernel.max_rows for layer in layers
+                            for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
         #: [L, FIELDS] int64, built for one set of KV tensors (``_table``)
         self._table: np.ndarray | None = None
         self._kv_key: tuple[int, ...] = ()
@@ -58,8 +64,8 @@ class DecodeStack:
                  tp: object | None) -> str | None:
         """None where the fused stack can run this model, else why not (for the start-up
         log and ``forward_path_info``)."""
-        if kernels is None or not kernels.has_bf16_dot:
-            return "needs the C kernels built with AVX512-BF16"
+        if kernels is None:
+            return "needs the C kernels"
         if tp is not None:
             return "tensor parallel: the layers all-reduce between ops"
         for layer in layers:
@@ -69,23 +75,23 @@ class DecodeStack:
                 return "needs the 'cpu' attention backend"
             for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
                 if not isinstance(getattr(getattr(layer, name), "kernel", None),
-                                  PackedBf16Linear):
-                    return "needs every projection on radixserve's bf16 linear kernel"
+                                  PackedLinearKernel):
+                    return "needs every projection on radixserve's linear kernel"
         return None
 
     def applies(self, h: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """Whether this step is one the stack runs: decodes only, at most ``MAX_ROWS``."""
+        """Whether this step is one the stack runs: decodes only, at most ``max_rows``."""
         t = h.shape[0]
-        return (meta.num_decodes == t and not meta.prefill and 0 < t <= MAX_ROWS
-                and h.dtype == torch.bfloat16)
+        return (meta.num_decodes == t and not meta.prefill and 0 < t <= self.max_rows
+                and h.dtype == self.dtype)
 
     def _table_for(self, kv_layers: list[torch.Tensor]) -> np.ndarray:
         key = tuple(kv.data_ptr() for kv in kv_layers)
         if self._table is None or key != self._kv_key:
             rows = []
             for layer, kv in zip(self.layers, kv_layers, strict=True):
-                if not kv.is_contiguous() or kv.dtype != torch.bfloat16:
-                    raise ValueError("fused decode needs contiguous bfloat16 KV tensors")
+                if not kv.is_contiguous() or kv.dtype != self.dtype:
+                    raise ValueError(f"fused decode needs contiguous {self.dtype} KV tensors")
                 ops = [getattr(layer, n).kernel
                        for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
                 rows.append([layer.input_norm.data_ptr(), layer.post_norm.data_ptr()]
@@ -99,13 +105,13 @@ class DecodeStack:
     def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             kv_layers: list[torch.Tensor], meta: AttentionMetadata
             ) -> tuple[torch.Tensor, torch.Tensor]:
-        """All layers of a decode step (``applies``): h bf16 [B, hidden] embeddings,
+        """All layers of a decode step (``applies``): h [B, hidden] embeddings,
         overwritten -> (the last layer's output, which is ``h``, and the residual stream), both
         [B, hidden], as the per-op loop in ``CausalLM.forward`` returns them.
 
         Args:
-            cos, sin: bf16 [B, head_dim // 2].
-            kv_layers: per layer [2, num_pages, page_size, Hkv, D] bf16.
+            cos, sin: [B, head_dim // 2], h's dtype.
+            kv_layers: per layer [2, num_pages, page_size, Hkv, D], h's dtype.
             meta: the step's metadata (``slot_mapping``, ``decode_page_table``,
                 ``decode_seq_lens``).
 
@@ -123,15 +129,15 @@ class DecodeStack:
                 or not lens.is_contiguous() or slots.dtype != torch.int64
                 or slots.shape != (b,) or not slots.is_contiguous()
                 or not h.is_contiguous() or cos.shape != (b, half) or sin.shape != (b, half)
-                or cos.dtype != torch.bfloat16 or sin.dtype != torch.bfloat16
+                or cos.dtype != self.dtype or sin.dtype != self.dtype
                 or not cos.is_contiguous() or not sin.is_contiguous()):
             raise ValueError("fused decode: metadata or activations of the wrong layout")
         table = self._table_for(kv_layers)
         kv0 = kv_layers[0]
         num_pages, page_size = kv0.shape[1], kv0.shape[2]
         residual = torch.empty_like(h)
-        rc = self.kernels.decode_layers_bf16(
-            table.ctypes.data, table.shape[0], h.data_ptr(), residual.data_ptr(),
+        rc = self.kernels.decode_layers(
+            0 if self.dtype == torch.float32 else 1, table.ctypes.data, table.shape[0], h.data_ptr(), residual.data_ptr(),
             cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), pt.data_ptr(), pt.stride(0),
             pt.shape[1], num_pages, lens.data_ptr(), b, a.hidden_size, a.intermediate_size,
             a.num_heads, a.num_kv_heads, a.head_dim, page_size, a.rms_norm_eps, self.scale,

@@ -28,7 +28,7 @@ from radixserve.model_executor.layers.linear import (
     dense_linear,
     packed_linear,
 )
-from radixserve.model_executor.layers.packed_bf16 import packed_bf16_linear
+from radixserve.model_executor.layers.packed_kernel import packed_kernel_linear
 from radixserve.model_executor.models.decode_stack import DecodeStack
 from radixserve.model_executor.parallel.group import TensorParallelGroup
 from radixserve.model_executor.parallel.sharding import ShardLayout, single
@@ -267,8 +267,8 @@ class CausalLM(nn.Module):
         self._lm_head_proj: LinearFn | None = None
         #: decode steps' layers in one C call (``enable_decode_stack``), or None: per op
         self.decode_stack: DecodeStack | None = None
-        #: [N, K] -> the packed bf16 kernel's K blocking, None where oneDNN stays
-        #: (``pack_linears(bf16_kernel=True)``)
+        #: [N, K] -> the packed linear kernel's K blocking, None where oneDNN stays
+        #: (``pack_linears(linear_kernel=True)``)
         self.kernel_k_blocks: dict[tuple[int, int], int | None] = {}
         pos = torch.arange(max_positions, dtype=torch.float32)
         freqs = pos[:, None] * inv_freq[None, :]
@@ -277,7 +277,7 @@ class CausalLM(nn.Module):
         self.cos_table = freqs.cos() * rope_scale
         self.sin_table = freqs.sin() * rope_scale
 
-    def pack_linears(self, batch_hint: int, bf16_kernel: bool = False) -> bool:
+    def pack_linears(self, batch_hint: int, linear_kernel: bool = False) -> bool:
         """Pack every projection and the LM head for oneDNN (CPU float32/bfloat16); the dense
         layer weights are freed (the embedding stays: token lookup needs it). Call after the
         weights are loaded and cast. Returns False where packing is not
@@ -285,18 +285,18 @@ class CausalLM(nn.Module):
 
         Args:
             batch_hint: tokens per call the packed layout is tuned for (any count works).
-            bf16_kernel: calls of up to ``packed_bf16.MAX_ROWS`` rows through radixserve's C
-                kernel over the packed weights where it reproduces oneDNN's GEMM
-                (``packed_bf16``); ``kernel_k_blocks`` then says, per [N, K], its K blocking
+            linear_kernel: calls of up to ``packed_kernel.max_rows_for`` rows through
+                radixserve's C kernel over the packed weights where it reproduces oneDNN's GEMM
+                (``packed_kernel``); ``kernel_k_blocks`` then says, per [N, K], its K blocking
                 or None (oneDNN).
         """
         factory = None
-        if bf16_kernel and self.kernels is not None:
+        if linear_kernel and self.kernels is not None:
             kernels, blocks = self.kernels, self.kernel_k_blocks
 
             def factory(packed: torch.Tensor, weight: torch.Tensor,
                         bias: torch.Tensor | None) -> LinearFn | None:
-                return packed_bf16_linear(kernels, packed, weight, bias, batch_hint, blocks)
+                return packed_kernel_linear(kernels, packed, weight, bias, batch_hint, blocks)
 
         w = self.embed if self.lm_head is None else self.lm_head
         head = packed_linear(w, None, batch_hint, factory)

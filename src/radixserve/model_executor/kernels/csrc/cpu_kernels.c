@@ -25,7 +25,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -1071,66 +1071,192 @@ int rs_linear_bf16_packed(const uint16_t *x, const uint16_t *w, uint16_t *y, int
 #endif
 }
 
-/* A decode step's whole layer stack in one call (bf16, packed weights through
- * `rs_linear_bf16_packed`): per layer, add + RMSNorm, QKV, RoPE on Q and K, K/V into their
- * slots, paged decode attention, O, add + RMSNorm, gate/up, SiLU-and-multiply, down. These are
+/* The float32 twin of `rs_linear_bf16_packed`: rows through a float32 weight oneDNN has packed
+ * ([N/64][K][64]: 64 outputs per block, k-major inside), each output summed as oneDNN's GEMM
+ * sums it: one FMA per k in order, restarted every `kblk` elements of K, the blocks' sums added
+ * in order (measured per shape by the caller: on the Zen 5 VM 512 for K = 576 and 1024 for
+ * K = 1536 with AVX-512, 576 and 1024 with oneDNN capped at AVX2). Tiled F32_MR rows x
+ * F32_NT vectors in registers (AVX-512: 6 x 4 zmm, a whole block; AVX2: 6 x 2 ymm, a quarter
+ * of a block, within 16 registers); each thread prefetches its next block while it computes.
+ *   x: M x K float32 (row stride K); y: M x N float32 (row stride N); N % 64 == 0.
+ * Returns 0; 1 on bad sizes; 5 where the build has no AVX2 + FMA (the caller keeps oneDNN). */
+#if defined(__AVX512F__)
+#define RS_F32_GEMM 1
+#define F32_VW 16
+#define F32_MR 6
+#define F32_NT 4
+typedef __m512 f32v;
+#define F32_LOAD _mm512_loadu_ps
+#define F32_STORE _mm512_storeu_ps
+#define F32_ZERO _mm512_setzero_ps
+#define F32_SET1 _mm512_set1_ps
+#define F32_FMA _mm512_fmadd_ps
+#define F32_ADD _mm512_add_ps
+#elif defined(__AVX2__) && defined(__FMA__)
+#define RS_F32_GEMM 1
+#define F32_VW 8
+#define F32_MR 6
+#define F32_NT 2
+typedef __m256 f32v;
+#define F32_LOAD _mm256_loadu_ps
+#define F32_STORE _mm256_storeu_ps
+#define F32_ZERO _mm256_setzero_ps
+#define F32_SET1 _mm256_set1_ps
+#define F32_FMA _mm256_fmadd_ps
+#define F32_ADD _mm256_add_ps
+#else
+#define RS_F32_GEMM 0
+#endif
+
+#if RS_F32_GEMM
+#define F32_TILE (F32_NT * F32_VW) /* outputs per tile: 64 (AVX-512) or 16 (AVX2) */
+static inline __attribute__((always_inline)) void f32_tile(
+        const int mr, const float *x, int64_t K, const float *wb, int64_t kblk, float *tot,
+        const char *pf, int64_t *pf_off, int64_t pf_end, int64_t pf_lines) {
+    for (int64_t k0 = 0; k0 < K; k0 += kblk) {
+        const int64_t k1 = k0 + kblk < K ? k0 + kblk : K;
+        f32v a[F32_MR][F32_NT];
+        for (int r = 0; r < mr; ++r)
+            for (int u = 0; u < F32_NT; ++u) a[r][u] = F32_ZERO();
+        for (int64_t k = k0; k < k1; ++k) {
+            const float *wk = wb + k * GEMV_NB;
+            for (int64_t l = 0; l < pf_lines && *pf_off < pf_end; ++l, *pf_off += 64)
+                __builtin_prefetch(pf + *pf_off, 0, 3);
+            f32v b[F32_NT];
+            for (int u = 0; u < F32_NT; ++u) b[u] = F32_LOAD(wk + u * F32_VW);
+            for (int r = 0; r < mr; ++r) {
+                const f32v xv = F32_SET1(x[r * K + k]);
+                for (int u = 0; u < F32_NT; ++u) a[r][u] = F32_FMA(xv, b[u], a[r][u]);
+            }
+        }
+        for (int r = 0; r < mr; ++r)
+            for (int u = 0; u < F32_NT; ++u) {
+                float *t = tot + r * F32_TILE + u * F32_VW;
+                F32_STORE(t, k0 == 0 ? a[r][u] : F32_ADD(F32_LOAD(t), a[r][u]));
+            }
+    }
+}
+#endif
+
+int rs_linear_f32_packed(const float *x, const float *w, float *y, int64_t M, int64_t N,
+                         int64_t K, int64_t kblk, int num_threads) {
+#if RS_F32_GEMM
+    if (M <= 0 || N <= 0 || N % GEMV_NB || K <= 0 || kblk <= 0) return 1;
+    const int64_t blocks = N / GEMV_NB, tiles = (M + F32_MR - 1) / F32_MR;
+    const int64_t halves = GEMV_NB / F32_TILE, block_bytes = K * GEMV_NB * 4;
+    const int64_t steps = tiles * halves * K; /* k steps per block, over which to prefetch */
+    const int64_t pf_lines = (block_bytes / 64 + steps - 1) / steps;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float tot[F32_MR * F32_TILE];
+#pragma omp for schedule(static)
+        for (int64_t nb = 0; nb < blocks; ++nb) {
+            const float *blk = w + nb * K * GEMV_NB;
+            const char *pf = (const char *)(blk + K * GEMV_NB);
+            int64_t pf_off = 0;
+            const int64_t pf_end = nb + 1 < blocks ? block_bytes : 0;
+            for (int64_t hf = 0; hf < halves; ++hf) {
+                const float *wb = blk + hf * F32_TILE;
+                for (int64_t m0 = 0; m0 < M; m0 += F32_MR) {
+                    const int64_t mr = M - m0 < F32_MR ? M - m0 : F32_MR;
+                    const float *xm = x + m0 * K;
+                    switch (mr) {
+                    case 6: f32_tile(6, xm, K, wb, kblk, tot, pf, &pf_off, pf_end, pf_lines); break;
+                    case 5: f32_tile(5, xm, K, wb, kblk, tot, pf, &pf_off, pf_end, pf_lines); break;
+                    case 4: f32_tile(4, xm, K, wb, kblk, tot, pf, &pf_off, pf_end, pf_lines); break;
+                    case 3: f32_tile(3, xm, K, wb, kblk, tot, pf, &pf_off, pf_end, pf_lines); break;
+                    case 2: f32_tile(2, xm, K, wb, kblk, tot, pf, &pf_off, pf_end, pf_lines); break;
+                    default: f32_tile(1, xm, K, wb, kblk, tot, pf, &pf_off, pf_end, pf_lines); break;
+                    }
+                    for (int64_t r = 0; r < mr; ++r)
+                        memcpy(y + (m0 + r) * N + nb * GEMV_NB + hf * F32_TILE,
+                               tot + r * F32_TILE, sizeof(float) * F32_TILE);
+                }
+            }
+        }
+    }
+    return 0;
+#else
+    (void)x, (void)w, (void)y, (void)M, (void)N, (void)K, (void)kblk, (void)num_threads;
+    return 5;
+#endif
+}
+
+/* whether `rs_linear_f32_packed` is built (AVX2 + FMA or AVX-512) */
+int rs_has_f32_gemm(void) { return RS_F32_GEMM; }
+
+/* A decode step's whole layer stack in one call (float32 or bfloat16: dtype 0 / 1; packed
+ * weights through `rs_linear_f32_packed` / `rs_linear_bf16_packed`): per layer, add + RMSNorm,
+ * QKV, RoPE on Q and K, K/V into their slots, paged decode attention, O, add + RMSNorm, gate/up, SiLU-and-multiply, down. These are
  * the functions the per-op path (`models/llama.py`, one ctypes call each) calls, in the same
  * order on the same data, so the results are the same bits; what goes is ~10 Python-level
  * calls, tensor allocations and argument checks per layer (~70 us per layer on the Zen 5 VM).
  *   layers: int64 [L, DL_FIELDS] addresses and K blockings (DL_* below);
- *   h: bf16 [B, hidden], the embeddings in, the last layer's output out; residual: bf16
- *   [B, hidden], updated in place (the first layer copies h into it);
- *   cos, sin: bf16 [B, D / 2]; slots: int64 [B]; page_table: int64 [B, pt_stride] (pt_cols
- *   used); seq_lens: int64 [B].
+ *   h: [B, hidden], the embeddings in, the last layer's output out; residual: [B, hidden],
+ *   written (the first layer copies h into it); cos, sin: [B, D / 2]; all of dtype;
+ *   slots: int64 [B]; page_table: int64 [B, pt_stride] (pt_cols used); seq_lens: int64 [B].
  * Returns 0, or the first failing kernel's code (3: out of memory). */
 enum { DL_IN_NORM, DL_POST_NORM, DL_QKV, DL_QKV_KB, DL_O, DL_O_KB, DL_GATE_UP, DL_GATE_UP_KB,
        DL_DOWN, DL_DOWN_KB, DL_K_CACHE, DL_V_CACHE, DL_FIELDS };
 
-int rs_decode_layers_bf16(const int64_t *layers, int64_t L, uint16_t *h, uint16_t *residual,
-                          const uint16_t *cos, const uint16_t *sin, const int64_t *slots,
+static int linear_packed(int dtype, const void *x, int64_t w, void *y, int64_t M, int64_t N,
+                         int64_t K, int64_t kblk, int num_threads) {
+    return dtype == 0 ? rs_linear_f32_packed(x, (const float *)(intptr_t)w, y, M, N, K, kblk,
+                                             num_threads)
+                      : rs_linear_bf16_packed(x, (const uint16_t *)(intptr_t)w, y, M, N, K, kblk,
+                                              num_threads);
+}
+
+static int add_rms_norm(int dtype, const void *x, void *residual, int64_t w, void *out,
+                        int64_t M, int64_t N, float eps, int num_threads) {
+    return dtype == 0 ? rs_add_rms_norm(x, residual, (const float *)(intptr_t)w, out, M, N, eps,
+                                        num_threads)
+                      : rs_add_rms_norm_bf16(x, residual, (const uint16_t *)(intptr_t)w, out, M,
+                                             N, eps, num_threads);
+}
+
+int rs_decode_layers(int dtype, const int64_t *layers, int64_t L, void *h, void *residual,
+                     const void *cos, const void *sin, const int64_t *slots,
                           const int64_t *page_table, int64_t pt_stride, int64_t pt_cols,
                           int64_t num_pages, const int64_t *seq_lens, int64_t B, int64_t hidden,
                           int64_t inter, int64_t H, int64_t Hkv, int64_t D, int64_t P,
                           float eps, float scale, int num_threads) {
     const int64_t qd = H * D, kvd = Hkv * D, qkvd = qd + 2 * kvd;
-    const size_t n = (size_t)B * (size_t)(hidden + qkvd + qd + 2 * inter + inter);
-    uint16_t *buf = (uint16_t *)malloc(n * sizeof(uint16_t));
+    const size_t es = dtype == 0 ? 4 : 2;
+    char *buf = (char *)malloc(es * (size_t)B * (size_t)(hidden + qkvd + qd + 3 * inter));
     if (buf == NULL) return 3;
-    uint16_t *x = buf, *qkv = x + B * hidden, *o = qkv + B * qkvd, *gu = o + B * qd;
-    uint16_t *act = gu + B * 2 * inter;
+    char *x = buf, *qkv = x + es * B * hidden, *o = qkv + es * B * qkvd, *gu = o + es * B * qd;
+    char *act = gu + es * B * 2 * inter;
     int rc = 0;
-    memcpy(residual, h, (size_t)(B * hidden) * sizeof(uint16_t));
+    memcpy(residual, h, es * (size_t)(B * hidden));
     for (int64_t l = 0; l < L && rc == 0; ++l) {
         const int64_t *ly = layers + l * DL_FIELDS;
         void *k_cache = (void *)(intptr_t)ly[DL_K_CACHE], *v_cache = (void *)(intptr_t)ly[DL_V_CACHE];
-        rc = rs_add_rms_norm_bf16(l == 0 ? NULL : h, residual, (const uint16_t *)(intptr_t)ly[DL_IN_NORM],
-                                  x, B, hidden, eps, num_threads);
+        rc = add_rms_norm(dtype, l == 0 ? NULL : h, residual, ly[DL_IN_NORM], x, B, hidden, eps,
+                          num_threads);
         if (rc) break;
-        rc = rs_linear_bf16_packed(x, (const uint16_t *)(intptr_t)ly[DL_QKV], qkv, B, qkvd, hidden,
-                                   ly[DL_QKV_KB], num_threads);
+        rc = linear_packed(dtype, x, ly[DL_QKV], qkv, B, qkvd, hidden, ly[DL_QKV_KB], num_threads);
         if (rc) break;
-        rc = rs_rope(1, qkv, B, H + Hkv, D, qkvd, cos, sin, num_threads);
+        rc = rs_rope(dtype, qkv, B, H + Hkv, D, qkvd, cos, sin, num_threads);
         if (rc) break;
-        rc = rs_store_kv(1, qkv + qd, qkvd, qkv + qd + kvd, qkvd, k_cache, v_cache, slots, B, kvd,
-                         num_pages * P);
+        rc = rs_store_kv(dtype, qkv + es * qd, qkvd, qkv + es * (qd + kvd), qkvd, k_cache, v_cache,
+                         slots, B, kvd, num_pages * P);
         if (rc) break;
-        rc = rs_paged_decode_attention(1, qkv, qkvd, D, k_cache, v_cache, page_table, pt_stride,
+        rc = rs_paged_decode_attention(dtype, qkv, qkvd, D, k_cache, v_cache, page_table, pt_stride,
                                        pt_cols, num_pages, seq_lens, o, B, H, Hkv, D, P, scale,
                                        num_threads);
         if (rc) break;
-        rc = rs_linear_bf16_packed(o, (const uint16_t *)(intptr_t)ly[DL_O], h, B, hidden, qd,
-                                   ly[DL_O_KB], num_threads);
+        rc = linear_packed(dtype, o, ly[DL_O], h, B, hidden, qd, ly[DL_O_KB], num_threads);
         if (rc) break;
-        rc = rs_add_rms_norm_bf16(h, residual, (const uint16_t *)(intptr_t)ly[DL_POST_NORM], x, B,
-                                  hidden, eps, num_threads);
+        rc = add_rms_norm(dtype, h, residual, ly[DL_POST_NORM], x, B, hidden, eps, num_threads);
         if (rc) break;
-        rc = rs_linear_bf16_packed(x, (const uint16_t *)(intptr_t)ly[DL_GATE_UP], gu, B, 2 * inter,
-                                   hidden, ly[DL_GATE_UP_KB], num_threads);
+        rc = linear_packed(dtype, x, ly[DL_GATE_UP], gu, B, 2 * inter, hidden, ly[DL_GATE_UP_KB],
+                           num_threads);
         if (rc) break;
-        rc = rs_silu_mul(1, gu, act, B, inter, num_threads);
+        rc = rs_silu_mul(dtype, gu, act, B, inter, num_threads);
         if (rc) break;
-        rc = rs_linear_bf16_packed(act, (const uint16_t *)(intptr_t)ly[DL_DOWN], h, B, hidden, inter,
-                                   ly[DL_DOWN_KB], num_threads);
+        rc = linear_packed(dtype, act, ly[DL_DOWN], h, B, hidden, inter, ly[DL_DOWN_KB],
+                           num_threads);
     }
     free(buf);
     return rc;
