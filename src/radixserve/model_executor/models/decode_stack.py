@@ -61,12 +61,12 @@ class DecodeStack:
 
     @staticmethod
     def eligible(layers: list[DecoderLayer], kernels: CpuKernels | None,
-                 tp: object | None) -> str | None:
+                 sharded: bool) -> str | None:
         """None where the fused stack can run this model, else why not (for the start-up
         log and ``forward_path_info``)."""
         if kernels is None:
             return "needs the C kernels"
-        if tp is not None:
+        if sharded:
             return "tensor parallel: the layers all-reduce between ops"
         for layer in layers:
             if layer.qkv_bias is not None or layer.q_norm is not None:

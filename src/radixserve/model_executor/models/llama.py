@@ -315,7 +315,8 @@ class CausalLM(nn.Module):
         if not on:
             self.decode_stack = None
             return "per-op", "--no-fused-decode"
-        why = DecodeStack.eligible(list(self.layers), self.kernels, self.tp)
+        # the shard, not ``self.tp``: the group is joined after loading
+        why = DecodeStack.eligible(list(self.layers), self.kernels, self.shard.size > 1)
         if why is not None:
             self.decode_stack = None
             return "per-op", why
@@ -333,6 +334,7 @@ class CausalLM(nn.Module):
             raise ValueError(f"group rank {group.rank}/{group.size} for shard "
                              f"{self.shard.rank}/{self.shard.size}")
         self.tp = group
+        self.decode_stack = None  # its layers would skip the all-reduces
         for layer in self.layers:
             layer.tp = group
 
