@@ -8,8 +8,8 @@ chunk and per decoded token, never reserved for ``max_tokens`` up front; when a 
 a page, the most recently admitted running request is preempted (pages released to the radix
 cache, request back at the front of the waiting queue). Where pages go is the pool's choice: a
 request's pages continue its previous ones when those ids are free (``PagePool``), with room
-for its expected length kept ahead of it, which the decode attention reads faster. This is vLLM V1's scheduling shape
-(Sarathi-Serve's stall-free batching) over SGLang's radix cache.
+for its expected length kept ahead of it, which the decode attention reads faster. This is
+vLLM V1's scheduling shape (Sarathi-Serve's stall-free batching) over SGLang's radix cache.
 
 With a KV connector (prefill/decode disaggregation) a request admitted with an asynchronous
 remote load takes its row and pages, then waits in ``loading`` (``WAITING_FOR_REMOTE_KVS``)

@@ -10,8 +10,7 @@ once per step here instead of once per op.
 It applies where every op of the per-op path is one of those kernels: packed weights (bf16 or
 float32) through radixserve's linear kernel (``packed_kernel``), the "cpu" attention backend, no
 tensor parallelism, no Q/K bias or norm, and a step of decodes only with at most the kernel's
-``max_rows`` rows.
-Any other step runs the per-op path (``CausalLM.forward``).
+``max_rows`` rows. Any other step runs the per-op path (``CausalLM.forward``).
 """
 
 from __future__ import annotations
