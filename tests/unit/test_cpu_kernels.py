@@ -11,9 +11,9 @@ from radixserve.model_executor.kernels.cpu import CpuKernels, build
 
 
 @pytest.fixture(scope="module")
-def kernel() -> CpuKernels:
-    build()  # raises with the compiler's message if the build fails
-    k = CpuKernels.load()
+def kernel(kernel_build: str) -> CpuKernels:
+    build(march=kernel_build)  # raises with the compiler's message if the build fails
+    k = CpuKernels.load(kernel_build)
     assert k is not None
     return k
 
@@ -94,17 +94,22 @@ def test_kernel_bfloat16(kernel, b, h, hkv, d, page, max_len) -> None:
     torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
 
 
-def test_bf16_attention_isa_follows_the_cpu(kernel) -> None:
-    """The build is -march=native, so the instruction-set path must be the CPU's own."""
+def test_bf16_attention_isa_follows_the_cpu(kernel, kernel_build) -> None:
+    """The native build's instruction-set paths must be the CPU's own; the haswell build's
+    those of an AVX2 CPU (portable attention, float32 linears with AVX2 + FMA)."""
     flags = set()
     for line in open("/proc/cpuinfo").read().splitlines():  # noqa: SIM115 - small file
         if line.startswith("flags"):
             flags = set(line.split(":", 1)[1].split())
             break
+    if kernel_build == "haswell":
+        flags = {"avx2", "fma"}
     want = ("avx512-bf16" if {"avx512f", "avx512_bf16"} <= flags
             else "avx512" if "avx512f" in flags else "portable")
     assert kernel.bf16_attention_isa == want
     assert kernel.has_bf16_dot == (want == "avx512-bf16")
+    assert kernel.f32_gemm_isa == ("avx512" if "avx512f" in flags
+                                   else "avx2" if {"avx2", "fma"} <= flags else None)
 
 
 def test_kernel_rejects_bad_input(kernel) -> None:

@@ -21,8 +21,8 @@ DTYPES = [torch.bfloat16, torch.float32]
 
 
 @pytest.fixture(scope="module")
-def kernels() -> CpuKernels:
-    k = CpuKernels.load()
+def kernels(kernel_build: str) -> CpuKernels:
+    k = CpuKernels.load(kernel_build)
     assert k is not None
     return k
 

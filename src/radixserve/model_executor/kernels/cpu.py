@@ -32,8 +32,7 @@ from radixserve.cache_dir import cache_dir
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
-          "-ffp-contract=fast"]
+CFLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-ffp-contract=fast"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
@@ -48,8 +47,13 @@ def cpu_signature() -> str:
     return "\n".join(keep)
 
 
-def build(compiler: str | None = None) -> Path:
+def build(compiler: str | None = None, march: str = "native") -> Path:
     """Compile the kernel unless a matching build is cached; returns the ``.so`` path.
+
+    Args:
+        compiler: the C compiler (default: ``$CC``, then ``cc``, then ``gcc``).
+        march: GCC's ``-march``: "native" for this CPU (the engine's), or an older target
+            such as "haswell" (the AVX2 kind's code paths, for tests on an AVX-512 machine).
 
     Raises:
         RuntimeError: no C compiler, or the compiler failed (its stderr is in the message).
@@ -58,7 +62,8 @@ def build(compiler: str | None = None) -> Path:
     if not cc:
         raise RuntimeError("no C compiler found (set CC or install gcc)")
     src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join([cc, *CFLAGS]).encode()
+    flags = [*CFLAGS, f"-march={march}"]
+    key = hashlib.sha256(src + " ".join([cc, *flags]).encode()
                          + cpu_signature().encode()).hexdigest()[:16]
     out = cache_dir("kernels") / f"cpu_kernels-{key}.so"
     if out.exists():
@@ -68,7 +73,7 @@ def build(compiler: str | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        res = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"],
+        res = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"],
                              capture_output=True, text=True, timeout=120)
         if res.returncode != 0:
             raise RuntimeError(f"{cc} failed ({res.returncode}): {res.stderr.strip()[-2000:]}")
@@ -150,12 +155,13 @@ class CpuKernels:
         self.has_bf16_dot = bool(isa & 1)
 
     @classmethod
-    def load(cls) -> CpuKernels | None:
-        """Build (or reuse the cached build) and load; None, with a log line, on failure."""
+    def load(cls, march: str = "native") -> CpuKernels | None:
+        """Build (or reuse the cached build) for ``march`` (``build``) and load; None, with a
+        log line, on failure."""
         # torch's own libgomp must be loaded first so the kernel binds to the same runtime
         torch.get_num_threads()
         try:
-            return cls(ctypes.CDLL(str(build())))
+            return cls(ctypes.CDLL(str(build(march=march))))
         except (RuntimeError, OSError, subprocess.SubprocessError) as e:
             log.warning("CPU attention kernel unavailable, using torch SDPA: %s", e)
             return None

@@ -1081,7 +1081,7 @@ int rs_linear_bf16_packed(const uint16_t *x, const uint16_t *w, uint16_t *y, int
  *   x: M x K float32 (row stride K); y: M x N float32 (row stride N); N % 64 == 0.
  * Returns 0; 1 on bad sizes; 5 where the build has no AVX2 + FMA (the caller keeps oneDNN). */
 #if defined(__AVX512F__)
-#define RS_F32_GEMM 1
+#define RS_F32_GEMM 2 /* `rs_has_f32_gemm`: 2 AVX-512, 1 AVX2 */
 #define F32_VW 16
 #define F32_MR 6
 #define F32_NT 4
@@ -1182,7 +1182,7 @@ int rs_linear_f32_packed(const float *x, const float *w, float *y, int64_t M, in
 #endif
 }
 
-/* whether `rs_linear_f32_packed` is built (AVX2 + FMA or AVX-512) */
+/* whether `rs_linear_f32_packed` is built: 2 with AVX-512, 1 with AVX2 + FMA, 0 not */
 int rs_has_f32_gemm(void) { return RS_F32_GEMM; }
 
 /* A decode step's whole layer stack in one call (float32 or bfloat16: dtype 0 / 1; packed
