@@ -942,6 +942,19 @@ int rs_store_kv(int dtype, const void *k, int64_t k_stride, const void *v, int64
  *   in order, then rounded to bfloat16 (nearest even).
  *   x: K bf16; w: oneDNN's buffer; y: N bf16; sizes checked by `rs_linear_bf16_packed`. */
 #define GEMV_NB 64
+/* `tile(R, ...)` with the tile's row count R = mr (1..6) as a compile-time constant: the tile
+ * functions are always_inline, so each count gets its own register allocation */
+#define TILE_BY_ROWS(tile, mr, ...)                                                          \
+    do {                                                                                     \
+        switch (mr) {                                                                        \
+        case 6: tile(6, __VA_ARGS__); break;                                                 \
+        case 5: tile(5, __VA_ARGS__); break;                                                 \
+        case 4: tile(4, __VA_ARGS__); break;                                                 \
+        case 3: tile(3, __VA_ARGS__); break;                                                 \
+        case 2: tile(2, __VA_ARGS__); break;                                                 \
+        default: tile(1, __VA_ARGS__); break;                                                \
+        }                                                                                    \
+    } while (0)
 #if RS_BF16_DOT
 static int gemv_bf16_packed(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t N,
                             int64_t K, int64_t kblk, int num_threads) {
@@ -990,6 +1003,7 @@ static int gemv_bf16_packed(const uint16_t *x, const uint16_t *w, uint16_t *y, i
  *   x: M x K bf16 (row stride K); y: M x N bf16 (row stride N); N % 64 == 0, K, kblk even.
  * Returns 0; 1 on bad sizes; 5 where the build lacks AVX512-BF16 (the caller keeps oneDNN). */
 #define GEMM_MR 6
+_Static_assert(GEMM_MR <= 6, "TILE_BY_ROWS covers 1..6 rows");
 #if RS_BF16_DOT
 static inline __attribute__((always_inline)) void gemm_tile(
         const int mr, const uint16_t *x, int64_t K, const uint16_t *wb, int64_t kblk,
@@ -1048,14 +1062,7 @@ int rs_linear_bf16_packed(const uint16_t *x, const uint16_t *w, uint16_t *y, int
             for (int64_t m0 = 0; m0 < M; m0 += GEMM_MR) {
                 const int64_t mr = M - m0 < GEMM_MR ? M - m0 : GEMM_MR;
                 const uint16_t *xm = x + m0 * K;
-                switch (mr) {
-                case 6: gemm_tile(6, xm, K, wb, kblk, tot, pf, &pf_off, pf_end, pf_lines); break;
-                case 5: gemm_tile(5, xm, K, wb, kblk, tot, pf, &pf_off, pf_end, pf_lines); break;
-                case 4: gemm_tile(4, xm, K, wb, kblk, tot, pf, &pf_off, pf_end, pf_lines); break;
-                case 3: gemm_tile(3, xm, K, wb, kblk, tot, pf, &pf_off, pf_end, pf_lines); break;
-                case 2: gemm_tile(2, xm, K, wb, kblk, tot, pf, &pf_off, pf_end, pf_lines); break;
-                default: gemm_tile(1, xm, K, wb, kblk, tot, pf, &pf_off, pf_end, pf_lines); break;
-                }
+                TILE_BY_ROWS(gemm_tile, mr, xm, K, wb, kblk, tot, pf, &pf_off, pf_end, pf_lines);
                 for (int64_t r = 0; r < mr; ++r)
                     for (int u = 0; u < 4; ++u)
                         _mm256_storeu_si256(
@@ -1109,6 +1116,7 @@ typedef __m256 f32v;
 #endif
 
 #if RS_F32_GEMM
+_Static_assert(F32_MR <= 6, "TILE_BY_ROWS covers 1..6 rows");
 #define F32_TILE (F32_NT * F32_VW) /* outputs per tile: 64 (AVX-512) or 16 (AVX2) */
 static inline __attribute__((always_inline)) void f32_tile(
         const int mr, const float *x, int64_t K, const float *wb, int64_t kblk, float *tot,
@@ -1160,14 +1168,7 @@ int rs_linear_f32_packed(const float *x, const float *w, float *y, int64_t M, in
                 for (int64_t m0 = 0; m0 < M; m0 += F32_MR) {
                     const int64_t mr = M - m0 < F32_MR ? M - m0 : F32_MR;
                     const float *xm = x + m0 * K;
-                    switch (mr) {
-                    case 6: f32_tile(6, xm, K, wb, kblk, tot, pf, &pf_off, pf_end, pf_lines); break;
-                    case 5: f32_tile(5, xm, K, wb, kblk, tot, pf, &pf_off, pf_end, pf_lines); break;
-                    case 4: f32_tile(4, xm, K, wb, kblk, tot, pf, &pf_off, pf_end, pf_lines); break;
-                    case 3: f32_tile(3, xm, K, wb, kblk, tot, pf, &pf_off, pf_end, pf_lines); break;
-                    case 2: f32_tile(2, xm, K, wb, kblk, tot, pf, &pf_off, pf_end, pf_lines); break;
-                    default: f32_tile(1, xm, K, wb, kblk, tot, pf, &pf_off, pf_end, pf_lines); break;
-                    }
+                    TILE_BY_ROWS(f32_tile, mr, xm, K, wb, kblk, tot, pf, &pf_off, pf_end, pf_lines);
                     for (int64_t r = 0; r < mr; ++r)
                         memcpy(y + (m0 + r) * N + nb * GEMV_NB + hf * F32_TILE,
                                tot + r * F32_TILE, sizeof(float) * F32_TILE);
