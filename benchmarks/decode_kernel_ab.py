@@ -19,9 +19,10 @@ import torch
 from radixserve.model_executor.kernels import cpu as kc
 
 
-def build(source: Path, out: Path) -> kc.CpuKernels:
+def build(source: Path, out: Path, march: str) -> kc.CpuKernels:
     """Only the decode kernel is bound: an older source may lack the other symbols."""
-    subprocess.run(["cc", *kc.CFLAGS, "-o", str(out), str(source), "-lm"], check=True)
+    subprocess.run(["cc", *kc.CFLAGS, f"-march={march}", "-o", str(out), str(source), "-lm"],
+                   check=True)
     fn = ctypes.CDLL(str(out)).rs_paged_decode_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, i64,
@@ -38,6 +39,9 @@ def main() -> None:
     ap.add_argument("--lens", default="128,512", help="keys per sequence")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--march", default="native",
+                    help="GCC -march of both builds (haswell: the AVX2 kind's code on an "
+                         "AVX-512 machine)")
     ap.add_argument("--layers", type=int, default=1,
                     help="KV pools called in turn (30: a step of SmolLM2-135M, whose K/V do "
                          "not fit in cache; 1: the kernel's compute alone)")
@@ -52,7 +56,7 @@ def main() -> None:
     old = tmp / "base.c"
     old.write_text(subprocess.run(["git", "show", f"{ns.base}:{rel}"], check=True,
                                   capture_output=True, text=True).stdout)
-    a, b = build(old, tmp / "a.so"), build(kc.SOURCE, tmp / "b.so")
+    a, b = build(old, tmp / "a.so", ns.march), build(kc.SOURCE, tmp / "b.so", ns.march)
     heads, kv_heads, d, page = 9, 3, 64, 16  # SmolLM2-135M's attention
     for dtype in (torch.bfloat16, torch.float32):
         for length in (int(x) for x in ns.lens.split(",")):

@@ -258,13 +258,23 @@ static inline void axpy(float *acc, float p, const float *v, int64_t D) {
         }                                                                                      \
         for (int64_t i = 0; i < (D16); ++i) memcpy(acc + 16 * i, &a[i], sizeof(v16f));         \
     } while (0)
+/* 16 lanes only where one register holds them: GCC lowers a 64-byte vector on an AVX2 target
+ * through the stack (scalar stores, then vector reloads), which made the float32 decode
+ * attention 3x slower than 8 lanes (-march=haswell on Zen 5, docs/benchmarks.md session 11) */
+#if defined(__AVX512F__)
+#define PV_ROWS_64(LOAD) PV16_ROWS_BODY(4)
+#define PV_ROWS_128(LOAD) PV16_ROWS_BODY(8)
+#else
+#define PV_ROWS_64(LOAD) PV_ROWS_BODY(8, LOAD)
+#define PV_ROWS_128(LOAD) PV_ROWS_BODY(16, LOAD)
+#endif
 #define DEFINE_PV_ROWS(NAME, T, LOAD)                                                          \
     static inline void NAME(const float *p, const T *base, const int64_t *offs, int64_t n,     \
                             int64_t D, float *acc) {                                           \
         if (D == 64)                                                                           \
-            PV16_ROWS_BODY(4);                                                                 \
+            PV_ROWS_64(LOAD);                                                                  \
         else if (D == 128)                                                                     \
-            PV16_ROWS_BODY(8);                                                                 \
+            PV_ROWS_128(LOAD);                                                                 \
         else                                                                                   \
             PV_ROWS_BODY(D / 8, LOAD);                                                         \
     }
@@ -785,61 +795,68 @@ int rs_rope(int dtype, void *x, int64_t T, int64_t heads, int64_t D, int64_t str
     return 0;
 }
 
-/* The element-wise kernel below works on 16 lanes (one AVX-512 register; two AVX ones):
- * element-wise arithmetic gives the same values at any width. */
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint32_t v16u32 __attribute__((vector_size(64)));
-typedef uint16_t v16u16 __attribute__((vector_size(32)));
-DEFINE_EXP_NONPOS(exp16_nonpos, v16f, v16i)
+/* The element-wise kernels below work on VL lanes, one register of the target: 16 with
+ * AVX-512, else 8 (a wider generic vector than the target's registers goes through the stack
+ * with GCC, see `PV_ROWS_64`). Element-wise arithmetic gives the same values at any width. */
+#if defined(__AVX512F__)
+#define VL 16
+#else
+#define VL 8
+#endif
+typedef float vlf __attribute__((vector_size(VL * 4)));
+typedef int32_t vli __attribute__((vector_size(VL * 4)));
+typedef uint32_t vlu32 __attribute__((vector_size(VL * 4)));
+typedef uint16_t vlu16 __attribute__((vector_size(VL * 2)));
+DEFINE_EXP_NONPOS(expv_nonpos, vlf, vli)
 
-/* 16 values of a float32 or bfloat16 row from element i, widened to float32 (exact) */
-static inline v16f load16_any(int dtype, const void *base, int64_t i) {
-    v16f f;
+/* VL values of a float32 or bfloat16 row from element i, widened to float32 (exact) */
+static inline vlf loadv_any(int dtype, const void *base, int64_t i) {
+    vlf f;
     if (dtype == 0) {
         memcpy(&f, (const float *)base + i, sizeof f);
         return f;
     }
-    v16u16 h;
+    vlu16 h;
     memcpy(&h, (const uint16_t *)base + i, sizeof h);
-    const v16u32 w = __builtin_convertvector(h, v16u32) << 16;
+    const vlu32 w = __builtin_convertvector(h, vlu32) << 16;
     memcpy(&f, &w, sizeof f);
     return f;
 }
 
-/* `f32_to_bf16` on 16 lanes (the same bit operations, so the same values): rounded to
+/* `f32_to_bf16` on VL lanes (the same bit operations, so the same values): rounded to
  * bfloat16 and widened back, or stored as bfloat16. GCC leaves the scalar helper in a
  * per-lane loop. */
-static inline v16u32 bf16_bits16(v16f f) {
-    v16u32 u;
+static inline vlu32 bf16_bitsv(vlf f) {
+    vlu32 u;
     memcpy(&u, &f, sizeof u);
     return u + 0x7FFFu + ((u >> 16) & 1u);
 }
-static inline v16f round_bf16_16(v16f f) {
-    const v16u32 u = bf16_bits16(f) & 0xFFFF0000u;
+static inline vlf round_bf16_v(vlf f) {
+    const vlu32 u = bf16_bitsv(f) & 0xFFFF0000u;
     memcpy(&f, &u, sizeof f);
     return f;
 }
-static inline void store16_any(int dtype, void *base, int64_t i, v16f f) {
+static inline void storev_any(int dtype, void *base, int64_t i, vlf f) {
     if (dtype == 0) {
         memcpy((float *)base + i, &f, sizeof f);
         return;
     }
-    const v16u16 h = __builtin_convertvector(bf16_bits16(f) >> 16, v16u16);
+    const vlu16 h = __builtin_convertvector(bf16_bitsv(f) >> 16, vlu16);
     memcpy((uint16_t *)base + i, &h, sizeof h);
 }
 
-/* silu(g) * u on 16 lanes, the SiLU rounded to the activation dtype first (torch's two ops);
- * sigmoid through `exp16_nonpos` of -|g|, so no lane overflows. Returns float32 lanes of the
+/* silu(g) * u on VL lanes, the SiLU rounded to the activation dtype first (torch's two ops);
+ * sigmoid through `expv_nonpos` of -|g|, so no lane overflows. Returns float32 lanes of the
  * product (still to be rounded to bfloat16 by the caller). */
-static inline v16f silu_mul16(int dtype, v16f g, v16f u) {
-    const v16i neg = g < (v16f){0};
-    const v16i abs_mask = (v16i){0} + 0x7fffffff;
-    const v16f e = exp16_nonpos((v16f){0} - (v16f)((v16i)g & abs_mask)); /* exp(-|g|) */
-    const v16f one = (v16f){0} + 1.0f;
+static inline vlf silu_mulv(int dtype, vlf g, vlf u) {
+    const vli neg = g < (vlf){0};
+    const vli abs_mask = (vli){0} + 0x7fffffff;
+    const vlf e = expv_nonpos((vlf){0} - (vlf)((vli)g & abs_mask)); /* exp(-|g|) */
+    const vlf one = (vlf){0} + 1.0f;
     /* g * sigmoid(g): g / (1 + e) for g >= 0 (torch's formula), g * e / (1 + e) below */
-    const v16f num = (v16f)(((v16i)one & ~neg) | ((v16i)e & neg));
-    v16f silu = (g * num) / (one + e);
-    if (dtype != 0) silu = round_bf16_16(silu);
+    const vlf num = (vlf)(((vli)one & ~neg) | ((vli)e & neg));
+    vlf silu = (g * num) / (one + e);
+    if (dtype != 0) silu = round_bf16_v(silu);
     return silu * u;
 }
 
@@ -851,19 +868,19 @@ int rs_silu_mul(int dtype, const void *gu, void *out, int64_t T, int64_t I, int 
     for (int64_t t = 0; t < T; ++t) {
         const int64_t g0 = t * 2 * I, u0 = g0 + I, o0 = t * I;
         int64_t i = 0;
-        for (; i + 16 <= I; i += 16)
-            store16_any(dtype, out, o0 + i,
-                        silu_mul16(dtype, load16_any(dtype, gu, g0 + i),
-                                   load16_any(dtype, gu, u0 + i)));
+        for (; i + VL <= I; i += VL)
+            storev_any(dtype, out, o0 + i,
+                        silu_mulv(dtype, loadv_any(dtype, gu, g0 + i),
+                                   loadv_any(dtype, gu, u0 + i)));
         if (i < I) { /* the tail, padded with its own first element */
             char g[64], u[64], y[64];
-            for (int64_t j = 0; j < 16; ++j) {
+            for (int64_t j = 0; j < VL; ++j) {
                 const int64_t k = i + (i + j < I ? j : 0);
                 memcpy(g + j * es, (const char *)gu + (g0 + k) * es, es);
                 memcpy(u + j * es, (const char *)gu + (u0 + k) * es, es);
             }
-            store16_any(dtype, y, 0, silu_mul16(dtype, load16_any(dtype, g, 0),
-                                                load16_any(dtype, u, 0)));
+            storev_any(dtype, y, 0, silu_mulv(dtype, loadv_any(dtype, g, 0),
+                                                loadv_any(dtype, u, 0)));
             memcpy((char *)out + (o0 + i) * es, y, (size_t)(I - i) * es);
         }
     }
@@ -872,7 +889,7 @@ int rs_silu_mul(int dtype, const void *gu, void *out, int64_t T, int64_t I, int 
 
 /* out[s] = argmax of row s of x [S, V] (float32, row stride `stride` elements), torch's
  * `argmax` semantics: the first index of the maximum, or of the first NaN when the row has one.
- * Rows split across threads; each row is two passes over 16 lanes (the maximum and whether a
+ * Rows split across threads; each row is two passes over VL lanes (the maximum and whether a
  * NaN is there, then the first index holding it), ~3.3x faster than torch's CPU argmax on a
  * 64 x 49,152 step (docs/benchmarks.md). */
 int rs_argmax_rows(const float *x, int64_t S, int64_t V, int64_t stride, int64_t *out,
@@ -881,19 +898,19 @@ int rs_argmax_rows(const float *x, int64_t S, int64_t V, int64_t stride, int64_t
 #pragma omp parallel for num_threads(num_threads) if (S * V >= 65536) schedule(static)
     for (int64_t s = 0; s < S; ++s) {
         const float *r = x + s * stride;
-        v16f m = (v16f){0} - INFINITY;
-        v16i nan = (v16i){0};
+        vlf m = (vlf){0} - INFINITY;
+        vli nan = (vli){0};
         int64_t i = 0;
-        for (; i + 16 <= V; i += 16) {
-            v16f v;
+        for (; i + VL <= V; i += VL) {
+            vlf v;
             memcpy(&v, r + i, sizeof v);
-            const v16i gt = v > m;
-            m = (v16f)(((v16i)v & gt) | ((v16i)m & ~gt));
+            const vli gt = v > m;
+            m = (vlf)(((vli)v & gt) | ((vli)m & ~gt));
             nan |= v != v;
         }
         float best = -INFINITY;
         int any_nan = 0;
-        for (int j = 0; j < 16; ++j) {
+        for (int j = 0; j < VL; ++j) {
             best = m[j] > best ? m[j] : best;
             any_nan |= nan[j] != 0;
         }
