@@ -14,6 +14,7 @@ import torch
 
 from radixserve import LLM, SamplingParams
 from radixserve.engine_types import EngineRequest
+from radixserve.model_executor.path_choice import KERNEL_ROWS
 
 pytestmark = pytest.mark.slow
 
@@ -185,6 +186,14 @@ def test_fused_decode_and_linear_kernel_in_float32() -> None:
     assert runner.paths.paths["linear_kernel"] == ("radixserve" if has else "onednn")
     assert runner.paths.paths["decode_layers"] == ("fused" if has else "per-op")
     assert ref.engine.runner.paths.paths["decode_layers"] == "per-op"
+    if has:  # the row cap measured at start-up is the one every projection and the stack use
+        cap = runner.kernel_rows.max_rows
+        assert cap in KERNEL_ROWS and f"up to {cap} rows" in runner.paths.reasons["linear_kernel"]
+        model = runner.model
+        assert {getattr(layer, n + "_proj").kernel.max_rows for layer in model.layers
+                for n in ("qkv", "o", "gate_up", "down")} == {cap}
+        assert model._lm_head_proj.kernel.max_rows == cap
+        assert model.decode_stack.max_rows == cap
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
     prompts = ["Count to five.", "Name a planet.", "What is rain?"]
     for got, want in zip(fast.generate(prompts, sp, use_tqdm=False),

@@ -10,6 +10,7 @@ import torch
 from radixserve.model_executor.kernels.cpu import CpuKernels
 from radixserve.model_executor.layers.linear import packed_linear
 from radixserve.model_executor.layers.packed_kernel import (
+    MAX_ROWS,
     find_k_block,
     max_rows_for,
     packed_kernel_linear,
@@ -27,10 +28,11 @@ def kernels(kernel_build: str) -> CpuKernels:
     return k
 
 
-def _rows(kernels: CpuKernels, dtype: torch.dtype) -> list[int]:
-    """The GEMV, every remainder of the 6-row register tile, decode batches, the cap."""
-    cap = max_rows_for(kernels, dtype)
-    return sorted({m for m in (1, 2, 5, 6, 7, 13, 64, 200, cap) if m <= cap})
+def _rows() -> list[int]:
+    """The GEMV, every remainder of the 6-row register tile, decode batches, and up to the
+    largest cap the start-up measurement can pick (``path_choice.KERNEL_ROWS``), whatever
+    this build's default cap"""
+    return [1, 2, 5, 6, 7, 13, 64, 200, MAX_ROWS]
 
 
 def _activations(g: torch.Generator, m: int, k: int, dtype: torch.dtype) -> torch.Tensor:
@@ -49,9 +51,9 @@ def test_kernel_is_the_gemm_row_for_row_at_every_batch_size(kernels, n, k, dtype
         assert packed_kernel_linear(kernels, w, w, None, 64, blocks) is None and blocks == {}
         return
     packed = torch.ops.mkldnn._reorder_linear_weight(w, 64)
-    op = packed_kernel_linear(kernels, packed, w, None, 64, blocks)
+    op = packed_kernel_linear(kernels, packed, w, None, 64, blocks, max_rows=MAX_ROWS)
     assert op is not None and blocks[(n, k)] == op.k_block
-    for m in _rows(kernels, dtype):
+    for m in _rows():
         x = _activations(g, m, k, dtype)
         want = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
         if m > 1:  # oneDNN's own one-row path rounds otherwise: that is why the kernel exists
@@ -64,17 +66,20 @@ def test_kernel_is_the_gemm_row_for_row_at_every_batch_size(kernels, n, k, dtype
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_packed_linear_routes_up_to_max_rows_to_the_kernel(kernels, dtype) -> None:
+@pytest.mark.parametrize("cap", [None, 32])
+def test_packed_linear_routes_up_to_max_rows_to_the_kernel(kernels, dtype, cap) -> None:
+    """``cap`` None: the build's default rule; 32: a cap measured at start-up."""
     w = torch.randn(960, 576).to(dtype)
     blocks: dict[tuple[int, int], int | None] = {}
     fn = packed_linear(w, None, 64, lambda p, wt, b: packed_kernel_linear(kernels, p, wt, b, 64,
-                                                                            blocks))
+                                                                            blocks, cap))
     if fn is None:  # oneDNN cannot pack this dtype on this CPU (bf16 without AVX-512)
         assert not kernels.has_linear_kernel(dtype)
         return
     own = getattr(fn, "kernel", None)
     assert (own is not None) == kernels.has_linear_kernel(dtype)
-    cap = max_rows_for(kernels, dtype)
+    cap = max_rows_for(kernels, dtype) if cap is None else cap
+    assert own is None or own.max_rows == cap
     calls: list[int] = []
     if own is not None:
         real = own.kernels.linear_packed_unchecked

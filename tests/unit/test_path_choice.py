@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from radixserve.model_executor import path_choice
+from radixserve.model_executor.kernels.cpu import CpuKernels
 from radixserve.model_executor.path_choice import choose_linear_path
 
 
@@ -53,3 +54,54 @@ def test_a_corrupt_cache_file_is_measured_again(tmp_path, monkeypatch) -> None:
     files[0].write_text("{not json")
     got = choose_linear_path(_weights(), 16, "k")
     assert not got.cached and got.path in ("packed", "dense")
+
+
+def test_kernel_max_rows_is_the_last_row_count_before_the_first_loss() -> None:
+    rows = path_choice.KERNEL_ROWS
+    n = len(rows)
+    onednn = [1.0] * n
+    assert path_choice.kernel_max_rows({"radixserve": [0.9] * n, "onednn": onednn}) == rows[-1]
+    # slower at the third row count: the second, although it wins again later
+    ours = [0.9, 0.9, 1.1] + [0.9] * (n - 3)
+    assert path_choice.kernel_max_rows({"radixserve": ours, "onednn": onednn}) == rows[1]
+    # a measurement that stopped at its first loss
+    assert path_choice.kernel_max_rows({"radixserve": [0.9, 1.2],
+                                        "onednn": [1.0, 1.0]}) == rows[0]
+    # slower from the first: the floor
+    assert path_choice.kernel_max_rows({"radixserve": [1.1], "onednn": [1.0]}) == rows[0]
+    # a tie keeps the kernel (the same bits either way)
+    assert path_choice.kernel_max_rows({"radixserve": [1.0] * n, "onednn": onednn}) == rows[-1]
+
+
+def test_kernel_rows_measured_once_then_cached(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path))
+    kernels = CpuKernels.load()
+    # both CPU kinds have AVX2 + FMA: the float32 kernel is built on either
+    assert kernels is not None and kernels.has_linear_kernel(torch.float32)
+    shapes = [(128, 64), (64, 256)]
+    blocks: dict[tuple[int, int], int | None] = {}
+    first = path_choice.choose_kernel_rows(kernels, torch.float32, shapes, 16, blocks, "tiny")
+    assert first is not None and not first.cached
+    assert set(blocks) == set(shapes) and all(kb is not None for kb in blocks.values())
+    ours, onednn = first.seconds["radixserve"], first.seconds["onednn"]
+    assert 1 <= len(ours) == len(onednn) <= len(path_choice.KERNEL_ROWS)
+    # the measurement ran to the end or stopped at the kernel's first loss
+    assert len(ours) == len(path_choice.KERNEL_ROWS) or ours[-1] > onednn[-1]
+    assert first.max_rows == path_choice.kernel_max_rows(first.seconds)
+    assert f"up to {first.max_rows} rows" in first.reason
+    calls = []
+    monkeypatch.setattr(path_choice, "measure_kernel_rows", lambda *a: calls.append(a))
+    again = path_choice.choose_kernel_rows(kernels, torch.float32, shapes, 16, {}, "tiny")
+    assert again.cached and again.max_rows == first.max_rows and not calls
+    # another kernel build (new source or flags) is measured again
+    monkeypatch.setattr(kernels, "build_id", "cpu_kernels-other.so")
+    assert path_choice.choose_kernel_rows(kernels, torch.float32, shapes, 16, {},
+                                          "tiny") is None
+    assert len(calls) == 1
+    # as is a corrupt cache file
+    monkeypatch.undo()
+    monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path))
+    for f in tmp_path.rglob("kernel-rows-*.json"):
+        f.write_text("{not json")
+    got = path_choice.choose_kernel_rows(kernels, torch.float32, shapes, 16, {}, "tiny")
+    assert not got.cached and got.max_rows in path_choice.KERNEL_ROWS

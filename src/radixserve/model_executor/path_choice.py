@@ -1,5 +1,7 @@
-"""Per-machine choice of the linear path (oneDNN-packed or dense ``F.linear``), measured at
-start-up on the model's own projection shapes and cached per CPU, torch build, dtype and shapes.
+"""Per-machine choices of the linear path, measured at start-up on the model's own projection
+shapes and cached per CPU, torch build, dtype and shapes: oneDNN-packed or dense ``F.linear``
+(``choose_linear_path``), and up to how many rows radixserve's kernel over the packed weights
+takes a call before oneDNN's GEMM does (``choose_kernel_rows``).
 
 Why measure: packing wins at decode batch sizes on the machines measured so far (AVX2 float32
 and AVX-512 BF16, docs/benchmarks.md), but by how much depends on the CPU, the dtype and the
@@ -15,14 +17,17 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from radixserve.cache_dir import cache_dir
-from radixserve.model_executor.kernels.cpu import cpu_signature
-from radixserve.model_executor.layers.linear import LinearFn, dense_linear, packed_linear
+from radixserve.model_executor.kernels.cpu import CpuKernels, cpu_signature
+from radixserve.model_executor.layers.linear import dense_linear, packed_linear
+from radixserve.model_executor.layers.packed_kernel import MAX_ROWS, find_k_block
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +56,7 @@ class LinearChoice:
     cached: bool = False
 
 
-def _time(fn: LinearFn, x: torch.Tensor, reps: int) -> float:
+def _time(fn: Callable[[Any], object], x: Any, reps: int) -> float:
     fn(x)
     t = time.perf_counter()
     for _ in range(reps):
@@ -101,9 +106,7 @@ def choose_linear_path(weights: list[torch.Tensor], batch_hint: int,
         batch_hint: M the packed layout is tuned for.
         cache_key: identifies the model's shapes and dtype.
     """
-    key = hashlib.sha256("\n".join([cache_key, str(batch_hint), torch.__version__,
-                                    cpu_signature()]).encode()).hexdigest()[:16]
-    path = cache_dir("path_choice") / f"linear-{key}.json"
+    path = _cache_file("linear", cache_key, str(batch_hint))
     cached = _read(path)
     if cached is not None:
         return LinearChoice(cached["path"], f"measured before on this machine ({path.name}): "
@@ -117,14 +120,25 @@ def choose_linear_path(weights: list[torch.Tensor], batch_hint: int,
                   for m, p, d in zip(MEASURE_M, secs["packed"], secs["dense"], strict=True))
     reason = (f"measured on this model's shapes, packed/dense ms per layer + LM head {ms}; "
               f"packed {speedup:.2f}x")
+    _write(path, {"path": best, "reason": reason, "seconds": secs})
+    return LinearChoice(best, reason, secs)
+
+
+def _cache_file(kind: str, *parts: str) -> Path:
+    """The cache file of one measurement: ``parts`` plus this torch build and CPU, hashed."""
+    key = hashlib.sha256("\n".join([*parts, torch.__version__, cpu_signature()]).encode()
+                         ).hexdigest()[:16]
+    return cache_dir("path_choice") / f"{kind}-{key}.json"
+
+
+def _write(path: Path, verdict: dict) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"path": best, "reason": reason, "seconds": secs}))
+        tmp.write_text(json.dumps(verdict))
         tmp.replace(path)
     except OSError as e:  # a read-only cache only costs the measurement next time
-        log.info("could not cache the linear path choice: %s", e)
-    return LinearChoice(best, reason, secs)
+        log.info("could not cache the path choice %s: %s", path.name, e)
 
 
 def _read(path: Path) -> dict | None:
@@ -135,3 +149,131 @@ def _read(path: Path) -> dict | None:
     if d.get("path") not in ("packed", "dense") or not isinstance(d.get("seconds"), dict):
         return None
     return d
+
+
+#: row counts at which radixserve's packed linear kernel and oneDNN's GEMM are timed, in
+#: order; the kernel's cap is the last of them before the first at which it is slower. Up to
+#: 16 rows a decode step reads the weights from DRAM and the kernel measured ahead on every
+#: machine (docs/benchmarks.md, sessions 9-11); the crossover lies above: 64-128 rows for
+#: float32 held to AVX2, none up to 512 for AVX-512 (session 10).
+KERNEL_ROWS = (16, 32, 64, 128, 256, MAX_ROWS)
+
+
+@dataclass
+class KernelRowsChoice:
+    """Verdict of ``choose_kernel_rows``.
+
+    Attributes:
+        max_rows: calls of up to this many rows take radixserve's kernel, longer ones oneDNN's
+            GEMM (the same bits either way).
+        reason: one line for the start-up log.
+        seconds: "radixserve" and "onednn" -> seconds of one pass over the shapes at each of
+            ``KERNEL_ROWS`` measured (the measurement stops at the first loss).
+        cached: the verdict came from the cache file.
+    """
+
+    max_rows: int
+    reason: str
+    seconds: dict[str, list[float]]
+    cached: bool = False
+
+
+def kernel_max_rows(secs: dict[str, list[float]]) -> int:
+    """The cap a measurement gives: the last of ``KERNEL_ROWS`` before the first row count at
+    which the kernel took longer than oneDNN (at least ``KERNEL_ROWS[0]``)."""
+    cap = KERNEL_ROWS[0]
+    for rows, ours, onednn in zip(KERNEL_ROWS, secs["radixserve"], secs["onednn"],
+                                  strict=False):
+        if ours > onednn:
+            break
+        cap = rows
+    return cap
+
+
+def measure_kernel_rows(kernels: CpuKernels, dtype: torch.dtype,
+                        shapes: list[tuple[int, int]], batch_hint: int,
+                        k_blocks: dict[tuple[int, int], int | None]
+                        ) -> dict[str, list[float]] | None:
+    """Seconds of one pass over ``shapes`` ([N, K] each: one layer's projections) through
+    radixserve's kernel and through oneDNN's GEMM at each of ``KERNEL_ROWS``, stopping after
+    the first row count at which the kernel is slower; None where the kernel reproduces none
+    of the shapes (``find_k_block``, whose results go into ``k_blocks``).
+
+    Random weights of the shapes are packed as the model's are (speed does not depend on the
+    values); each pass is timed interleaved, best of three, so a busy neighbour slows both.
+    """
+    mk = torch.ops.mkldnn
+    g = torch.Generator().manual_seed(0)
+    used = []
+    for n, k in shapes:
+        if (n, k) not in k_blocks:
+            k_blocks[(n, k)] = find_k_block(kernels, n, k, batch_hint, dtype)
+        if k_blocks[(n, k)] is not None:
+            w = (torch.randn(n, k, generator=g) * 0.05).to(dtype)
+            packed = mk._reorder_linear_weight(w, batch_hint)
+            used.append((n, k, k_blocks[(n, k)], packed, mk.data_ptr(packed)))
+    if not used:
+        return None
+    out: dict[str, list[float]] = {"radixserve": [], "onednn": []}
+    with torch.inference_mode():
+        for rows in KERNEL_ROWS:
+            xs = {k: torch.randn(rows, k, generator=g).to(dtype) for _, k, *_ in used}
+            ys = {n: torch.empty(rows, n, dtype=dtype) for n, *_ in used}
+
+            def ours(xs: dict[int, torch.Tensor], ys=ys, rows=rows) -> None:
+                for n, k, kb, _, ptr in used:
+                    kernels.linear_packed_unchecked(dtype, xs[k].data_ptr(), ptr,
+                                                    ys[n].data_ptr(), rows, n, k, kb)
+
+            def onednn(xs: dict[int, torch.Tensor]) -> None:
+                for _, k, _, packed, _ in used:
+                    mk._linear_pointwise(xs[k], packed, None, "none", [], "")
+
+            reps = 8 if rows <= 64 else 2
+            best = {"radixserve": math.inf, "onednn": math.inf}
+            for _ in range(3):
+                for name, fn in (("radixserve", ours), ("onednn", onednn)):
+                    best[name] = min(best[name], _time(fn, xs, reps))
+            for name, t in best.items():
+                out[name].append(t)
+            if best["radixserve"] > best["onednn"]:
+                break
+    return out
+
+
+def choose_kernel_rows(kernels: CpuKernels, dtype: torch.dtype,
+                       shapes: list[tuple[int, int]], batch_hint: int,
+                       k_blocks: dict[tuple[int, int], int | None],
+                       cache_key: str) -> KernelRowsChoice | None:
+    """Up to how many rows radixserve's packed linear kernel runs on this machine: the cached
+    verdict for ``cache_key`` (the model's shapes and dtype) with this kernel build, CPU and
+    torch, or a fresh ``measure_kernel_rows`` (then cached). None where the kernel reproduces
+    none of ``shapes``.
+
+    Args:
+        kernels: the loaded C kernels, with a linear kernel for ``dtype``.
+        dtype: torch.bfloat16 or torch.float32.
+        shapes: [N, K] of one layer's projections.
+        batch_hint: the hint the model's weights are packed with.
+        k_blocks: the model's per-shape K blockings (filled where measured).
+        cache_key: identifies the model's shapes and dtype.
+    """
+    path = _cache_file("kernel-rows", cache_key, str(batch_hint), kernels.build_id)
+    try:
+        d = json.loads(path.read_text())
+        if d.get("max_rows") in KERNEL_ROWS and isinstance(d.get("seconds"), dict):
+            return KernelRowsChoice(d["max_rows"], f"measured before on this machine "
+                                    f"({path.name}): " + d["reason"], d["seconds"], cached=True)
+    except (OSError, ValueError, AttributeError):
+        pass
+    secs = measure_kernel_rows(kernels, dtype, shapes, batch_hint, k_blocks)
+    if secs is None:
+        return None
+    cap = kernel_max_rows(secs)
+    ms = " ".join(f"{r}: {a * 1e3:.2f}/{b * 1e3:.2f}"
+                  for r, a, b in zip(KERNEL_ROWS, secs["radixserve"], secs["onednn"],
+                                     strict=False))
+    reason = (f"up to {cap} rows, measured on this model's shapes, radixserve/oneDNN ms per "
+              f"layer at rows {ms}")
+    _write(path, {"max_rows": cap, "reason": reason, "seconds": secs})
+    return KernelRowsChoice(cap, reason, secs)

@@ -25,7 +25,11 @@ from radixserve.model_executor.kernels.cpu import CpuKernels
 from radixserve.model_executor.models.llama import CausalLM, ModelArgs, rope_inv_freq
 from radixserve.model_executor.parallel.group import TensorParallelGroup
 from radixserve.model_executor.parallel.sharding import ShardLayout
-from radixserve.model_executor.path_choice import choose_linear_path
+from radixserve.model_executor.path_choice import (
+    KernelRowsChoice,
+    choose_kernel_rows,
+    choose_linear_path,
+)
 from radixserve.model_executor.sampler import prompt_logprob_rows, sample
 from radixserve.model_executor.shadow import ShadowChecker, reference_copy
 from radixserve.model_executor.step_runner import ModelInfo, StepRunner
@@ -263,6 +267,8 @@ class ModelRunner:
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.shadow = (ShadowChecker(reference_copy(self.model), config.shadow_rate, config.seed)
                        if config.shadow_rate > 0 else None)
+        #: the packed linear kernel's row cap measured on this machine (None: not measured)
+        self.kernel_rows: KernelRowsChoice | None = None
         self.packed_weights = self._pick_linears(config, paths)
         if "decode_layers" not in paths.paths:
             paths.pick("decode_layers", "per-op", "the fused stack needs packed bf16 linears")
@@ -315,25 +321,33 @@ class ModelRunner:
             return False
         # tuned for decode-sized batches: prefill-sized calls lose only a few %
         hint = min(config.max_num_seqs, 64)
+        m, a = self.model, self.args
+        layer = m.layers[0]
+        model_key = (f"{a.arch} {a.hidden_size} {a.intermediate_size} {a.num_heads} "
+                     f"{a.num_kv_heads} {a.head_dim} {a.vocab_size} {self.dtype}"
+                     + (f" tp{self.shard.size}" if self.shard.size > 1 else ""))
         if config.pack_weights is None:
-            m, a = self.model, self.args
-            layer = m.layers[0]
             head = m.embed if m.lm_head is None else m.lm_head
             choice = choose_linear_path(
                 [layer.qkv.detach(), layer.o.detach(), layer.gate_up.detach(),
-                 layer.down.detach(), head.detach()], hint,
-                f"{a.arch} {a.hidden_size} {a.intermediate_size} {a.num_heads} "
-                f"{a.num_kv_heads} {a.head_dim} {a.vocab_size} {self.dtype}"
-                + (f" tp{self.shard.size}" if self.shard.size > 1 else ""))
+                 layer.down.detach(), head.detach()], hint, model_key)
             if choice.path == "dense":
                 paths.pick("linear", "dense", choice.reason)
                 return False
             reason = choice.reason
         else:
             reason = "--pack-weights"
-        if self.model.pack_linears(batch_hint=hint, linear_kernel=config.cpu_linear_kernel):
+        rows = None
+        if (config.cpu_linear_kernel and self.kernels is not None
+                and self.kernels.has_linear_kernel(self.dtype)):
+            rows = self.kernel_rows = choose_kernel_rows(
+                self.kernels, self.dtype,
+                [tuple(w.shape) for w in (layer.qkv, layer.o, layer.gate_up, layer.down)],
+                hint, m.kernel_k_blocks, model_key)
+        if self.model.pack_linears(batch_hint=hint, linear_kernel=config.cpu_linear_kernel,
+                                   kernel_max_rows=None if rows is None else rows.max_rows):
             paths.pick("linear", "packed", reason)
-            path, why = self._linear_kernel_reason(config)
+            path, why = self._linear_kernel_reason(config, rows)
             # a shape the kernel could not reproduce on a machine that has it: a fall-back
             fell_back = any(kb is None for kb in self.model.kernel_k_blocks.values())
             paths.pick("linear_kernel", path, why, fallback=fell_back)
@@ -343,7 +357,8 @@ class ModelRunner:
                    fallback=True)
         return False
 
-    def _linear_kernel_reason(self, config: EngineConfig) -> tuple[str, str]:
+    def _linear_kernel_reason(self, config: EngineConfig,
+                              rows: KernelRowsChoice | None) -> tuple[str, str]:
         """Which kernel runs decode-sized packed linears (``packed_kernel``)
         ("radixserve" where every projection and the LM head took radixserve's, "mixed" where
         some did, else "onednn") and why."""
@@ -357,9 +372,11 @@ class ModelRunner:
         used = {f"{n}x{k}": kb for (n, k), kb in blocks.items()}
         path = ("radixserve" if all(kb is not None for kb in blocks.values())
                 else "mixed" if any(kb is not None for kb in blocks.values()) else "onednn")
+        cap = ("" if rows is None or path == "onednn"
+               else f"; calls of more rows go to oneDNN: {rows.reason}")
         return path, (f"radixserve's GEMM over oneDNN's packed weights for decode-sized "
                       f"calls, bit-identical to its GEMM, K blocking per [N, K] (None: "
-                      f"oneDNN): {used}")
+                      f"oneDNN): {used}{cap}")
 
     def stats(self) -> RunnerStats:
         """The paths in use, steps run and shadow-check counts (cumulative)."""

@@ -89,6 +89,9 @@ class CpuKernels:
     cannot be built here."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
+        #: the loaded build's file name (its hash covers the source, flags and CPU): part of
+        #: the key of measurements that depend on the kernels' code
+        self.build_id = Path(lib._name).name
         i64, ptr, c_int, c_float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
         fn = lib.rs_paged_decode_attention
         fn.argtypes = [c_int, ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, i64,

@@ -35,10 +35,11 @@ log = logging.getLogger(__name__)
 #: outputs per block of oneDNN's packed layouts the kernels read (bf16 [N/64][K/2][64][2],
 #: float32 [N/64][K][64])
 BLOCK_N = 64
-#: the most rows per call the kernel takes, per dtype and float32 build: up to these it
-#: measured at or above oneDNN's GEMM on every SmolLM2 shape (Zen 5; the AVX2 build against
-#: oneDNN capped at AVX2; docs/benchmarks.md session 10); longer calls stay with oneDNN (same
-#: bits either way)
+#: the most rows per call the kernel takes where the engine has not measured it
+#: (``path_choice.choose_kernel_rows`` does at start-up), per dtype and float32 build: up to
+#: these it measured at or above oneDNN's GEMM on every SmolLM2 shape (Zen 5; the AVX2 build
+#: against oneDNN capped at AVX2; docs/benchmarks.md session 10); longer calls stay with
+#: oneDNN (same bits either way)
 MAX_ROWS = 512
 MAX_ROWS_F32_AVX2 = 64
 #: probe rows of ``find_k_block`` and the outputs compared per row (the first blocks only:
@@ -161,8 +162,8 @@ def find_k_block(kernels: CpuKernels, n: int, k: int, batch_hint: int,
 
 def packed_kernel_linear(kernels: CpuKernels | None, packed: torch.Tensor, weight: torch.Tensor,
                          bias: torch.Tensor | None, batch_hint: int,
-                         k_blocks: dict[tuple[int, int], int | None]
-                         ) -> PackedLinearKernel | None:
+                         k_blocks: dict[tuple[int, int], int | None],
+                         max_rows: int | None = None) -> PackedLinearKernel | None:
     """radixserve's kernel for a weight oneDNN has just packed, or None where it cannot
     reproduce the GEMM (no kernels or no kernel for the dtype in their build, a bias, another
     layout, no unique K blocking) or disagrees with it on a row of the real weight.
@@ -175,6 +176,8 @@ def packed_kernel_linear(kernels: CpuKernels | None, packed: torch.Tensor, weigh
         batch_hint: the hint ``packed`` was made with.
         k_blocks: per-(N, K) results of ``find_k_block``, shared across a model's layers
             (one dtype per model).
+        max_rows: the most rows per call the kernel takes (measured on the machine,
+            ``path_choice.choose_kernel_rows``); None: ``max_rows_for``'s rule.
     """
     n, k = weight.shape
     dt = weight.dtype
@@ -186,7 +189,8 @@ def packed_kernel_linear(kernels: CpuKernels | None, packed: torch.Tensor, weigh
     kb = k_blocks[(n, k)]
     if kb is None:
         return None
-    op = PackedLinearKernel(kernels, packed, n, k, dt, kb, max_rows_for(kernels, dt))
+    op = PackedLinearKernel(kernels, packed, n, k, dt, kb,
+                            max_rows_for(kernels, dt) if max_rows is None else max_rows)
     # the real weight: a few rows, alone and together, must agree with oneDNN to the bit
     x = torch.randn(4, k, generator=torch.Generator().manual_seed(1)).to(dt)
     want = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")

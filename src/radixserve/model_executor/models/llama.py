@@ -277,7 +277,8 @@ class CausalLM(nn.Module):
         self.cos_table = freqs.cos() * rope_scale
         self.sin_table = freqs.sin() * rope_scale
 
-    def pack_linears(self, batch_hint: int, linear_kernel: bool = False) -> bool:
+    def pack_linears(self, batch_hint: int, linear_kernel: bool = False,
+                     kernel_max_rows: int | None = None) -> bool:
         """Pack every projection and the LM head for oneDNN (CPU float32/bfloat16); the dense
         layer weights are freed (the embedding stays: token lookup needs it). Call after the
         weights are loaded and cast. Returns False where packing is not
@@ -285,10 +286,12 @@ class CausalLM(nn.Module):
 
         Args:
             batch_hint: tokens per call the packed layout is tuned for (any count works).
-            linear_kernel: calls of up to ``packed_kernel.max_rows_for`` rows through
+            linear_kernel: calls of up to ``kernel_max_rows`` rows through
                 radixserve's C kernel over the packed weights where it reproduces oneDNN's GEMM
                 (``packed_kernel``); ``kernel_k_blocks`` then says, per [N, K], its K blocking
                 or None (oneDNN).
+            kernel_max_rows: the kernel's row cap measured on this machine
+                (``path_choice.choose_kernel_rows``); None: ``max_rows_for``'s rule.
         """
         factory = None
         if linear_kernel and self.kernels is not None:
@@ -296,7 +299,8 @@ class CausalLM(nn.Module):
 
             def factory(packed: torch.Tensor, weight: torch.Tensor,
                         bias: torch.Tensor | None) -> LinearFn | None:
-                return packed_kernel_linear(kernels, packed, weight, bias, batch_hint, blocks)
+                return packed_kernel_linear(kernels, packed, weight, bias, batch_hint, blocks,
+                                            kernel_max_rows)
 
         w = self.embed if self.lm_head is None else self.lm_head
         head = packed_linear(w, None, batch_hint, factory)
