@@ -68,8 +68,8 @@ static inline void prefetch_row(int dtype, const void *base, int64_t off, int64_
 /* 8 floats in one register (AVX) or two (SSE): GCC/Clang vector extensions, so the same code
  * builds on any x86-64 or Arm compiler without intrinsics. */
 typedef float v8f __attribute__((vector_size(32)));
-/* 16 floats: one AVX-512 register (two AVX ones), for element-wise work, where the width
- * does not change any value */
+/* 16 floats: one AVX-512 register, for element-wise work, where the width does not change
+ * any value; only in AVX-512 builds (an AVX2 target gets it through the stack, `PV_ROWS_64`) */
 typedef float v16f __attribute__((vector_size(64)));
 
 static inline v8f load8(const float *p) {
