@@ -144,3 +144,33 @@ def test_wrong_k_blocking_is_caught(kernels, rows, dtype) -> None:
             kernels.linear_packed(x[i:i + 1], ptr, right, kb)
             differs += int((out != right).sum())
     assert differs > 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernel_bits_do_not_depend_on_the_thread_count(kernels, dtype) -> None:
+    """Threads take equal shares of panels x row tiles, which may end inside a panel (a 576-
+    output weight has 9 blocks): every share gives oneDNN's bits, whatever the thread count."""
+    if not kernels.has_linear_kernel(dtype):  # not built: it says so, whatever the threads
+        with pytest.raises(RuntimeError, match="code 5"):
+            kernels.linear_packed(torch.zeros(7, 1536, dtype=dtype), 0,
+                                  torch.empty(7, 576, dtype=dtype), 512)
+        return
+    n, k = 576, 1536
+    g = torch.Generator().manual_seed(11)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(dtype)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, 64)
+    kb = find_k_block(kernels, n, k, 64, dtype)
+    assert kb is not None
+    ptr = torch.ops.mkldnn.data_ptr(packed)
+    before = torch.get_num_threads()
+    try:
+        for m in (2, 7, 13, 64, 100):
+            x = _activations(g, m, k, dtype)
+            want = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+            for threads in (1, 2, 3, 5):
+                torch.set_num_threads(threads)
+                out = torch.full((m, n), float("nan"), dtype=dtype)  # every element written
+                kernels.linear_packed(x, ptr, out, kb)
+                assert torch.equal(out, want), f"{m} rows, {threads} threads"
+    finally:
+        torch.set_num_threads(before)

@@ -27,6 +27,7 @@
 #include <string.h>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#include <omp.h>
 #endif
 
 static inline float bf16_to_f32(uint16_t x) {
@@ -1019,6 +1020,18 @@ static int gemv_bf16_packed(const uint16_t *x, const uint16_t *w, uint16_t *y, i
  * or above oneDNN for M = 2..512, docs/benchmarks.md session 10).
  *   x: M x K bf16 (row stride K); y: M x N bf16 (row stride N); N % 64 == 0, K, kblk even.
  * Returns 0; 1 on bad sizes; 5 where the build lacks AVX512-BF16 (the caller keeps oneDNN). */
+/* The GEMMs' split of work among threads: their panels (64 or 16 outputs) times row tiles,
+ * panel-major, cut into equal contiguous shares [*w0, *w1), so a share may end inside a panel
+ * and leave its other row tiles to the next thread. Split by panel alone, the 576-output
+ * projections' 9 blocks went 5 and 4 on two threads (~10% of those calls lost; session 11).
+ * A row's arithmetic does not depend on its tile, so the results do not depend on the split.
+ * Call inside the parallel region. */
+static inline void thread_share(int64_t work, int64_t *w0, int64_t *w1) {
+    const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+    *w0 = work * t / n;
+    *w1 = work * (t + 1) / n;
+}
+
 #define GEMM_MR 6
 _Static_assert(GEMM_MR <= 6, "TILE_BY_ROWS covers 1..6 rows");
 #if RS_BF16_DOT
@@ -1070,13 +1083,17 @@ int rs_linear_bf16_packed(const uint16_t *x, const uint16_t *w, uint16_t *y, int
 #pragma omp parallel num_threads(num_threads)
     {
         float tot[GEMM_MR * GEMV_NB];
-#pragma omp for schedule(static)
-        for (int64_t nb = 0; nb < blocks; ++nb) {
+        int64_t w0, w1;
+        thread_share(blocks * tiles, &w0, &w1);
+        for (int64_t nb = w0 / tiles; nb * tiles < w1; ++nb) {
             const uint16_t *wb = w + nb * K * GEMV_NB;
             const char *pf = (const char *)(wb + K * GEMV_NB);
             int64_t pf_off = 0;
-            const int64_t pf_end = nb + 1 < blocks ? block_bytes : 0;
-            for (int64_t m0 = 0; m0 < M; m0 += GEMM_MR) {
+            /* the next block, where this share goes on to it */
+            const int64_t pf_end = (nb + 1) * tiles < w1 ? block_bytes : 0;
+            const int64_t t0 = nb * tiles < w0 ? w0 - nb * tiles : 0;
+            const int64_t t1 = (nb + 1) * tiles > w1 ? w1 - nb * tiles : tiles;
+            for (int64_t m0 = t0 * GEMM_MR; m0 < M && m0 < t1 * GEMM_MR; m0 += GEMM_MR) {
                 const int64_t mr = M - m0 < GEMM_MR ? M - m0 : GEMM_MR;
                 const uint16_t *xm = x + m0 * K;
                 TILE_BY_ROWS(gemm_tile, mr, xm, K, wb, kblk, tot, pf, &pf_off, pf_end, pf_lines);
@@ -1174,15 +1191,21 @@ int rs_linear_f32_packed(const float *x, const float *w, float *y, int64_t M, in
 #pragma omp parallel num_threads(num_threads)
     {
         float tot[F32_MR * F32_TILE];
-#pragma omp for schedule(static)
-        for (int64_t nb = 0; nb < blocks; ++nb) {
+        int64_t w0, w1;
+        const int64_t per_block = halves * tiles;
+        thread_share(blocks * per_block, &w0, &w1);
+        for (int64_t nb = w0 / per_block; nb * per_block < w1; ++nb) {
             const float *blk = w + nb * K * GEMV_NB;
             const char *pf = (const char *)(blk + K * GEMV_NB);
             int64_t pf_off = 0;
-            const int64_t pf_end = nb + 1 < blocks ? block_bytes : 0;
+            /* the next block, where this share goes on to it */
+            const int64_t pf_end = (nb + 1) * per_block < w1 ? block_bytes : 0;
             for (int64_t hf = 0; hf < halves; ++hf) {
                 const float *wb = blk + hf * F32_TILE;
-                for (int64_t m0 = 0; m0 < M; m0 += F32_MR) {
+                const int64_t p0 = (nb * halves + hf) * tiles; /* this panel's first item */
+                const int64_t t0 = p0 < w0 ? w0 - p0 : 0;
+                const int64_t t1 = p0 + tiles > w1 ? w1 - p0 : tiles;
+                for (int64_t m0 = t0 * F32_MR; m0 < M && m0 < t1 * F32_MR; m0 += F32_MR) {
                     const int64_t mr = M - m0 < F32_MR ? M - m0 : F32_MR;
                     const float *xm = x + m0 * K;
                     TILE_BY_ROWS(f32_tile, mr, xm, K, wb, kblk, tot, pf, &pf_off, pf_end, pf_lines);
