@@ -66,6 +66,30 @@ static inline void prefetch_row(int dtype, const void *base, int64_t off, int64_
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 3);
 }
 
+/* A cursor over the K and V rows of the decode task a thread most likely runs next:
+ * `burst_keys` requests the next n keys' rows (prefetcht0), so the requests can be spread over
+ * the current task's work. */
+typedef struct {
+    const char *k, *v;     /* the caches */
+    const int64_t *pages;  /* the next sequence's page ids */
+    int64_t P, row, col;   /* page size, elements per token row, first element (its KV head) */
+    int64_t bytes;         /* bytes of each key's K (and V) part */
+    int64_t es;            /* element size */
+    int64_t next, end;     /* keys requested so far, keys to request */
+} burst_t;
+
+static inline void burst_keys(burst_t *b, int64_t n) {
+    for (const int64_t stop = b->next + n < b->end ? b->next + n : b->end; b->next < stop;
+         ++b->next) {
+        const int64_t a = b->next;
+        const int64_t o = ((b->pages[a / b->P] * b->P + a % b->P) * b->row + b->col) * b->es;
+        for (int64_t i = 0; i < b->bytes; i += 64) {
+            __builtin_prefetch(b->k + o + i, 0, 3);
+            __builtin_prefetch(b->v + o + i, 0, 3);
+        }
+    }
+}
+
 /* 8 floats in one register (AVX) or two (SSE): GCC/Clang vector extensions, so the same code
  * builds on any x86-64 or Arm compiler without intrinsics. */
 typedef float v8f __attribute__((vector_size(32)));
@@ -458,22 +482,26 @@ int rs_paged_decode_attention(int dtype, const void *q, int64_t q_stride_b, int6
                 for (t = 0; t < L && t < 2 * DECODE_VB; ++t)
                     prefetch_row(dtype, v_cache, offs[t], per_task * D);
             }
+            /* the keys and values of the task this thread most likely runs next (tasks are
+             * handed out in order), up to NEXT_TASK_BYTES, requested in equal parts between
+             * this task's softmax rows: its pages lie scattered in the pool, and requests made
+             * ahead keep more of them in flight than the in-loop prefetch does. Requested all
+             * at once, they filled the miss queue while this task waited (spread: bf16
+             * 1.06-1.09x per layer, docs/benchmarks.md session 11). */
+            burst_t burst = {0};
             if (fast && task + num_threads < B * tasks_per_seq) {
-                /* the keys and values of the task this thread most likely runs next (tasks
-                 * are handed out in order), up to NEXT_TASK_BYTES: its pages lie scattered in
-                 * the pool, and one burst of requests now keeps more of them in flight than
-                 * the in-loop prefetch does */
                 const int64_t nt = task + num_threads, nb = nt / tasks_per_seq;
-                const int64_t nkh = (nt % tasks_per_seq) * per_task;
-                const int64_t *np = page_table + nb * pt_stride;
-                const int64_t keys = NEXT_TASK_BYTES / (2 * per_task * D * (dtype == 0 ? 4 : 2));
-                for (int64_t a = 0; a < keys && a < seq_lens[nb]; ++a) {
-                    const int64_t o = (np[a / P] * P + a % P) * row + nkh * D;
-                    prefetch_row(dtype, k_cache, o, per_task * D);
-                    prefetch_row(dtype, v_cache, o, per_task * D);
-                }
+                const int64_t es = dtype == 0 ? 4 : 2;
+                const int64_t keys = NEXT_TASK_BYTES / (2 * per_task * D * es);
+                burst = (burst_t){(const char *)k_cache, (const char *)v_cache,
+                                  page_table + nb * pt_stride, P, row,
+                                  (nt % tasks_per_seq) * per_task * D, per_task * D * es, es, 0,
+                                  keys < seq_lens[nb] ? keys : seq_lens[nb]};
             }
-            for (int64_t j = 0; j < HG; ++j) softmax_row(scores + j * max_len, L);
+            for (int64_t j = 0; j < HG; ++j) {
+                burst_keys(&burst, (burst.end + HG - 1) / HG);
+                softmax_row(scores + j * max_len, L);
+            }
             memset(acc, 0, sizeof(float) * (size_t)(HG * D));
 #if RS_PV_BF16
             if (dtype == 1 && (D == 64 || D == 128)) {
