@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -13,6 +16,7 @@ from aiohttp import web
 
 from radixserve.bench import compare, serve
 from radixserve.bench.datasets import BenchPrompt
+from radixserve.cache_dir import cache_dir
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -138,3 +142,25 @@ def test_compare_reports_missing_peers(tmp_path: Path) -> None:
     assert doc["ratios"]["offline"] == {"transformers": 2.0}
     table = compare.format_table(doc)
     assert "vllm" in table and "unavailable" in table and "llama.cpp" in table
+
+
+def test_avx2_emulation_holds_every_layer_to_avx2() -> None:
+    """``benchmarks/avx2_emulation/run.sh`` (figures labelled "held to AVX2" rest on it): the
+    C kernels are the haswell build, and torch, oneDNN and Inductor see no AVX-512."""
+    root = Path(__file__).resolve().parents[2]
+    probe = ("import json, os, torch, torch._inductor.config as ic\n"
+             "from radixserve.model_executor.kernels.cpu import CpuKernels\n"
+             "k = CpuKernels.load()\n"
+             "print(json.dumps({'f32': k.f32_gemm_isa, 'bf16_dot': k.has_bf16_dot,\n"
+             "  'avx512': torch.cpu._is_avx512_supported(),\n"
+             "  'aten': torch.backends.cpu.get_cpu_capability(), 'simdlen': ic.cpp.simdlen,\n"
+             "  'onednn': os.environ['ONEDNN_MAX_CPU_ISA']}))")
+    # the machine's cache root: the haswell build the kernel tests made is reused
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["RADIXSERVE_CACHE_DIR"] = str(cache_dir("kernels").parent)
+    out = subprocess.run(["bash", str(root / "benchmarks/avx2_emulation/run.sh"), sys.executable,
+                          "-c", probe], env=env, capture_output=True, text=True, timeout=300,
+                         check=True).stdout
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got == {"f32": "avx2", "bf16_dot": False, "avx512": False, "aten": "AVX2",
+                   "simdlen": 256, "onednn": "AVX2"}
