@@ -154,8 +154,9 @@ def _read(path: Path) -> dict | None:
 #: row counts at which radixserve's packed linear kernel and oneDNN's GEMM are timed, in
 #: order; the kernel's cap is the last of them before the first at which it is slower. Up to
 #: 16 rows a decode step reads the weights from DRAM and the kernel measured ahead on every
-#: machine (docs/benchmarks.md, sessions 9-11); the crossover lies above: 64-128 rows for
-#: float32 held to AVX2, none up to 512 for AVX-512 (session 10).
+#: machine (docs/benchmarks.md, sessions 9-11); the crossover lies above and moves with the
+#: machine and the kernel: 256 rows for float32 held to AVX2, none up to 512 with AVX-512, on
+#: the Zen 5 VM (session 11).
 KERNEL_ROWS = (16, 32, 64, 128, 256, MAX_ROWS)
 
 
