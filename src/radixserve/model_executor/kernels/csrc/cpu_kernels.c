@@ -1059,6 +1059,13 @@ static inline void thread_share(int64_t work, int64_t *w0, int64_t *w1) {
     *w0 = work * t / n;
     *w1 = work * (t + 1) / n;
 }
+/* the row tiles [*t0, *t1) of the panel whose items start at `first` (of `tiles`) that lie in
+ * the share [w0, w1); empty where none do */
+static inline void share_tiles(int64_t first, int64_t tiles, int64_t w0, int64_t w1,
+                               int64_t *t0, int64_t *t1) {
+    *t0 = first < w0 ? w0 - first : 0;
+    *t1 = first + tiles > w1 ? w1 - first : tiles;
+}
 
 #define GEMM_MR 6
 _Static_assert(GEMM_MR <= 6, "TILE_BY_ROWS covers 1..6 rows");
@@ -1119,8 +1126,8 @@ int rs_linear_bf16_packed(const uint16_t *x, const uint16_t *w, uint16_t *y, int
             int64_t pf_off = 0;
             /* the next block, where this share goes on to it */
             const int64_t pf_end = (nb + 1) * tiles < w1 ? block_bytes : 0;
-            const int64_t t0 = nb * tiles < w0 ? w0 - nb * tiles : 0;
-            const int64_t t1 = (nb + 1) * tiles > w1 ? w1 - nb * tiles : tiles;
+            int64_t t0, t1;
+            share_tiles(nb * tiles, tiles, w0, w1, &t0, &t1);
             for (int64_t m0 = t0 * GEMM_MR; m0 < M && m0 < t1 * GEMM_MR; m0 += GEMM_MR) {
                 const int64_t mr = M - m0 < GEMM_MR ? M - m0 : GEMM_MR;
                 const uint16_t *xm = x + m0 * K;
@@ -1230,9 +1237,8 @@ int rs_linear_f32_packed(const float *x, const float *w, float *y, int64_t M, in
             const int64_t pf_end = (nb + 1) * per_block < w1 ? block_bytes : 0;
             for (int64_t hf = 0; hf < halves; ++hf) {
                 const float *wb = blk + hf * F32_TILE;
-                const int64_t p0 = (nb * halves + hf) * tiles; /* this panel's first item */
-                const int64_t t0 = p0 < w0 ? w0 - p0 : 0;
-                const int64_t t1 = p0 + tiles > w1 ? w1 - p0 : tiles;
+                int64_t t0, t1;
+                share_tiles((nb * halves + hf) * tiles, tiles, w0, w1, &t0, &t1);
                 for (int64_t m0 = t0 * F32_MR; m0 < M && m0 < t1 * F32_MR; m0 += F32_MR) {
                     const int64_t mr = M - m0 < F32_MR ? M - m0 : F32_MR;
                     const float *xm = x + m0 * K;
