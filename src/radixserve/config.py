@@ -180,8 +180,9 @@ class EngineConfig:
             decode batch sizes; the dense copies are freed). None (default): packed or dense,
             whichever measured faster on this machine and model (``path_choice``, cached);
             True/False force it. Ignored on CUDA.
-        cpu_linear_kernel: with packed weights, run linears of decode-sized calls (up to 512
-            rows; 64 for float32 on AVX2 builds) through radixserve's C kernel over oneDNN's
+        cpu_linear_kernel: with packed weights, run linears of decode-sized calls (up to the
+            row cap measured against oneDNN at start-up, at most 512 rows:
+            ``path_choice.choose_kernel_rows``) through radixserve's C kernel over oneDNN's
             packed weights (bf16 with AVX512-BF16, float32 with AVX2 + FMA), where it
             reproduces oneDNN's GEMM bit for bit (checked per shape at load,
             ``layers/packed_kernel.py``); False (``--no-cpu-linear-kernel``): oneDNN's GEMM

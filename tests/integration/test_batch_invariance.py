@@ -159,8 +159,9 @@ def test_fused_decode_rejects_bad_metadata(auto_llm: LLM) -> None:
     kv = runner.kv.layers
     num_pages, page_size = kv[0].shape[1], kv[0].shape[2]
     hidden, half = runner.model.a.hidden_size, runner.model.a.head_dim // 2
-    h = torch.zeros(1, hidden, dtype=torch.bfloat16)
-    cs = torch.zeros(1, half, dtype=torch.bfloat16)
+    # the machine's default dtype: float32 on the AVX2 kind, whose stack is fused as well
+    h = torch.zeros(1, hidden, dtype=runner.dtype)
+    cs = torch.zeros(1, half, dtype=runner.dtype)
     slot = torch.tensor([(num_pages - 1) * page_size])  # a free page's slot: idle engine
 
     def meta(pages, lens) -> AttentionMetadata:

@@ -146,16 +146,21 @@ def test_compare_reports_missing_peers(tmp_path: Path) -> None:
 
 def test_avx2_emulation_holds_every_layer_to_avx2() -> None:
     """``benchmarks/avx2_emulation/run.sh`` (figures labelled "held to AVX2" rest on it): the
-    C kernels are the haswell build, and torch, oneDNN and Inductor see no AVX-512."""
+    C kernels are the haswell build, torch, oneDNN and Inductor see no AVX-512, and
+    /proc/cpuinfo lists none either, so ``--dtype auto`` is float32 as on the AVX2 kind."""
     root = Path(__file__).resolve().parents[2]
-    probe = ("import json, os, torch, torch._inductor.config as ic\n"
+    probe = ("import json, os, torch\n"
+             "from torch._inductor.cpu_vec_isa import pick_vec_isa\n"
              "from radixserve.model_executor.kernels.cpu import CpuKernels\n"
+             "from radixserve.model_executor.runner import resolve_dtype\n"
              "k = CpuKernels.load()\n"
+             "flags = [ln for ln in open('/proc/cpuinfo') if ln.startswith('flags')][0]\n"
              "print(json.dumps({'f32': k.f32_gemm_isa, 'bf16_dot': k.has_bf16_dot,\n"
              "  'avx512': torch.cpu._is_avx512_supported(),\n"
-             "  'aten': torch.backends.cpu.get_cpu_capability(), 'simdlen': ic.cpp.simdlen,\n"
-             "  'onednn': os.environ['ONEDNN_MAX_CPU_ISA']}))")
-    # the machine's cache root: the haswell build the kernel tests made is reused
+             "  'aten': torch.backends.cpu.get_cpu_capability(), 'inductor': str(pick_vec_isa()),\n"
+             "  'onednn': os.environ['ONEDNN_MAX_CPU_ISA'], 'avx512_flags': 'avx512' in flags,\n"
+             "  'auto': str(resolve_dtype('auto', torch.device('cpu')))}))")
+    # the test session's cache root, not the emulation's own folder under $HOME
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["RADIXSERVE_CACHE_DIR"] = str(cache_dir("kernels").parent)
     out = subprocess.run(["bash", str(root / "benchmarks/avx2_emulation/run.sh"), sys.executable,
@@ -163,4 +168,5 @@ def test_avx2_emulation_holds_every_layer_to_avx2() -> None:
                          check=True).stdout
     got = json.loads(out.strip().splitlines()[-1])
     assert got == {"f32": "avx2", "bf16_dot": False, "avx512": False, "aten": "AVX2",
-                   "simdlen": 256, "onednn": "AVX2"}
+                   "inductor": "avx2", "onednn": "AVX2", "avx512_flags": False,
+                   "auto": "torch.float32"}
