@@ -114,3 +114,27 @@ def test_bench_prefix_ttft(tmp_path: Path) -> None:
     # the prefix really was served from the cache (whole pages of it)
     assert all(n >= 64 - 16 for n in res["cached_tokens"])
     assert len(res["samples_cached_s"]) == 2
+
+
+def test_torch_compile_ab_script_compares_paths_on_the_same_keys() -> None:
+    """``benchmarks/torch_compile_ab.py`` (docs/benchmarks.md, session 12) at a tiny size,
+    without its compiled paths (tens of seconds of Inductor): the reference and radixserve's
+    path decode over the same prefilled K/V, so in float32 their logits agree closely (a page
+    table or slot mapping pointing elsewhere would not)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, str(root / "benchmarks/torch_compile_ab.py"),
+                          "--dtype", "float32", "--batch", "3", "--context", "21",
+                          "--repeats", "1", "--paths", "eager,radixserve"],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    doc = json.loads(out.strip().splitlines()[-1])
+    assert (doc["batch"], doc["context"]) == (3, 21)
+    paths = doc["paths"]
+    assert set(paths) == {"eager", "radixserve"}
+    for p in paths.values():
+        assert p["best_ms"] > 0 and p["median_ms"] >= p["best_ms"]
+    assert paths["eager"]["max_abs_diff"] == 0.0
+    assert paths["radixserve"]["max_abs_diff"] < 1e-3
+    assert paths["radixserve"]["paths"]["decode_layers"] in ("fused", "per-op")
