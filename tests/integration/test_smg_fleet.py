@@ -407,7 +407,7 @@ def shared_prefix_run(base_url: str, tok, seed: int, groups: int = 4, per_group:
         list(ex.map(lambda gi: one(*gi), rest))
 
 
-def test_cache_aware_routing_gets_far_more_prefix_hits(fleet: Fleet, tmp_path) -> None:
+def test_cache_aware_routing_gets_more_prefix_hits(fleet: Fleet, tmp_path) -> None:
     from transformers import AutoTokenizer
 
     from radixserve.model_executor.loader.default import default_model_path
@@ -431,9 +431,12 @@ def test_cache_aware_routing_gets_far_more_prefix_hits(fleet: Fleet, tmp_path) -
     # cache-aware: each group stays on one worker, whose pool holds its prefixes: every
     # request after a group's first is a 400-token hit
     assert hits["cache_aware"] >= 0.9 * 28 * 400
-    # round robin spreads every group over both workers: cold misses on each, and four
-    # prefixes do not fit one worker's pool, so they evict one another
-    assert hits["cache_aware"] >= 1.25 * hits["round_robin"], hits
+    # round robin spreads the groups over both workers: a cold miss of each prefix on each
+    # worker (8 against cache-aware's 4), so at most 24 hits. Four prefixes do not fit one
+    # worker's pool, so they may also evict one another, but how often depends on arrival
+    # order and timing (one fresh-clone run: 23 hits), so only the cold misses are asserted,
+    # with slack for a group that round robin happened to keep on one worker
+    assert hits["cache_aware"] - hits["round_robin"] >= 2 * 400, hits
 
 
 def test_http_worker_behind_smg(http_server: ServerProcess, direct, tmp_path) -> None:
