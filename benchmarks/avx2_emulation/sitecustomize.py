@@ -2,7 +2,8 @@
 PYTHONPATH): makes an AVX-512 machine run the code paths of the AVX2 kind, for benchmarks
 and for running the test suite as on the AVX2 kind, never for serving.
 
-* radixserve's C kernels are built with ``-march=haswell`` (AVX2 + FMA, no AVX-512);
+* radixserve's C kernels are built with ``-march=haswell`` (AVX2 + FMA, no AVX-512): ``run.sh``
+  sets ``CC`` to ``cc-haswell``, which reads the engine's ``-march=native`` so;
 * torch and vLLM are told the CPU has no AVX-512 (vLLM then loads its ``_C_AVX2`` kernels),
   and Inductor vectorizes at 256 bits (AVX2);
 * ``run.sh`` also caps oneDNN (``ONEDNN_MAX_CPU_ISA``), MKL and ATen at AVX2, and runs the
@@ -23,12 +24,5 @@ if os.environ.get("EMULATE_AVX2"):
         # Inductor's vector ISA follows ATEN_CPU_CAPABILITY (run.sh: avx2) among the ISAs
         # these report; importing its config here would import triton before a test could
         # set TRITON_INTERPRET
-    except ImportError:
-        pass
-    try:
-        from radixserve.model_executor.kernels import cpu as _cpu
-
-        _load = _cpu.CpuKernels.load.__func__
-        _cpu.CpuKernels.load = classmethod(lambda cls, march="haswell": _load(cls, march))
     except ImportError:
         pass
