@@ -107,7 +107,7 @@ def choose_linear_path(weights: list[torch.Tensor], batch_hint: int,
         cache_key: identifies the model's shapes and dtype.
     """
     path = _cache_file("linear", cache_key, str(batch_hint))
-    cached = _read(path)
+    cached = _read(path, "path", ("packed", "dense"))
     if cached is not None:
         return LinearChoice(cached["path"], f"measured before on this machine ({path.name}): "
                             + cached["reason"], cached["seconds"], cached=True)
@@ -141,12 +141,15 @@ def _write(path: Path, verdict: dict) -> None:
         log.info("could not cache the path choice %s: %s", path.name, e)
 
 
-def _read(path: Path) -> dict | None:
+def _read(path: Path, field: str, allowed: tuple) -> dict | None:
+    """A cached verdict whose ``field`` is one of ``allowed``, with its reason and timings; None
+    where the file is missing, unreadable or not such a verdict (then measured again)."""
     try:
         d = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    if d.get("path") not in ("packed", "dense") or not isinstance(d.get("seconds"), dict):
+    if (not isinstance(d, dict) or d.get(field) not in allowed
+            or not isinstance(d.get("reason"), str) or not isinstance(d.get("seconds"), dict)):
         return None
     return d
 
@@ -260,13 +263,10 @@ def choose_kernel_rows(kernels: CpuKernels, dtype: torch.dtype,
         cache_key: identifies the model's shapes and dtype.
     """
     path = _cache_file("kernel-rows", cache_key, str(batch_hint), kernels.build_id)
-    try:
-        d = json.loads(path.read_text())
-        if d.get("max_rows") in KERNEL_ROWS and isinstance(d.get("seconds"), dict):
-            return KernelRowsChoice(d["max_rows"], f"measured before on this machine "
-                                    f"({path.name}): " + d["reason"], d["seconds"], cached=True)
-    except (OSError, ValueError, AttributeError):
-        pass
+    d = _read(path, "max_rows", KERNEL_ROWS)
+    if d is not None:
+        return KernelRowsChoice(d["max_rows"], f"measured before on this machine "
+                                f"({path.name}): " + d["reason"], d["seconds"], cached=True)
     secs = measure_kernel_rows(kernels, dtype, shapes, batch_hint, k_blocks)
     if secs is None:
         return None
