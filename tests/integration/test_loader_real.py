@@ -14,8 +14,10 @@ import torch
 
 from radixserve.model_executor.loader import (
     ModelFiles,
+    checkpoint_weights,
     default_model_path,
     eos_token_ids,
+    export_hf_weights,
     gguf_loader,
     gguf_to_hf_folder,
     iter_safetensors,
@@ -73,16 +75,22 @@ def test_conversion_is_cached(default_gguf, converted, monkeypatch):
     assert {p.name: p.stat().st_mtime_ns for p in converted.iterdir()} == mtimes
 
     mf = resolve_model(None)
-    assert mf == ModelFiles(converted, str(default_gguf), "SmolLM2-135M-Instruct")
+    assert mf == ModelFiles(converted, str(default_gguf), "SmolLM2-135M-Instruct",
+                            default_gguf.resolve())
     # the same file named explicitly keeps the default model's name
     assert resolve_model(str(default_gguf)).name == "SmolLM2-135M-Instruct"
 
 
 def test_weights_equal_transformers_gguf_load(converted, hf_reference):
+    """radixserve reads the GGUF's tensors itself (gguf-py's dequantization, its own
+    un-permutation of q/k); transformers' own GGUF load is the independent reference."""
     ref_model = hf_reference[0]  # transformers' float32 load of the same GGUF file
-    ours = dict(iter_safetensors(converted))
+    cfg = ref_model.config
+    assert not list(converted.glob("*.safetensors"))  # no float copy is written
+    ours = {n: t.full() for n, t in checkpoint_weights(
+        resolve_model(None), cfg.num_attention_heads, cfg.num_key_value_heads)}
     ref = ref_model.state_dict()
-    assert ref_model.config.tie_word_embeddings
+    assert cfg.tie_word_embeddings
     # tied: transformers' state dict repeats the embedding as lm_head.weight; the file omits it
     assert "lm_head.weight" not in ours
     assert set(ours) == set(ref) - {"lm_head.weight"}
@@ -90,6 +98,17 @@ def test_weights_equal_transformers_gguf_load(converted, hf_reference):
     for name, tensor in ours.items():
         assert tensor.dtype == torch.float32, name
         assert torch.equal(tensor, ref[name]), name
+
+
+def test_exported_weight_folder_for_peers(tmp_path, hf_reference):
+    """The folder handed to peers that only load safetensors: transformers' GGUF weights."""
+    folder = export_hf_weights(default_model_path(), "float32", cache_dir=tmp_path)
+    weights = dict(iter_safetensors(folder))
+    ref = hf_reference[0].state_dict()
+    assert set(weights) == set(ref) - {"lm_head.weight"}
+    assert all(torch.equal(t, ref[n]) for n, t in weights.items())
+    assert load_hf_config(folder).hidden_size == 576
+    assert export_hf_weights(default_model_path(), "float32", cache_dir=tmp_path) == folder
 
 
 def test_config_and_eos(converted):
@@ -104,8 +123,6 @@ def test_config_and_eos(converted):
     assert config.vocab_size == 49152
     assert config.tie_word_embeddings is True
     assert math.isclose(config.rms_norm_eps, 1e-5, rel_tol=1e-6)
-    raw = json.loads((converted / "config.json").read_text())
-    assert raw["torch_dtype"] == "float32"
     assert eos_token_ids(converted, config) == [2]
 
 

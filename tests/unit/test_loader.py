@@ -29,10 +29,12 @@ from radixserve.model_executor.loader import (  # noqa: E402
     gguf_loader,  # noqa: E402
     gguf_to_hf_folder,
     iter_safetensors,
+    lazy_tensor,  # noqa: E402
     load_hf_config,
     load_tokenizer,
     resolve_model,
 )
+from radixserve.model_executor.loader.gguf_weights import iter_gguf_weights  # noqa: E402
 
 # ------------------------------------------------------------------------------------------
 # default model (its path only: the file is not loaded)
@@ -155,7 +157,10 @@ def test_tiny_gguf_round_trip(tmp_path, arch, tie):
     folder = gguf_to_hf_folder(gguf_file, cache_dir=cache)
     assert folder.parent == cache.resolve() and folder.name.startswith(f"tiny-{arch}-")
 
-    ours = dict(iter_safetensors(folder))
+    # no weights are copied into the folder: they are read from the GGUF
+    assert not list(folder.glob("*.safetensors"))
+    ours = {n: t.full() for n, t in iter_gguf_weights(
+        gguf_file, cfg.num_attention_heads, cfg.num_key_value_heads)}
     assert set(ours) == set(state)  # no lm_head.weight when tied
     for name, tensor in state.items():  # F32 in the file: exact, q/k un-permuted
         assert torch.equal(ours[name], tensor), name
@@ -183,6 +188,96 @@ def test_tiny_gguf_round_trip(tmp_path, arch, tie):
     assert gguf_to_hf_folder(gguf_file, cache_dir=cache) == folder
     assert marker.stat().st_mtime_ns == mtime
     assert not [p for p in cache.iterdir() if p.name.startswith(".")]  # no temp dirs left
+
+
+def _gguf_rewritten(src: Path, dst: Path, qtype) -> None:
+    """``src`` with every 2-D weight re-encoded as ``qtype`` (gguf-py's quantizer)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(str(dst), arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = field.contents()
+        vtype = field.types[0]
+        if vtype == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(key, value, vtype, sub_type=field.types[-1])
+        else:
+            w.add_key_value(key, value, vtype)
+    for t in reader.tensors:
+        data = np.array(t.data)
+        if data.ndim == 2:
+            w.add_tensor(t.name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(t.name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("qtype_name", ["Q8_0", "Q4_0", "Q4_1", "BF16"])
+def test_quantized_gguf_rows_read_in_blocks(tmp_path, monkeypatch, qtype_name):
+    """Quantized tensors read a few rows at a time (blocks that cut through heads) give the
+    whole tensor's dequantization, q/k un-permuted as for F32."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[qtype_name]
+    f32 = tmp_path / "f32.gguf"
+    cfg, state = write_tiny_gguf("llama", f32, tie=False)
+    quant = tmp_path / f"{qtype_name}.gguf"
+    _gguf_rewritten(f32, quant, qtype)
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    whole = {n: t.full() for n, t in iter_gguf_weights(quant, heads, kv)}
+    # the same values gguf-py's own dequantization of the whole file gives, un-permuted
+    reader = gguf.GGUFReader(str(quant))
+    raw = {t.name: gguf.quants.dequantize(np.array(t.data), t.tensor_type) for t in reader.tensors}
+    q_ref = raw["blk.0.attn_q.weight"].reshape(heads, -1, 2, cfg.hidden_size).swapaxes(1, 2)
+    assert torch.equal(whole["model.layers.0.self_attn.q_proj.weight"],
+                       torch.from_numpy(q_ref.reshape(-1, cfg.hidden_size).astype(np.float32)))
+    assert torch.equal(whole["model.layers.1.mlp.down_proj.weight"],
+                       torch.from_numpy(raw["blk.1.ffn_down.weight"].astype(np.float32)))
+    err = (whole["model.layers.0.self_attn.k_proj.weight"]
+           - state["model.layers.0.self_attn.k_proj.weight"]).abs().max()
+    assert err < 0.05  # quantized, but the rows are in the right order
+    # 3 rows per read: blocks straddle the 16-row heads and the 2-row RoPE pairs
+    for name, t in iter_gguf_weights(quant, heads, kv):
+        parts = [t.rows(i, min(i + 3, t.shape[0])) for i in range(0, t.shape[0], 3)]
+        assert torch.equal(torch.cat(parts), whole[name]), name
+    # and the model's own block-wise copy lands the same values
+    monkeypatch.setattr(lazy_tensor, "CHUNK_BYTES", 3 * 4 * cfg.hidden_size)
+    t = dict(iter_gguf_weights(quant, heads, kv))["model.layers.0.self_attn.q_proj.weight"]
+    assert t.row_chunk() == 3
+    dst = torch.empty(t.shape, dtype=torch.bfloat16)
+    lazy_tensor.copy_rows(dst, t, (0, t.shape[0]))
+    assert torch.equal(dst, whole["model.layers.0.self_attn.q_proj.weight"].bfloat16())
+
+
+def test_bad_gguf_tensors_fail_naming_the_tensor(tmp_path):
+    f32 = tmp_path / "f32.gguf"
+    cfg, _ = write_tiny_gguf("qwen2", f32, tie=True)
+    data = f32.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:len(data) - 100])
+    with pytest.raises(ValueError, match=r"tensor '[^']+' \(F32.*truncated"):
+        gguf_to_hf_folder(cut, cache_dir=tmp_path / "c")
+    with pytest.raises(ValueError, match="truncated"):
+        iter_gguf_weights(cut, 4, 2)
+
+    # an unknown ggml type id in the first tensor's table entry
+    import gguf
+
+    t0 = gguf.GGUFReader(str(f32)).tensors[0]
+    # its table entry: name length, name, n_dims, dims, type, offset
+    pos = data.index(t0.name.encode()) + len(t0.name) + 4 + 8 * len(t0.shape)
+    bad = bytearray(data)
+    bad[pos:pos + 4] = (99).to_bytes(4, "little")
+    odd = tmp_path / "odd.gguf"
+    odd.write_bytes(bytes(bad))
+    with pytest.raises(ValueError, match=rf"{t0.name}.*(type 99|ggml type)"):
+        iter_gguf_weights(odd, 4, 2)
 
 
 def test_edited_gguf_is_reconverted(tmp_path):

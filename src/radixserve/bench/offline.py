@@ -73,16 +73,19 @@ def run_transformers(prompts: list[BenchPrompt], model: str | None, dtype: str,
                      batch_size: int | None = None) -> OfflineResult:
     """Hugging Face ``generate`` with left padding, greedy, every prompt forced to its output
     length (``min_new_tokens``), in batches of ``batch_size`` (default: all at once). Loads the
-    same Hugging Face folder radixserve loads (the GGUF converted once, dequantized)."""
+    same weights radixserve loads (a GGUF's dequantized into a cached safetensors folder)."""
     from transformers import AutoModelForCausalLM
 
-    from radixserve.model_executor.loader import resolve_model
+    from radixserve.model_executor.loader import export_hf_weights, resolve_model
     from radixserve.model_executor.runner import resolve_device, resolve_dtype
 
     device = resolve_device("auto")
     tdtype = resolve_dtype(dtype, device)
     t0 = time.perf_counter()
-    folder = resolve_model(model).folder
+    files = resolve_model(model)
+    # a GGUF's weights as a safetensors folder, the only form transformers loads as a plain
+    # float model (written once, cached)
+    folder = files.folder if files.gguf is None else export_hf_weights(files.gguf, "float32")
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=tdtype).to(device).eval()
     load = time.perf_counter() - t0
     bs = batch_size or len(prompts)

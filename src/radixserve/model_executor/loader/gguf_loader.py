@@ -1,16 +1,18 @@
-"""Convert a GGUF file, once, into a Hugging Face folder that the rest of radixserve loads.
+"""Turn a GGUF file's metadata, once, into the Hugging Face config and tokenizer files that the
+rest of radixserve reads; the weights stay in the GGUF.
 
 The conversion goes through ``transformers``' own GGUF support, so the result is by construction
-what ``AutoModelForCausalLM.from_pretrained(dir, gguf_file=..., dtype=torch.float32)`` and
-``AutoTokenizer.from_pretrained(dir, gguf_file=...)`` produce:
+what ``AutoConfig``/``AutoTokenizer.from_pretrained(dir, gguf_file=...)`` produce:
 
 * config: ``load_gguf_checkpoint(..., return_tensors=False)`` (llama.cpp metadata -> config keys),
   plus the few things transformers leaves out (see ``_complete_config``);
-* weights: ``load_gguf_checkpoint(..., return_tensors=True)``, which dequantizes every tensor with
-  ``gguf.quants.dequantize``, renames it to the Hugging Face name and, for llama-arch files, undoes
-  llama.cpp's q_proj/k_proj row permutation;
 * tokenizer: ``AutoTokenizer.from_pretrained(..., gguf_file=...)`` saved with ``save_pretrained``,
-  with the GGUF chat template also written into ``tokenizer_config.json``.
+  with the GGUF chat template also written into ``tokenizer_config.json``;
+* weights: none. The model reads them from the GGUF at load time (``gguf_weights``), into the
+  serving dtype a block of rows at a time, so no float copy of the model is written or held (a
+  7B Q4_K_M file would need 30 GB of float32). Only the tensor table is checked here, so a
+  truncated file or an unknown type fails at once. Peers that need a weight folder (the
+  transformers and vLLM benchmarks) get one from :func:`export_hf_weights`.
 
 The folder is built in a temporary directory next to its final place and renamed into place, so a
 reader never sees a half-written folder and two processes converting at once are safe (the second
@@ -37,11 +39,11 @@ from radixserve.cache_dir import cache_dir as radixserve_cache_dir
 
 logger = logging.getLogger(__name__)
 
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 GGUF_MAGIC = b"GGUF"
 MARKER_FILE = "radixserve-gguf.json"
 """Written last into a converted folder: where it came from and how it was converted."""
-REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+REQUIRED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json",
                   "generation_config.json", MARKER_FILE)
 _STALE_TMP_SECONDS = 6 * 3600
 
@@ -93,17 +95,15 @@ def gguf_to_hf_folder(gguf_path: Path, cache_dir: Path | None = None) -> Path:
     """Convert a GGUF file into a Hugging Face model folder, once; later calls reuse it.
 
     The folder (see :func:`converted_folder_path` for its location) holds ``config.json`` (a
-    transformers config with ``architectures``, ``dtype``/``torch_dtype`` float32),
-    ``model.safetensors`` (every tensor dequantized to float32 under its Hugging Face name; no
-    ``lm_head.weight`` when the embeddings are tied), ``tokenizer.json``,
+    transformers config with ``architectures``; no weights: see the module docstring),
+    ``tokenizer.json``,
     ``tokenizer_config.json`` (with ``chat_template``), ``special_tokens_map.json``,
     ``chat_template.jinja`` (when the GGUF has a template), ``generation_config.json`` (eos ids)
     and ``radixserve-gguf.json`` (provenance, written last).
 
-    Cost: the first call dequantizes the whole model (30-45 s on 2 vCPUs and 0.54 GB of disk for
-    the 135M-parameter default model, most of it in gguf-py's metadata parsing; float32 needs
-    4 bytes per parameter of memory and disk); a cached call only stats the file (< 10 ms, and it
-    imports neither torch nor transformers).
+    Cost: the first call reads the metadata and builds the tokenizer (seconds; no tensor data is
+    read); a cached call only stats the file (< 10 ms, and it imports neither torch nor
+    transformers).
 
     Args:
         gguf_path: a GGUF v2/v3 file whose architecture transformers can load (llama, mistral,
@@ -114,8 +114,9 @@ def gguf_to_hf_folder(gguf_path: Path, cache_dir: Path | None = None) -> Path:
         Absolute path of the converted folder.
 
     Raises:
-        ValueError: the path is missing, not a file, unreadable, not GGUF, or of an architecture /
-            tensor layout that transformers cannot convert.
+        ValueError: the path is missing, not a file, unreadable, not GGUF, of an architecture
+            transformers cannot convert, truncated, or holding a tensor type radixserve cannot
+            read (the message names the tensor).
         OSError: the cache folder cannot be written (e.g. disk full, read-only).
     """
     path = Path(gguf_path).expanduser()
@@ -133,7 +134,7 @@ def gguf_to_hf_folder(gguf_path: Path, cache_dir: Path | None = None) -> Path:
     _remove_stale_tmp_dirs(root)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=root))
     try:
-        logger.info("converting %s to a float32 Hugging Face folder (one time; cached at %s)",
+        logger.info("reading the config and tokenizer of %s (one time; cached at %s)",
                     path, target)
         start = time.perf_counter()
         info = _convert(path, tmp)
@@ -163,9 +164,7 @@ def gguf_to_hf_folder(gguf_path: Path, cache_dir: Path | None = None) -> Path:
 
 def _convert(gguf_path: Path, out: Path) -> dict[str, Any]:
     """Write the Hugging Face files for ``gguf_path`` into the empty folder ``out``."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import GenerationConfig
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -177,6 +176,15 @@ def _convert(gguf_path: Path, out: Path) -> dict[str, Any]:
                          f"file?): {type(e).__name__}: {e}") from e
     arch = meta.get("general.architecture", "?")
     notes: list[str] = []
+
+    # --- weights: not copied. The runner reads them from the GGUF itself (``gguf_weights``)
+    # into the serving dtype, a block of rows at a time. Only the table is checked, first
+    # (transformers' config reader touches tensors), so that a truncated file or an unknown
+    # type fails here, naming the tensor.
+    from .gguf_weights import read_tensor_table
+
+    _, table = read_tensor_table(gguf_path)
+    n_params = sum(math.prod(t.shape) for t in table)
 
     # --- config
     try:
@@ -192,42 +200,10 @@ def _convert(gguf_path: Path, out: Path) -> dict[str, Any]:
     _complete_config(config_dict, meta, arch, gguf_path, tensor_types, notes)
     config = CONFIG_MAPPING[model_type].from_dict(config_dict)
     config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]
-    config.dtype = torch.float32
 
-    # --- weights: the same call transformers' from_pretrained makes for these architectures
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    expected = {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}
-    if getattr(config, "tie_word_embeddings", False):
-        expected.pop("lm_head.weight", None)
-    try:
-        loaded = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton,
-                                      torch_dtype=torch.float32)
-    except (ValueError, KeyError, NotImplementedError) as e:
-        raise ValueError(f"{gguf_path}: transformers could not read the tensors: {e}") from e
-    tensors: dict[str, torch.Tensor] = loaded["tensors"]
-    del skeleton, loaded
-    missing = sorted(set(expected) - set(tensors))
-    if missing:
-        raise ValueError(f"{gguf_path}: {len(missing)} weights of {config.architectures[0]} are not "
-                         f"in the GGUF, e.g. {missing[:3]}")
-    for name in sorted(set(tensors) - set(expected)):
-        notes.append(f"dropped tensor {name} (no parameter of that name)")
-        del tensors[name]
-    for name, shape in expected.items():
-        if tuple(tensors[name].shape) != shape:
-            raise ValueError(f"{gguf_path}: {name} has shape {tuple(tensors[name].shape)} in the "
-                             f"GGUF but the config implies {shape}")
-    state = {name: tensors[name].to(torch.float32).contiguous() for name in sorted(tensors)}
-    del tensors
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    n_params = sum(t.numel() for t in state.values())
-    del state
-
-    # --- config.json (transformers 5 writes "dtype"; older readers look for "torch_dtype")
+    # --- config.json
     config.save_pretrained(out)
     cfg_json = json.loads((out / "config.json").read_text())
-    cfg_json["torch_dtype"] = "float32"
     for key in ("_name_or_path", "_model_name_or_path"):  # the GGUF's general.name; see marker
         cfg_json.pop(key, None)
     (out / "config.json").write_text(json.dumps(cfg_json, indent=2, sort_keys=True) + "\n")
@@ -327,6 +303,10 @@ def _complete_config(config_dict: dict, meta: dict, arch: str, gguf_path: Path,
       llama.cpp stores only as the ``rope_freqs.weight`` tensor (reconstructed when its values match
       the llama3 formula; else noted).
     """
+    # llama.cpp attends to every earlier token unless the file names a window; a config class's
+    # default window (MistralConfig's 4096) must not stand in for one the file does not have
+    window = meta.get(f"{arch}.attention.sliding_window")
+    config_dict["sliding_window"] = window if isinstance(window, int) and window > 0 else None
     key_length = meta.get(f"{arch}.attention.key_length")
     if isinstance(key_length, int) and key_length > 0 and config_dict.get("head_dim") != key_length:
         config_dict["head_dim"] = key_length
@@ -519,3 +499,85 @@ def _remove_stale_tmp_dirs(root: Path) -> None:
                 shutil.rmtree(entry, ignore_errors=True)
         except OSError:
             continue
+
+
+def export_hf_weights(gguf_path: Path, dtype: str = "float32",
+                      cache_dir: Path | None = None) -> Path:
+    """A full Hugging Face folder (config, tokenizer and dequantized safetensors weights) of a
+    GGUF file, for peers that load only such folders (transformers, vLLM in the benchmarks);
+    radixserve itself never needs it.
+
+    Written once next to the converted folder (``<converted>-<dtype>``), streamed one tensor at
+    a time into safetensors shards of at most 2 GB, and reused.
+
+    Args:
+        gguf_path: the GGUF file.
+        dtype: "float32", "bfloat16" or "float16": the weights' dtype in the folder.
+        cache_dir: as in :func:`gguf_to_hf_folder`.
+
+    Returns:
+        The folder's absolute path.
+
+    Raises:
+        ValueError: as :func:`gguf_to_hf_folder`, or an unknown dtype.
+        OSError: the cache cannot be written.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    from .gguf_weights import iter_gguf_weights
+
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in dtypes:
+        raise ValueError(f"dtype {dtype!r}: expected one of {', '.join(dtypes)}")
+    meta_folder = gguf_to_hf_folder(gguf_path, cache_dir)
+    target = meta_folder.parent / f"{meta_folder.name}-{dtype}"
+    if (target / "model.safetensors.index.json").is_file():
+        return target
+    cfg = json.loads((meta_folder / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=meta_folder.parent))
+    try:
+        for f in meta_folder.iterdir():
+            if f.is_file():
+                shutil.copy2(f, tmp / f.name)
+        cfg["torch_dtype"] = cfg["dtype"] = dtype
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        weight_map: dict[str, str] = {}
+        shard: dict[str, torch.Tensor] = {}
+        shard_bytes, total, n_shard = 0, 0, 0
+
+        def flush() -> None:
+            nonlocal shard, shard_bytes, n_shard
+            if shard:
+                n_shard += 1
+                name = f"model-{n_shard:05d}.safetensors"
+                save_file(shard, str(tmp / name), metadata={"format": "pt"})
+                weight_map.update(dict.fromkeys(shard, name))
+                shard, shard_bytes = {}, 0
+
+        tied = bool(cfg.get("tie_word_embeddings"))
+        for name, lazy in iter_gguf_weights(Path(gguf_path).resolve(), heads, kv_heads):
+            if tied and name == "lm_head.weight":
+                continue
+            t = lazy.full().to(dtypes[dtype])
+            if shard_bytes + t.nbytes > 2 << 30:
+                flush()
+            shard[name] = t
+            shard_bytes += t.nbytes
+            total += t.nbytes
+        flush()
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+        os.chmod(tmp, 0o755)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "model.safetensors.index.json").is_file():
+                raise
+            _remove_tree(tmp, meta_folder.parent)
+    except BaseException:
+        _remove_tree(tmp, meta_folder.parent)
+        raise
+    return target

@@ -29,9 +29,15 @@ from radixserve.model_executor.layers.linear import (
     packed_linear,
 )
 from radixserve.model_executor.layers.packed_kernel import packed_kernel_linear
+from radixserve.model_executor.loader.lazy_tensor import LazyTensor, as_lazy, copy_rows
 from radixserve.model_executor.models.decode_stack import DecodeStack
 from radixserve.model_executor.parallel.group import TensorParallelGroup
 from radixserve.model_executor.parallel.sharding import ShardLayout, single
+
+#: RoPE variants computed exactly (their inverse frequencies from transformers' own
+#: ``ROPE_INIT_FUNCTIONS``, ``rope_inv_freq``); "dynamic" rescales with the sequence length
+#: and "longrope" switches factors past its original context: neither is implemented
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -58,16 +64,49 @@ class ModelArgs:
     qk_norm: bool
     tie_word_embeddings: bool
     max_position_embeddings: int
+    #: attention window in tokens (Mistral v0.1's 4096), None: every earlier token
+    sliding_window: int | None = None
 
     @classmethod
     def from_hf(cls, config) -> ModelArgs:  # noqa: ANN001 - transformers PretrainedConfig
-        """Raises ValueError for an architecture radixserve does not implement."""
+        """The forward's sizes from a Hugging Face config, refusing what this model cannot
+        compute as the checkpoint's authors meant it, before any weight is read.
+
+        Raises:
+            ValueError: naming the config field and its value: an architecture radixserve does
+                not implement, a ``quantization_config`` (AWQ, GPTQ, ... checkpoints), a
+                ``hidden_act`` other than SiLU, ``mlp_bias``, a ``partial_rotary_factor``
+                below 1, or a RoPE type without an exact implementation here (``dynamic``,
+                unknown ones).
+        """
         archs = list(getattr(config, "architectures", None) or [])
         kind = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES),
                     None)
         if kind is None:
             raise ValueError(f"unsupported architecture {archs or config.model_type!r}; "
                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        quant = getattr(config, "quantization_config", None)
+        if quant:
+            method = (quant.get("quant_method") if isinstance(quant, dict)
+                      else getattr(quant, "quant_method", quant))
+            raise ValueError(f"config.json: quantization_config with quant_method={method!r} "
+                             "is not supported: radixserve serves unquantized safetensors "
+                             "checkpoints and GGUF files")
+        act = getattr(config, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"config.json: hidden_act={act!r} is not supported (SiLU only)")
+        if getattr(config, "mlp_bias", False):
+            raise ValueError("config.json: mlp_bias=true is not supported (no MLP biases)")
+        partial = getattr(config, "partial_rotary_factor", 1.0)
+        if partial is not None and partial != 1.0:
+            raise ValueError(f"config.json: partial_rotary_factor={partial} is not supported "
+                             "(RoPE over the whole head only)")
+        params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling",
+                                                                     None) or {}
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"config.json: rope_type={rope_type!r} is not supported; "
+                             f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         return cls(
@@ -78,7 +117,33 @@ class ModelArgs:
             qkv_bias=kind == "qwen2" or bool(getattr(config, "attention_bias", False)),
             qk_norm=kind == "qwen3",
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            max_position_embeddings=getattr(config, "max_position_embeddings", 4096))
+            max_position_embeddings=getattr(config, "max_position_embeddings", 4096),
+            sliding_window=_sliding_window(config))
+
+    def check_context(self, max_model_len: int) -> None:
+        """Refuse a context the model's attention cannot serve as trained.
+
+        Raises:
+            ValueError: ``sliding_window`` is shorter than ``max_model_len``: radixserve
+                attends to every earlier token, which past the window is not the model's
+                attention (Mistral-7B-v0.1, window 4096).
+        """
+        w = self.sliding_window
+        if w is not None and w < max_model_len:
+            raise ValueError(f"config.json: sliding_window={w} is shorter than max_model_len="
+                             f"{max_model_len}; radixserve has no sliding-window attention, so "
+                             f"serve this model with --max-model-len {w} (or less)")
+
+
+def _sliding_window(config) -> int | None:  # noqa: ANN001 - transformers PretrainedConfig
+    """The window the model attends within: Mistral's ``sliding_window``; Qwen2/Qwen3's only
+    when ``use_sliding_window`` is true (their configs carry a window they do not use)."""
+    w = getattr(config, "sliding_window", None)
+    if not isinstance(w, int) or w <= 0:
+        return None
+    if hasattr(config, "use_sliding_window") and not config.use_sliding_window:
+        return None
+    return w
 
 
 def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:  # noqa: ANN001
@@ -133,23 +198,25 @@ class DecoderLayer(nn.Module):
     """
 
     def __init__(self, a: ModelArgs, kernels: CpuKernels | None = None,
-                 attention_backend: str | None = None) -> None:
+                 attention_backend: str | None = None, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
         super().__init__()
         self.a = a
+        f = {"dtype": dtype, "device": device}
         #: the tensor-parallel group when sharded (``CausalLM.join_group``): the row-parallel
         #: outputs (o, down) are partial sums to all-reduce
         self.tp: TensorParallelGroup | None = None
         q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         self.q_size, self.kv_size = q, kv
-        self.input_norm = nn.Parameter(torch.ones(a.hidden_size))
-        self.post_norm = nn.Parameter(torch.ones(a.hidden_size))
-        self.qkv = nn.Parameter(torch.empty(q + 2 * kv, a.hidden_size))
-        self.qkv_bias = nn.Parameter(torch.zeros(q + 2 * kv)) if a.qkv_bias else None
-        self.o = nn.Parameter(torch.empty(a.hidden_size, q))
-        self.q_norm = nn.Parameter(torch.ones(a.head_dim)) if a.qk_norm else None
-        self.k_norm = nn.Parameter(torch.ones(a.head_dim)) if a.qk_norm else None
-        self.gate_up = nn.Parameter(torch.empty(2 * a.intermediate_size, a.hidden_size))
-        self.down = nn.Parameter(torch.empty(a.hidden_size, a.intermediate_size))
+        self.input_norm = nn.Parameter(torch.ones(a.hidden_size, **f))
+        self.post_norm = nn.Parameter(torch.ones(a.hidden_size, **f))
+        self.qkv = nn.Parameter(torch.empty(q + 2 * kv, a.hidden_size, **f))
+        self.qkv_bias = nn.Parameter(torch.zeros(q + 2 * kv, **f)) if a.qkv_bias else None
+        self.o = nn.Parameter(torch.empty(a.hidden_size, q, **f))
+        self.q_norm = nn.Parameter(torch.ones(a.head_dim, **f)) if a.qk_norm else None
+        self.k_norm = nn.Parameter(torch.ones(a.head_dim, **f)) if a.qk_norm else None
+        self.gate_up = nn.Parameter(torch.empty(2 * a.intermediate_size, a.hidden_size, **f))
+        self.down = nn.Parameter(torch.empty(a.hidden_size, a.intermediate_size, **f))
         scale = a.head_dim ** -0.5
         backend = attention_backend or ("torch" if kernels is None else "cpu")
         self.attn = build_attention(backend, a.num_heads, a.num_kv_heads, a.head_dim, scale,
@@ -245,25 +312,30 @@ class CausalLM(nn.Module):
         shard: this rank's share under tensor parallelism (``parallel.sharding``); None holds
             the whole model. ``load_weights`` then takes full checkpoint tensors and keeps
             this rank's slices; ``join_group`` must follow before the first forward.
+        dtype, device: where the parameters live, from the start (the serving dtype: a
+            checkpoint is never held in another dtype on the way, see ``load_weights``).
     """
 
     def __init__(self, a: ModelArgs, inv_freq: torch.Tensor, rope_scale: float,
                  max_positions: int, kernels: CpuKernels | None = None,
                  attention_backend: str | None = None,
-                 shard: ShardLayout | None = None) -> None:
+                 shard: ShardLayout | None = None, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
         super().__init__()
         self.a = a
         self.shard = shard or single(a)
         local = self.shard.local_args(a)
         rows = self.shard.vocab_rows
+        f = {"dtype": dtype, "device": device}
         self.tp: TensorParallelGroup | None = None
-        self.embed = nn.Parameter(torch.empty(rows, a.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(local, kernels, attention_backend)
+        self.embed = nn.Parameter(torch.empty(rows, a.hidden_size, **f))
+        self.layers = nn.ModuleList(DecoderLayer(local, kernels, attention_backend, dtype,
+                                                 device)
                                     for _ in range(a.num_layers))
         self.kernels = kernels
-        self.norm = nn.Parameter(torch.ones(a.hidden_size))
+        self.norm = nn.Parameter(torch.ones(a.hidden_size, **f))
         self.lm_head = None if a.tie_word_embeddings else nn.Parameter(
-            torch.empty(rows, a.hidden_size))
+            torch.empty(rows, a.hidden_size, **f))
         self._lm_head_proj: LinearFn | None = None
         #: decode steps' layers in one C call (``enable_decode_stack``), or None: per op
         self.decode_stack: DecodeStack | None = None
@@ -388,12 +460,21 @@ class CausalLM(nn.Module):
         return logits.float()
 
     # ------------------------------------------------------------------ weights
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors in, fusing Q/K/V and gate/up; a shard keeps its
-        slices of the full tensors (``_shard_slice``).
+    def load_weights(self, weights: Iterable[tuple[str, LazyTensor | torch.Tensor]]) -> None:
+        """Copy Hugging Face-named checkpoint tensors into the parameters, fusing Q/K/V and
+        gate/up; a shard keeps its slices of the full tensors (``_shard_plan``).
+
+        Each tensor is read a block of rows at a time (``LazyTensor``, ``loader.lazy_tensor``)
+        and converted to the parameters' dtype and device block by block, so loading holds the
+        model once, in its serving dtype, plus one block.
+
+        Args:
+            weights: ``(name, tensor)`` pairs; a tensor is a ``LazyTensor`` or a torch tensor
+                (``[out_features, in_features]`` for a linear, any float dtype).
 
         Raises:
-            ValueError: on a missing or unexpected tensor or a shape mismatch.
+            ValueError: on a missing or unexpected tensor or a shape mismatch (naming the
+                tensor and, for a GGUF, its type), or an unreadable one.
         """
         a = self.shard.local_args(self.a)
         q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
@@ -409,6 +490,7 @@ class CausalLM(nn.Module):
         seen: dict[str, int] = {}
         with torch.no_grad():
             for name, w in weights:
+                src = as_lazy(name, w)
                 if name == "model.embed_tokens.weight":
                     target, rng = "embed", None
                 elif name == "model.norm.weight":
@@ -430,30 +512,42 @@ class CausalLM(nn.Module):
                     elif rest.endswith("rotary_emb.inv_freq"):
                         continue
                     else:
-                        raise ValueError(f"unexpected weight {name!r}")
+                        raise ValueError(f"unexpected weight {src.describe()!r}")
                 else:
-                    raise ValueError(f"unexpected weight {name!r}")
+                    raise ValueError(f"unexpected weight {src.describe()!r}")
                 if target not in expected:
-                    raise ValueError(f"unexpected weight {name!r} for this architecture")
+                    raise ValueError(f"unexpected weight {src.describe()!r} for this "
+                                     "architecture")
                 param = self.get_parameter(target)
                 dst = param if rng is None else param[rng[0]:rng[1]]
-                if self.shard.size > 1:
-                    w = self._shard_slice(name, w)
-                if tuple(dst.shape) != tuple(w.shape):
-                    raise ValueError(f"weight {name!r} has shape {tuple(w.shape)}, "
-                                     f"expected {tuple(dst.shape)}")
-                dst.copy_(w)
+                rows, cols, pad = self._shard_plan(name, src.shape)
+                shape = (rows[1] - rows[0] + pad, *(
+                    () if len(src.shape) == 1
+                    else (src.shape[1] if cols is None else cols[1] - cols[0],)))
+                if tuple(dst.shape) != shape:
+                    raise ValueError(f"weight {src.describe()!r} has shape "
+                                     f"{tuple(src.shape)}" + (f" (this shard: {shape})"
+                                                              if shape != src.shape else "")
+                                     + f", expected {tuple(dst.shape)}")
+                copy_rows(dst, src, rows, cols)
+                if pad:
+                    dst[rows[1] - rows[0]:].zero_()
                 seen[target] = seen.get(target, 0) + (dst.shape[0] if rng else param.shape[0])
         for name, p in self.named_parameters():
             if seen.get(name, 0) != p.shape[0]:
                 raise ValueError(f"checkpoint is missing weights for {name!r}")
 
-    def _shard_slice(self, name: str, w: torch.Tensor) -> torch.Tensor:
-        """This rank's part of the full checkpoint tensor ``name`` (Megatron layout, see
-        ``parallel.sharding``): rows of the column-parallel projections and of the
-        vocab-parallel embedding / LM head (zero rows past the vocabulary), columns of the
-        row-parallel ``o_proj``/``down_proj``; norms whole."""
+    def _shard_plan(self, name: str, shape: tuple[int, ...]
+                    ) -> tuple[tuple[int, int], tuple[int, int] | None, int]:
+        """Which part of the full checkpoint tensor ``name`` this rank keeps (Megatron layout,
+        see ``parallel.sharding``): ``(row range, column range or None, zero rows to add)``.
+        Rows of the column-parallel projections and of the vocab-parallel embedding / LM head
+        (zero rows past the vocabulary), columns of the row-parallel ``o_proj``/``down_proj``;
+        norms whole. Without tensor parallelism: every row, every column."""
+        whole = ((0, shape[0]), None, 0)
         sh, d = self.shard, self.a.head_dim
+        if sh.size == 1:
+            return whole
         ranges = {"q_proj": (sh.q_heads[0] * d, sh.q_heads[1] * d),
                   "k_proj": (sh.kv_heads[0] * d, sh.kv_heads[1] * d),
                   "v_proj": (sh.kv_heads[0] * d, sh.kv_heads[1] * d),
@@ -462,11 +556,13 @@ class CausalLM(nn.Module):
                   "down_proj": sh.intermediate}
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             lo, hi = sh.vocab
-            part = w[lo:min(hi, w.shape[0])]
-            pad = sh.vocab_rows - part.shape[0]
-            return part if pad == 0 else torch.cat((part, part.new_zeros(pad, w.shape[1])))
+            end = max(lo, min(hi, shape[0]))
+            return (lo, end), None, sh.vocab_rows - (end - lo)
         proj = name.rsplit(".", 2)[-2]
         if proj not in ranges:
-            return w
+            return whole
         lo, hi = ranges[proj]
-        return w[:, lo:hi] if proj in ("o_proj", "down_proj") else w[lo:hi]
+        if proj in ("o_proj", "down_proj"):
+            return (0, shape[0]), (lo, hi), 0
+        return (lo, hi), None, 0
+
