@@ -195,26 +195,33 @@ def kernel_max_rows(secs: dict[str, list[float]]) -> int:
 
 
 def measure_kernel_rows(kernels: CpuKernels, dtype: torch.dtype,
-                        shapes: list[tuple[int, int]], batch_hint: int,
+                        shapes: list[tuple[int, int] | torch.Tensor], batch_hint: int,
                         k_blocks: dict[tuple[int, int], int | None]
                         ) -> dict[str, list[float]] | None:
-    """Seconds of one pass over ``shapes`` ([N, K] each: one layer's projections) through
-    radixserve's kernel and through oneDNN's GEMM at each of ``KERNEL_ROWS``, stopping after
-    the first row count at which the kernel is slower; None where the kernel reproduces none
-    of the shapes (``find_k_block``, whose results go into ``k_blocks``).
+    """Seconds of one pass over ``shapes`` (one layer's projections: [N, K] shapes, or the
+    layer's own dense [N, K] weights of ``dtype``) through radixserve's kernel and through
+    oneDNN's GEMM at each of ``KERNEL_ROWS``, stopping after the first row count at which the
+    kernel is slower; None where the kernel reproduces none of the shapes (``find_k_block``,
+    whose results go into ``k_blocks``).
 
-    Random weights of the shapes are packed as the model's are (speed does not depend on the
-    values); each pass is timed interleaved, best of three, so a busy neighbour slows both.
+    The weights (random ones for bare shapes; speed does not depend on the values) are packed
+    as the model's are; with the model's own weights no random copy of a layer is made, which
+    at a 7B model's shapes is a GB of transient memory. Each pass is timed interleaved, best
+    of three, so a busy neighbour slows both.
     """
     mk = torch.ops.mkldnn
     g = torch.Generator().manual_seed(0)
     used = []
-    for n, k in shapes:
+    for item in shapes:
+        if isinstance(item, torch.Tensor):
+            w = item.detach()
+        else:
+            w = (torch.randn(*item, generator=g) * 0.05).to(dtype)
+        n, k = w.shape
+        packed = mk._reorder_linear_weight(w, batch_hint)
         if (n, k) not in k_blocks:
-            k_blocks[(n, k)] = find_k_block(kernels, n, k, batch_hint, dtype)
+            k_blocks[(n, k)] = find_k_block(kernels, n, k, batch_hint, dtype, packed=packed)
         if k_blocks[(n, k)] is not None:
-            w = (torch.randn(n, k, generator=g) * 0.05).to(dtype)
-            packed = mk._reorder_linear_weight(w, batch_hint)
             used.append((n, k, k_blocks[(n, k)], packed, mk.data_ptr(packed)))
     if not used:
         return None
@@ -246,7 +253,7 @@ def measure_kernel_rows(kernels: CpuKernels, dtype: torch.dtype,
 
 
 def choose_kernel_rows(kernels: CpuKernels, dtype: torch.dtype,
-                       shapes: list[tuple[int, int]], batch_hint: int,
+                       shapes: list[tuple[int, int] | torch.Tensor], batch_hint: int,
                        k_blocks: dict[tuple[int, int], int | None],
                        cache_key: str) -> KernelRowsChoice | None:
     """Up to how many rows radixserve's packed linear kernel runs on this machine: the cached
@@ -257,7 +264,8 @@ def choose_kernel_rows(kernels: CpuKernels, dtype: torch.dtype,
     Args:
         kernels: the loaded C kernels, with a linear kernel for ``dtype``.
         dtype: torch.bfloat16 or torch.float32.
-        shapes: [N, K] of one layer's projections.
+        shapes: one layer's projections: [N, K] shapes, or the layer's dense weights (then
+            measured on them, without a random copy).
         batch_hint: the hint the model's weights are packed with.
         k_blocks: the model's per-shape K blockings (filled where measured).
         cache_key: identifies the model's shapes and dtype.

@@ -118,7 +118,8 @@ def _candidates(k: int) -> list[int]:
 
 
 def find_k_block(kernels: CpuKernels, n: int, k: int, batch_hint: int,
-                 dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> int | None:
+                 dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                 packed: torch.Tensor | None = None) -> int | None:
     """oneDNN's K blocking for a [N, K] weight of ``dtype`` packed with ``batch_hint``, found
     by probing, or None where no candidate (or more than one) reproduces oneDNN exactly.
 
@@ -129,11 +130,18 @@ def find_k_block(kernels: CpuKernels, n: int, k: int, batch_hint: int,
     blocking is the one candidate with no differing bit. Wrong blockings differ in a few
     outputs per ten thousand (rounding order only), hence the many rows. Costs one oneDNN GEMM
     of PROBE_ROWS rows and a few ms of ours per shape.
+
+    Args:
+        packed: a real weight of the shape already packed with ``batch_hint`` (the model's
+            own): probed in place of a random one, so that no second copy of a large weight
+            (a 152k-row LM head: 2 GB in float32) is made at load.
     """
     mkldnn = torch.ops.mkldnn
     g = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=g).to(dtype)
-    packed = mkldnn._reorder_linear_weight(w, batch_hint)
+    if packed is None:
+        w = torch.randn(n, k, generator=g).to(dtype)
+        packed = mkldnn._reorder_linear_weight(w, batch_hint)
+        del w
     if not layout_matches(packed, n, k):
         return None
     x = torch.randn(PROBE_ROWS, k, generator=g).to(dtype)
@@ -185,7 +193,7 @@ def packed_kernel_linear(kernels: CpuKernels | None, packed: torch.Tensor, weigh
             or not layout_matches(packed, n, k)):
         return None
     if (n, k) not in k_blocks:
-        k_blocks[(n, k)] = find_k_block(kernels, n, k, batch_hint, dt)
+        k_blocks[(n, k)] = find_k_block(kernels, n, k, batch_hint, dt, packed=packed)
     kb = k_blocks[(n, k)]
     if kb is None:
         return None
