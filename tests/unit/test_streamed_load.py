@@ -163,3 +163,32 @@ def test_sliding_window_shorter_than_the_context_is_refused(tmp_path):
     assert "not a valid safetensors file" in _refused(tmp_path, unused)
     used = _QWEN2 | {"sliding_window": 16, "use_sliding_window": True}
     assert "sliding_window=16" in _refused(tmp_path, used)
+
+
+# ------------------------------------------------------------------------ fitting in memory
+
+def test_auto_dtype_falls_back_to_bf16_when_float32_does_not_fit():
+    from radixserve.model_executor.memory_fit import fit_dtype, weight_bytes
+
+    # Qwen2.5-7B's sizes: 7.62 B parameters
+    a = ModelArgs(arch="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                  num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
+                  rms_norm_eps=1e-6, qkv_bias=True, qk_norm=False, tie_word_embeddings=False,
+                  max_position_embeddings=32768)
+    assert weight_bytes(a, torch.bfloat16) == 2 * 7_615_616_512
+    cpu, gib = torch.device("cpu"), 1 << 30
+    # a 24 GB machine: float32 (28.4 GiB) cannot fit, bfloat16 (14.2 GiB) can
+    dtype, why = fit_dtype("auto", torch.float32, a, cpu, available=22 * gib)
+    assert dtype == torch.bfloat16 and "float32 weights (28.4 GiB) do not fit" in why
+    with pytest.raises(ValueError, match=r"float32 weights need 28\.4 GiB .* try --dtype "
+                                         r"bfloat16"):
+        fit_dtype("float32", torch.float32, a, cpu, available=22 * gib)
+    with pytest.raises(ValueError, match=r"float32 weights need 28\.4 GiB .*quantized GGUF"):
+        fit_dtype("auto", torch.float32, a, cpu, available=8 * gib)
+    # room enough, or not a CPU: unchanged
+    assert fit_dtype("auto", torch.float32, a, cpu, available=64 * gib) == (torch.float32, None)
+    assert fit_dtype("auto", torch.float32, a, torch.device("cuda"), available=gib) == (
+        torch.float32, None)
+    # two tensor-parallel ranks on the machine hold half each
+    assert fit_dtype("float32", torch.float32, a, cpu, shards=2, available=22 * gib)[0] == \
+        torch.float32

@@ -22,6 +22,7 @@ from radixserve.model_executor.cpu_malloc import tune_malloc
 from radixserve.model_executor.cuda_graphs import maybe_decode_graphs
 from radixserve.model_executor.forward_batch import ForwardBatch, SampleResult
 from radixserve.model_executor.kernels.cpu import CpuKernels
+from radixserve.model_executor.memory_fit import fit_dtype
 from radixserve.model_executor.models.llama import CausalLM, ModelArgs, rope_inv_freq
 from radixserve.model_executor.parallel.group import TensorParallelGroup
 from radixserve.model_executor.parallel.sharding import ShardLayout
@@ -230,7 +231,9 @@ class ModelRunner:
         if self.device.type == "cuda" and self.shard.size > 1:
             self.device = torch.device("cuda", tp_rank)
             torch.cuda.set_device(self.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.dtype, dtype_change = fit_dtype(config.dtype, resolve_dtype(config.dtype,
+                                                                         self.device),
+                                             args, self.device, self.shard.size)
         self.args = args
         page_size = config.page_size
         kv_heads = self.shard.num_kv_heads
@@ -254,6 +257,9 @@ class ModelRunner:
         self.attention_backend = ("cpu" if self.kernels is not None
                                   else "triton" if use_triton else "torch")
         paths = ForwardPaths()
+        if dtype_change is not None:
+            paths.pick("dtype", str(self.dtype).removeprefix("torch."), dtype_change)
+            log.warning("--dtype auto: %s", dtype_change)
         if self.device.type == "cpu":
             tuned = tune_malloc(config.tune_malloc)
             paths.pick("malloc", "tuned" if tuned.applied else "default", tuned.reason)
