@@ -1,6 +1,7 @@
 """``radixserve bench offline | serve | overhead | compare | prefix | pd-transfer | pd-serve``
 subcommands. Each prints a summary,
-writes JSON with ``--json PATH`` and draws PNG charts with ``--plot PATH``."""
+writes JSON with ``--json PATH`` and draws PNG charts with ``--plot PATH``. ``make-model`` writes a
+random-weight model with a real model's layer shapes for them to measure."""
 
 from __future__ import annotations
 
@@ -210,7 +211,7 @@ def cmd_compare(ns: argparse.Namespace) -> int:
     doc = compare.run(engines, ns.num_prompts, ns.input_len, ns.output_len, ns.dtype,
                       ns.concurrency, ns.prompts_per_level, ns.model, ns.peers_venv,
                       ns.threads, not ns.skip_offline, not ns.skip_serve, ns.workdir, ns.seed,
-                      progress=not ns.disable_tqdm)
+                      progress=not ns.disable_tqdm, llama_gguf=ns.llama_gguf)
     print(compare.format_table(doc))
     _write(doc, ns.json, quiet=True)
     if ns.plot:
@@ -250,6 +251,25 @@ def cmd_pd_serve(ns: argparse.Namespace) -> int:
                        workdir=Path(ns.workdir), seed=ns.seed, setups=setups)
     _write(res, ns.json, quiet=True)
     print(pd.format_serve(res))
+    return 0
+
+
+# ---------------------------------------------------------------------- make-model
+def cmd_make_model(ns: argparse.Namespace) -> int:
+    from radixserve.bench import make_model
+
+    try:
+        made = make_model.make_model(
+            ns.shape, ns.out, gguf=ns.gguf, seed=ns.seed, num_layers=ns.num_layers,
+            vocab_size=ns.vocab_size, peers_venv=ns.peers_venv,
+            log=lambda line: print(line, file=sys.stderr, flush=True))
+    except (ValueError, RuntimeError, OSError) as e:
+        return _err(str(e))
+    print(f"wrote {made.folder}: {made.shape}, {made.num_parameters / 1e9:.3f} B parameters, "
+          f"{made.safetensors_bytes / 1e9:.2f} GB bfloat16 in {made.num_shards} shard(s)")
+    if made.gguf is not None and made.gguf_bytes is not None:
+        print(f"wrote {made.gguf} ({made.gguf_bytes / 1e9:.2f} GB)")
+    print(f"{make_model.NOTE} ({made.seconds:.1f} s)")
     return 0
 
 
@@ -360,6 +380,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="serving requests per level (at least the level)")
     c.add_argument("--threads", type=int, default=2)
     c.add_argument("--peers-venv", default=".venv-peers")
+    c.add_argument("--llama-gguf", default=None, metavar="FILE",
+                   help="the GGUF llama.cpp serves (default: MODEL when it is a GGUF), e.g. a "
+                        "BF16 GGUF of the Hugging Face folder MODEL")
     c.add_argument("--skip-offline", action="store_true")
     c.add_argument("--skip-serve", action="store_true")
     c.add_argument("--workdir", default=None, help="server logs and scratch files")
@@ -409,3 +432,30 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--json", default=None)
     d.set_defaults(func=cmd_pd_serve)
+
+    from radixserve.bench.make_model import GGUF_TYPES, SHAPES
+
+    m = bsub.add_parser(
+        "make-model",
+        help="write a random-weight model with a real model's exact layer shapes (gibberish "
+             "text, real speed)",
+        description="Write a Hugging Face folder (config.json, bfloat16 safetensors shards, the "
+                    "default model's tokenizer) holding random weights with the exact layer "
+                    "shapes of a real model, so benchmarks measure real-size models without "
+                    "downloading anything. The text it generates is gibberish; its speed is "
+                    "real.")
+    m.add_argument("--shape", required=True, metavar="NAME",
+                   help=f"the real model whose shapes to copy: {', '.join(SHAPES)}")
+    m.add_argument("out", metavar="OUT", help="folder to create (must not exist or be empty)")
+    m.add_argument("--gguf", default=None, metavar="TYPE",
+                   help=f"also write OUT/<shape>-<TYPE>.gguf with the same weights: "
+                        f"{', '.join(GGUF_TYPES)} (the K types need `make bench-peers`)")
+    m.add_argument("--seed", type=int, default=0, help="weights' seed")
+    m.add_argument("--num-layers", type=int, default=None,
+                   help="override the layer count (tests, quick runs)")
+    m.add_argument("--vocab-size", type=int, default=None,
+                   help="override the vocabulary (at least the tokenizer's 49152 tokens)")
+    m.add_argument("--peers-venv", default=".venv-peers",
+                   help="venv with llama-cpp-python, for the K-quant GGUF types "
+                        "(default: .venv-peers)")
+    m.set_defaults(func=cmd_make_model)

