@@ -12,6 +12,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import pytest
 from aiohttp import web
 
 from radixserve.bench import compare, serve
@@ -170,3 +171,43 @@ def test_avx2_emulation_holds_every_layer_to_avx2() -> None:
     assert got == {"f32": "avx2", "bf16_dot": False, "avx512": False, "aten": "AVX2",
                    "inductor": "avx2", "onednn": "AVX2", "avx512_flags": False,
                    "auto": "torch.float32"}
+
+
+def test_server_peak_rss_sums_its_process_group():
+    """``bench compare``'s peak RSS of a server: every process of its group (a server and the
+    engine process it spawned), read before they exit."""
+    import subprocess
+    import sys
+    import time
+
+    from radixserve.bench.compare import process_group_peak_rss
+
+    code = ("import subprocess, sys, time\n"
+            "b = bytearray(96 << 20)\n"
+            "c = subprocess.Popen([sys.executable, '-c', "
+            "'b = bytearray(64 << 20); import time; time.sleep(60)'])\n"
+            "print('up', flush=True); time.sleep(60)\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        assert p.stdout.readline().strip() == "up"
+        time.sleep(1.0)  # the child has touched its 64 MiB
+        peak = process_group_peak_rss(p.pid)
+        assert peak is not None and peak >= (96 + 64) << 20
+        assert process_group_peak_rss(999_999_999) is None
+    finally:
+        import os
+        import signal
+
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
+
+def test_decode_floor():
+    from radixserve.bench.bandwidth import decode_floor_ms, measure_read_bandwidth
+
+    assert decode_floor_ms(15_000_000_000, 30.0) == pytest.approx(500.0)
+    bw = measure_read_bandwidth(buffer_bytes=64 << 20, runs=2, threads=1)
+    assert bw.gb_per_s > 0.1 and len(bw.runs_gb_per_s) == 2
+    with pytest.raises(ValueError):
+        measure_read_bandwidth(buffer_bytes=1 << 20)

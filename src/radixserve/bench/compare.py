@@ -223,9 +223,14 @@ class Server:
             self.stop()
             raise
         self.startup_s = time.monotonic() - t0
+        self.peak_rss_bytes: int | None = None
 
     def stop(self) -> None:
         if self.proc.poll() is None:
+            #: the sum of every process's peak resident memory (VmHWM) in the server's
+            #: process group, bytes: an upper bound of the group's peak (their peaks may
+            #: not coincide); read before the processes exit
+            self.peak_rss_bytes = process_group_peak_rss(self.proc.pid)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)
             try:
@@ -235,6 +240,30 @@ class Server:
                     os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
         self._log_f.close()
+
+
+def process_group_peak_rss(pgid: int) -> int | None:
+    """Sum of ``VmHWM`` (bytes) over the live processes of process group ``pgid`` (a server
+    and the engine processes it spawned), or None where /proc cannot be read."""
+    total, seen = 0, False
+    try:
+        pids = [d for d in os.listdir("/proc") if d.isdigit()]
+    except OSError:
+        return None
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[2]) != pgid:  # fields after the name: state, ppid, pgrp, ...
+                continue
+            with open(f"/proc/{pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        total += int(line.split()[1]) * 1024
+                        seen = True
+        except (OSError, ValueError, IndexError):
+            continue
+    return total if seen else None
 
 
 def wait_until_healthy(url: str, timeout_s: float, proc: Any = None) -> None:
@@ -397,6 +426,8 @@ def _serve_llama_server(binary: str, gguf: str, prompts: list[BenchPrompt], leve
             return out
         finally:
             srv.stop()
+            if srv.peak_rss_bytes is not None:
+                out["peak_rss_bytes"] = max(out.get("peak_rss_bytes") or 0, srv.peak_rss_bytes)
     return out
 
 
@@ -456,6 +487,8 @@ def run_serve(engines: list[str], status: dict[str, dict[str, Any]],
             out[eng] = {"status": "failed", "reason": f"{type(e).__name__}: {e}"[:600]}
         finally:
             srv.stop()
+            if eng in out:
+                out[eng]["peak_rss_bytes"] = srv.peak_rss_bytes
     return out
 
 
@@ -510,6 +543,18 @@ def format_table(doc: dict[str, Any]) -> str:
         lines.append("  (llama.cpp: llama-server, started per level with -np = c)")
     elif llama.get("server"):
         lines.append(f"  (llama.cpp: {llama['server']}, {llama.get('limits', '')})")
+    for eng, v in doc.get("serve", {}).items():
+        if v.get("peak_rss_bytes") or v.get("startup_s"):
+            rss = v.get("peak_rss_bytes")
+            lines.append(f"  {eng:<13}start-up to healthy {v.get('startup_s') or 0:.1f} s, "
+                         "peak RSS (sum over its processes) "
+                         + (f"{rss / 2**30:.2f} GiB" if rss else "?"))
+    fl = doc.get("decode_floor", {})
+    if fl.get("floor_ms"):
+        lines.append(f"decode floor: {fl['weight_bytes'] / 1e9:.2f} GB of {fl['dtype']} weights "
+                     f"at {fl['read_bandwidth']['gb_per_s']:.1f} GB/s read = "
+                     f"{fl['floor_ms']:.1f} ms; single-stream TPOT / floor: "
+                     + ", ".join(f"{e} {x:.2f}x" for e, x in fl["tpot_x_floor"].items()))
     return "\n".join(lines)
 
 
@@ -573,4 +618,32 @@ def run(engines: list[str], num_prompts: int, input_len: int, output_len: int, d
                                  gguf, dtype, threads, peers_python, max_model_len, wd,
                                  progress=progress, llama_gguf=llama_gguf)
     doc["ratios"] = ratios(doc)
+    doc["decode_floor"] = decode_floor(doc, files, dtype, threads)
     return doc
+
+
+def decode_floor(doc: dict[str, Any], files: Any, dtype: str, threads: int) -> dict[str, Any]:
+    """The batch-1 decode step's memory floor (weight bytes in the serving dtype ÷ the read
+    bandwidth measured now, ``bench.bandwidth``) and each engine's single-stream TPOT as a
+    multiple of it (the lowest concurrency level's median TPOT)."""
+    from radixserve.bench.bandwidth import decode_floor_ms, measure_read_bandwidth
+    from radixserve.model_executor.loader import load_hf_config
+    from radixserve.model_executor.memory_fit import weight_bytes
+    from radixserve.model_executor.models.llama import ModelArgs
+
+    try:
+        args = ModelArgs.from_hf(load_hf_config(files.folder))
+    except ValueError as e:
+        return {"error": str(e)}
+    import torch
+
+    wbytes = weight_bytes(args, getattr(torch, dtype))
+    bw = measure_read_bandwidth(threads=threads)
+    floor = decode_floor_ms(wbytes, bw.gb_per_s)
+    out: dict[str, Any] = {"weight_bytes": wbytes, "dtype": dtype,
+                           "read_bandwidth": bw.as_dict(), "floor_ms": floor, "tpot_x_floor": {}}
+    for eng, v in doc.get("serve", {}).items():
+        runs = sorted(v.get("runs") or [], key=lambda x: x["max_concurrency"])
+        if runs and runs[0]["max_concurrency"] == 1 and runs[0].get("median_tpot_ms"):
+            out["tpot_x_floor"][eng] = runs[0]["median_tpot_ms"] / floor
+    return out
