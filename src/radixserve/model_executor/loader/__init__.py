@@ -24,14 +24,14 @@ from typing import TYPE_CHECKING, Any
 
 from .default import DEFAULT_MODEL_NAME, default_model_path
 from .gguf_loader import export_hf_weights, gguf_to_hf_folder, is_gguf_file
-from .lazy_tensor import LazyTensor, SafetensorsTensor
 
 if TYPE_CHECKING:
     import torch
 
+    from .lazy_tensor import LazyTensor, SafetensorsTensor
+
 __all__ = [
     "DEFAULT_MODEL_NAME",
-    "LazyTensor",
     "ModelFiles",
     "checkpoint_weights",
     "default_model_path",
@@ -219,6 +219,8 @@ def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 def _iter_lazy(files: list[Path]) -> Iterator[tuple[str, SafetensorsTensor]]:
     from safetensors import SafetensorError, safe_open
+
+    from .lazy_tensor import SafetensorsTensor
 
     for file in files:
         try:
