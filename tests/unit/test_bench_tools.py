@@ -173,28 +173,29 @@ def test_avx2_emulation_holds_every_layer_to_avx2() -> None:
                    "auto": "torch.float32"}
 
 
-def test_server_peak_rss_sums_its_process_group():
-    """``bench compare``'s peak RSS of a server: every process of its group (a server and the
-    engine process it spawned), read before they exit."""
+def test_server_peak_rss_sums_its_process_tree():
+    """``bench compare``'s peak RSS of a server: it and every process under it (radixserve's
+    engine process runs in a session of its own), read before they exit."""
     import subprocess
     import sys
     import time
 
-    from radixserve.bench.compare import process_group_peak_rss
+    from radixserve.bench.compare import process_tree_peak_rss
 
     code = ("import subprocess, sys, time\n"
             "b = bytearray(96 << 20)\n"
             "c = subprocess.Popen([sys.executable, '-c', "
-            "'b = bytearray(64 << 20); import time; time.sleep(60)'])\n"
+            "'b = bytearray(64 << 20); import time; time.sleep(60)'], "
+            "start_new_session=True)\n"
             "print('up', flush=True); time.sleep(60)\n")
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
                          start_new_session=True)
     try:
         assert p.stdout.readline().strip() == "up"
         time.sleep(1.0)  # the child has touched its 64 MiB
-        peak = process_group_peak_rss(p.pid)
+        peak = process_tree_peak_rss(p.pid)
         assert peak is not None and peak >= (96 + 64) << 20
-        assert process_group_peak_rss(999_999_999) is None
+        assert process_tree_peak_rss(999_999_999) is None
     finally:
         import os
         import signal

@@ -227,10 +227,10 @@ class Server:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            #: the sum of every process's peak resident memory (VmHWM) in the server's
-            #: process group, bytes: an upper bound of the group's peak (their peaks may
-            #: not coincide); read before the processes exit
-            self.peak_rss_bytes = process_group_peak_rss(self.proc.pid)
+            #: the sum of the peak resident memory (VmHWM) of the server and every process
+            #: under it, bytes: an upper bound of their joint peak (their peaks may not
+            #: coincide); read before the processes exit
+            self.peak_rss_bytes = process_tree_peak_rss(self.proc.pid)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)
             try:
@@ -242,20 +242,27 @@ class Server:
         self._log_f.close()
 
 
-def process_group_peak_rss(pgid: int) -> int | None:
-    """Sum of ``VmHWM`` (bytes) over the live processes of process group ``pgid`` (a server
-    and the engine processes it spawned), or None where /proc cannot be read."""
-    total, seen = 0, False
+def process_tree_peak_rss(root: int) -> int | None:
+    """Sum of ``VmHWM`` (bytes) over process ``root`` and its live descendants (a server and
+    the engine processes it spawned, which may run in sessions of their own), or None where
+    /proc cannot be read or ``root`` is gone."""
+    children: dict[int, list[int]] = {}
     try:
-        pids = [d for d in os.listdir("/proc") if d.isdigit()]
+        pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]
     except OSError:
         return None
     for pid in pids:
         try:
             with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            if int(fields[2]) != pgid:  # fields after the name: state, ppid, pgrp, ...
-                continue
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])  # after the name: state, ppid
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(pid)
+    total, seen, todo = 0, False, [root]
+    while todo:
+        pid = todo.pop()
+        todo.extend(children.get(pid, ()))
+        try:
             with open(f"/proc/{pid}/status") as f:
                 for line in f:
                     if line.startswith("VmHWM:"):

@@ -102,6 +102,7 @@ async def send_request(client: aiohttp.ClientSession, url: str, body: dict[str, 
     res = RequestResult(prompt_len=prompt_len)
     chunks = 0
     finish: str | None = None
+    first_choice: float | None = None
     usage: dict[str, Any] | None = None
     st = time.perf_counter()
     last = st
@@ -131,6 +132,7 @@ async def send_request(client: aiohttp.ClientSession, url: str, body: dict[str, 
                     usage = chunk["usage"]
                 for c in chunk.get("choices") or ():
                     finish = c.get("finish_reason") or finish
+                    first_choice = now if first_choice is None else first_choice
                 if _content(chunk, api):
                     if chunks == 0:
                         res.ttft = now - st
@@ -142,9 +144,15 @@ async def send_request(client: aiohttp.ClientSession, url: str, body: dict[str, 
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
         res.error = f"{type(e).__name__}: {e}"
         return res
-    if chunks == 0:
+    if chunks == 0 and (finish is None or first_choice is None):
         res.error = "no content in the response"
         return res
+    if chunks == 0:
+        # a finished stream whose tokens all decode to no text: a random-weight model
+        # (``bench make-model``) samples ids beyond its tokenizer's. Its first choice chunk
+        # stands for the first token.
+        res.ttft = first_choice - st
+        chunks = 1
     if finish is None:
         # e.g. llama-cpp-python's server cuts a stream short when another request arrives
         # (unless started with --interrupt_requests False)
