@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from random_checkpoint import random_checkpoint
 
 from radixserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from radixserve.model_executor.models.llama import CausalLM, ModelArgs, rope_inv_freq
@@ -64,26 +65,7 @@ def _args(arch: str) -> ModelArgs:
 
 
 def _checkpoint(a: ModelArgs) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    q, kv, h, it = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.hidden_size, \
-        a.intermediate_size
-    w = {"model.embed_tokens.weight": (a.vocab_size, h), "model.norm.weight": (h,)}
-    if not a.tie_word_embeddings:
-        w["lm_head.weight"] = (a.vocab_size, h)
-    for i in range(a.num_layers):
-        p = f"model.layers.{i}."
-        w |= {p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-              p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-              p + "mlp.gate_proj.weight": (it, h), p + "mlp.up_proj.weight": (it, h),
-              p + "mlp.down_proj.weight": (h, it), p + "input_layernorm.weight": (h,),
-              p + "post_attention_layernorm.weight": (h,)}
-        if a.qkv_bias:
-            w |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                  p + "self_attn.v_proj.bias": (kv,)}
-        if a.qk_norm:
-            w |= {p + "self_attn.q_norm.weight": (a.head_dim,),
-                  p + "self_attn.k_norm.weight": (a.head_dim,)}
-    return {k: torch.randn(s, generator=g) for k, s in w.items()}
+    return random_checkpoint(a)
 
 
 def _load(a: ModelArgs, ckpt: dict[str, torch.Tensor], shard: ShardLayout | None) -> CausalLM:

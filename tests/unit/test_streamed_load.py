@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from random_checkpoint import random_checkpoint
 from safetensors.torch import save_file
 
 from radixserve.config import EngineConfig
@@ -34,23 +35,7 @@ def _args(arch: str) -> ModelArgs:
 
 def _write_checkpoint(a: ModelArgs, folder: Path) -> None:
     """A float32 checkpoint in two shards, as Hugging Face lays them out."""
-    g = torch.Generator().manual_seed(0)
-    q, kv, h, it = (a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.hidden_size,
-                    a.intermediate_size)
-    w = {"model.embed_tokens.weight": (a.vocab_size, h), "model.norm.weight": (h,)}
-    if not a.tie_word_embeddings:
-        w["lm_head.weight"] = (a.vocab_size, h)
-    for i in range(a.num_layers):
-        p = f"model.layers.{i}."
-        w |= {p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-              p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-              p + "mlp.gate_proj.weight": (it, h), p + "mlp.up_proj.weight": (it, h),
-              p + "mlp.down_proj.weight": (h, it), p + "input_layernorm.weight": (h,),
-              p + "post_attention_layernorm.weight": (h,)}
-        if a.qkv_bias:
-            w |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                  p + "self_attn.v_proj.bias": (kv,)}
-    tensors = {k: torch.randn(s, generator=g) for k, s in w.items()}
+    tensors = random_checkpoint(a)
     names = sorted(tensors)
     half = len(names) // 2
     folder.mkdir()
