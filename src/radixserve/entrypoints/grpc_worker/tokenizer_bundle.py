@@ -1,8 +1,8 @@
 """The model's tokenizer files as the zip ``GetTokenizer`` streams (so smg needs no
 ``--model-path``).
 
-The engine names an HF folder for every model it loads (a GGUF file is converted once into one
-under the cache dir, tokenizer.json, tokenizer_config.json with the chat template and special
+The engine names an HF folder for every model it loads (a GGUF file's config and tokenizer are
+converted once into one under the cache dir, tokenizer.json, tokenizer_config.json with the chat template and special
 tokens, and chat_template.jinja included), so the bundle is that folder's tokenizer files.
 The file list follows smg's ``smg_grpc_servicer.tokenizer_bundle`` (what its Rust tokenizer
 loader looks for); chunks are 64 KiB, the SHA-256 of the whole archive rides on the last one.
