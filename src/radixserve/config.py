@@ -212,6 +212,11 @@ class EngineConfig:
             CUDA graphs (vLLM's flag). Ignored on CPU, which never captures.
         cuda_graph_max_bs: largest decode batch captured in a CUDA graph (SGLang's flag); None
             takes ``max_num_seqs`` capped at 256. Larger decode batches run eagerly.
+        generation_config: the sampling defaults of requests that leave them unset (vLLM's
+            flag): "auto" reads the model's ``generation_config.json`` (temperature, top_p,
+            top_k, min_p, repetition_penalty, max_new_tokens as max_tokens), "vllm" uses
+            none (vLLM's and OpenAI's defaults), a folder reads its
+            ``generation_config.json``. Applied by the frontends, not the engine core.
     """
 
     model: str | None = None
@@ -239,6 +244,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
     cuda_graph_max_bs: int | None = None
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         if self.kv_transfer_config is not None:
@@ -307,6 +313,14 @@ class ServerConfig:
         null_step_ms: with ``null_model``, milliseconds each engine step takes (0: instant).
         graceful_timeout_s: seconds a SIGTERM/SIGINT shutdown may take before children are
             killed.
+        shutdown_timeout_s: seconds in-flight requests may run after SIGTERM while new ones
+            get 503 (vLLM's ``--shutdown-timeout``); what still runs is then aborted.
+        log_requests: one log line per finished request (``--disable-log-requests`` off).
+        log_stats: a throughput/occupancy line every ``log_stats_interval_s`` seconds
+            (``--disable-log-stats`` off).
+        log_stats_interval_s: seconds between stats lines.
+        log_format: "text" or "json" (one JSON object per line).
+        log_prompts: include the prompt text in request lines (never logged otherwise).
     """
 
     host: str = "127.0.0.1"
@@ -318,6 +332,12 @@ class ServerConfig:
     null_model: bool = False
     null_step_ms: float = 0.0
     graceful_timeout_s: float = 3.0
+    shutdown_timeout_s: float = 30.0
+    log_requests: bool = True
+    log_stats: bool = True
+    log_stats_interval_s: float = 10.0
+    log_format: str = "text"
+    log_prompts: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -327,3 +347,10 @@ class ServerConfig:
         if self.max_concurrent_requests is not None and self.max_concurrent_requests < 1:
             raise ValueError(
                 f"max_concurrent_requests={self.max_concurrent_requests} must be >= 1")
+        if self.shutdown_timeout_s < 0:
+            raise ValueError(f"shutdown_timeout_s={self.shutdown_timeout_s} must be >= 0")
+        if self.log_stats_interval_s <= 0:
+            raise ValueError(
+                f"log_stats_interval_s={self.log_stats_interval_s} must be > 0 seconds")
+        if self.log_format not in ("text", "json"):
+            raise ValueError(f"log_format={self.log_format!r} is not one of text, json")

@@ -9,6 +9,7 @@ so the wire format stays at the edge. This module sits below ``core``, ``fronten
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -65,6 +66,43 @@ class EngineRequest(msgspec.Struct, kw_only=True):
     arrival_time: float = 0.0
     eos_token_ids: list[int] | None = None
     kv_transfer_params: dict[str, Any] | None = None
+
+
+def child_request_id(request_id: str, k: int, total: int) -> str:
+    """The engine id of request ``k`` of the ``total`` that one API request fans out into:
+    the API request's own id when it makes one engine request (so the client's id is the
+    engine's, in logs and events), else ``"{request_id}-{k}"``."""
+    return request_id if total == 1 else f"{request_id}-{k}"
+
+
+def fan_out(request_id: str, prompts: Sequence[Sequence[int] | np.ndarray],
+            sampling_params: SamplingParams, arrival_time: float,
+            kv_transfer_params: dict[str, Any] | None = None) -> list[EngineRequest]:
+    """The engine requests of one API request: ``sampling_params.n`` per prompt
+    (``SamplingParams.children``), request ``p * n + i`` being sample i of prompt p (its choice
+    index), with ids from ``child_request_id``. The one fan-out of the HTTP server, the gRPC
+    worker and the offline ``LLM``.
+
+    Args:
+        request_id: the API request's id (the client's ``X-Request-Id``, the gRPC
+            ``request_id``, or a generated one).
+        prompts: token ids of each prompt.
+        sampling_params: the request's params (any ``n``).
+        arrival_time: ``time.time()`` when the API request arrived, seconds.
+        kv_transfer_params: prefill/decode disaggregation params, given to every request
+            (the callers allow them only with one request).
+    """
+    children = sampling_params.children()
+    total = len(prompts) * len(children)
+    out: list[EngineRequest] = []
+    for ids in prompts:
+        prompt = np.asarray(ids, dtype=np.int32)
+        for child in children:
+            out.append(EngineRequest(request_id=child_request_id(request_id, len(out), total),
+                                     prompt_token_ids=prompt, sampling_params=child,
+                                     arrival_time=arrival_time,
+                                     kv_transfer_params=kv_transfer_params))
+    return out
 
 
 class TokenOutput(msgspec.Struct, kw_only=True, gc=False):

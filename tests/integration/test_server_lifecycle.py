@@ -149,7 +149,8 @@ def test_concurrency_limit_and_slot_release(guarded: ServerProcess) -> None:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_shuts_down_cleanly(tmp_path: Path, sig: int) -> None:
-    srv = _start(tmp_path)
+    # no drain time: the running requests are aborted at once (test_production.py drains)
+    srv = _start(tmp_path, ["--shutdown-timeout", "0"])
     try:
         engine = srv.engine_pid
         assert engine is not None and pid_alive(engine)
@@ -163,9 +164,9 @@ def test_signal_shuts_down_cleanly(tmp_path: Path, sig: int) -> None:
         srv.proc.send_signal(sig)
         for r in readers:
             r.slow.clear()
-        # the server exits by itself (no SIGKILL needed) with status 0, and does not wait for
-        # the in-flight requests to finish: each stream ends with an error event (aborted),
-        # never silently truncated while the server claims success
+        # the server exits by itself (no SIGKILL needed) with status 0, and (shutdown timeout
+        # 0) does not wait for the in-flight requests to finish: each stream ends with an
+        # error event (aborted), never silently truncated while the server claims success
         rc = srv.proc.wait(timeout=HANG_TIMEOUT_S)
         assert rc == 0, srv.log_tail()
         for r in readers:

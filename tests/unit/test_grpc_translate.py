@@ -222,7 +222,7 @@ def test_prompts_choices_and_truncation() -> None:
     assert engine_requests_from_proto(whole, _encode, 2)[0].prompt_token_ids.tolist() == [6, 7]
     three = engine_requests_from_proto(
         _req(sampling_params=pb.SamplingParams(n=3, seed=10, temperature=1.0)), _encode, 100)
-    assert [c.request_id for c in three] == ["r1#0", "r1#1", "r1#2"]
+    assert [c.request_id for c in three] == ["r1-0", "r1-1", "r1-2"]  # engine_types.fan_out
     assert [c.sampling_params.seed for c in three] == [10, 11, 12]
     assert all(c.sampling_params.n == 1 for c in three)
 

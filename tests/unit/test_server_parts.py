@@ -102,15 +102,16 @@ def test_context_length_check_names_the_numbers() -> None:
 
 def test_engine_requests_split_n_and_usage() -> None:
     sp = SamplingParams(n=3, seed=10, temperature=1.0)
-    reqs = engine_requests([[1, 2], [7]], sp, "cmpl", arrival_time=5.0)
+    reqs = engine_requests("abc", [[1, 2], [7]], sp, arrival_time=5.0)
     assert [r.sampling_params.seed for r in reqs] == [10, 11, 12] * 2
     assert all(r.sampling_params.n == 1 and r.arrival_time == 5.0 for r in reqs)
     assert [r.prompt_token_ids.tolist() for r in reqs] == [[1, 2]] * 3 + [[7]] * 3
     assert all(r.prompt_token_ids.dtype == np.int32 for r in reqs)
     assert all(r.eos_token_ids is None for r in reqs)  # the core knows the model's EOS
     ids = [r.request_id for r in reqs]
-    assert len(set(ids)) == 6 and all(i.startswith("cmpl-") for i in ids)
-    assert [i.rsplit("-", 1)[1] for i in ids] == [str(k) for k in range(6)]  # choice index
+    assert ids == [f"abc-{k}" for k in range(6)]  # the API request's id, the choice index
+    (one,) = engine_requests("abc", [[1, 2]], SamplingParams(), arrival_time=5.0)
+    assert one.request_id == "abc"  # one engine request: the client's id as it is
 
     class FakeDetok:
         def __init__(self, n: int) -> None:

@@ -54,6 +54,7 @@ from radixserve.engine_types import (
     StepOutputs,
     TokenOutput,
 )
+from radixserve.logs import configure_logging
 from radixserve.transport.messages import AbortRequests, FlushCache, Shutdown
 from radixserve.transport.zmq_io import CoreSockets, PeerGone, cleanup_ipc
 
@@ -330,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    configure_logging("info")  # the server's --log-format, inherited in LOG_FORMAT_ENV
     config = EngineConfig(**json.loads(ns.config))
     return run_engine_process(ns.input, ns.output, config, ns.parent_pid, ns.null_model,
                               ns.null_step_ms / 1000)

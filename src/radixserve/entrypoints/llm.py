@@ -12,12 +12,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 from tqdm.auto import tqdm
 
 from radixserve.config import EngineConfig
 from radixserve.core.engine_core import EngineCore
-from radixserve.engine_types import EngineRequest
+from radixserve.engine_types import fan_out
+from radixserve.frontend.generation_config import log_sampling_defaults, sampling_defaults
 from radixserve.frontend.output_processor import OutputProcessor, RequestState
 from radixserve.frontend.tokenizer import FrontendTokenizer
 from radixserve.model_executor.runner import build_runner
@@ -69,9 +69,19 @@ class LLM:
         self.eos_token_ids = list(info.eos_token_ids)
         self._ids = itertools.count()
         self._processor = OutputProcessor(self.tokenizer)
+        # the model's recommended sampling (``generation_config``: "auto", "vllm", a folder)
+        self._sampling_defaults = sampling_defaults(self.config.generation_config, info.folder)
+        log_sampling_defaults(self._sampling_defaults, self.config.generation_config)
 
     def get_tokenizer(self):  # noqa: ANN201 - a transformers tokenizer
         return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The ``SamplingParams`` ``generate`` and ``chat`` use when given none (vLLM's
+        method): vLLM's defaults, overridden by the model's ``generation_config.json`` values
+        (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as max_tokens)
+        unless ``generation_config="vllm"``."""
+        return SamplingParams(**self._sampling_defaults)
 
     # ------------------------------------------------------------------ generate
     def generate(self, prompts: PromptType | Sequence[PromptType],
@@ -81,7 +91,8 @@ class LLM:
 
         Args:
             prompts: a string, a ``{"prompt_token_ids": [...]}`` dict, or a list of either.
-            sampling_params: one for all prompts or one per prompt (default: vLLM's defaults).
+            sampling_params: one for all prompts or one per prompt (default:
+                ``get_default_sampling_params()``).
             use_tqdm: show a progress bar when there is more than one prompt.
 
         Returns:
@@ -95,7 +106,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:
@@ -151,15 +162,14 @@ class LLM:
                 rid = str(next(self._ids))
                 out = RequestOutput(rid, text, ids, [], metrics=RequestMetrics(now))
                 results.append(out)
-                prompt = np.asarray(ids, dtype=np.int32)
                 group: list[RequestState] = []
-                for i, child in enumerate(sp.children()):
-                    cid = rid if sp.n == 1 else f"{rid}-{i}"
+                for i, req in enumerate(fan_out(rid, [ids], sp, now)):
+                    cid = req.request_id
                     out.outputs.append(CompletionOutput(index=i))
-                    group.append(processor.add_request(cid, ids, child, now, index=i))
+                    group.append(processor.add_request(cid, ids, req.sampling_params, now,
+                                                       index=i))
                     owner[cid] = (out, group)
-                    engine.add_request(EngineRequest(request_id=cid, prompt_token_ids=prompt,
-                                                     sampling_params=child, arrival_time=now))
+                    engine.add_request(req)
         except Exception:
             engine.abort_requests(list(owner), notify=False)
             processor.abort_requests(list(owner))

@@ -3,9 +3,12 @@ or with ``--grpc`` a gRPC engine worker for smg (``entrypoints/grpc_worker``), o
 ``--zmq-worker URL`` a headless engine core that smg drives directly over vLLM's EngineCore
 ZMQ wire (``core.engine_proc.run_vllm_engine_process``).
 
-Exit status: 0 after SIGTERM/SIGINT (in-flight requests aborted, engine stopped, IPC files
-removed, within ``graceful_timeout_s`` + a few seconds); 1 when the engine core died or failed
-to start; 2 for bad arguments.
+SIGTERM/SIGINT drains: new requests get 503 with ``Retry-After`` and /health answers 503
+"draining", while running requests (streams included) finish for up to ``--shutdown-timeout``
+seconds; what still runs then is aborted. A second signal stops at once.
+
+Exit status: 0 after SIGTERM/SIGINT (engine stopped, IPC files removed); 1 when the engine
+core died or failed to start; 2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import sys
 from collections.abc import Generator
 
 from radixserve.config import DEFAULT_MAX_REQUEST_BYTES, EngineConfig, ServerConfig
+from radixserve.logs import configure_logging
 
 log = logging.getLogger("radixserve.serve")
 
@@ -45,6 +49,20 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="model name clients use (default: the model's own name)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--log-format", default="text", choices=["text", "json"],
+                   help="log lines as text or as one JSON object each (default text)")
+    p.add_argument("--disable-log-requests", action="store_true",
+                   help="no log line per finished request")
+    p.add_argument("--disable-log-stats", action="store_true",
+                   help="no periodic throughput/occupancy line")
+    p.add_argument("--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
+                   help="seconds between stats lines (default 10)")
+    p.add_argument("--log-prompts", action="store_true",
+                   help="include the prompt text in request log lines (never logged "
+                        "otherwise)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="after SIGTERM, seconds running requests may take to finish while new "
+                        "ones get 503; then they are aborted (default 30)")
     p.add_argument("--grpc", action="store_true",
                    help="serve smg's vllm.grpc.engine.VllmEngine gRPC service on --port "
                         "instead of HTTP (a worker behind `smg launch --worker-urls "
@@ -75,7 +93,10 @@ def cmd_serve(ns: argparse.Namespace) -> int:
             max_request_bytes=ns.max_request_bytes,
             max_concurrent_requests=ns.max_concurrent_requests,
             served_model_name=ns.served_model_name, null_model=ns.null_model,
-            null_step_ms=ns.null_step_ms)
+            null_step_ms=ns.null_step_ms, shutdown_timeout_s=ns.shutdown_timeout,
+            log_requests=not ns.disable_log_requests, log_stats=not ns.disable_log_stats,
+            log_stats_interval_s=ns.log_stats_interval, log_format=ns.log_format,
+            log_prompts=ns.log_prompts)
     except ValueError as e:
         print(f"radixserve: error: {e}", file=sys.stderr)
         return 2
@@ -93,8 +114,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         print("radixserve: error: --api-key is an HTTP option; a --grpc worker has no "
               "authentication (bind it to a private address)", file=sys.stderr)
         return 2
-    logging.basicConfig(level=ns.log_level.upper(),
-                        format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    configure_logging(ns.log_level, ns.log_format)  # the engine core inherits the format
     if ns.zmq_worker is not None:
         from radixserve.core.engine_proc import run_vllm_engine_process
 
@@ -149,8 +169,11 @@ async def _serve(server_config: ServerConfig, engine_config: EngineConfig,
     config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
                             log_level=log_level, lifespan="on", access_log=False,
                             timeout_graceful_shutdown=max(1, int(server_config.graceful_timeout_s)),
-                            timeout_keep_alive=5)
-    server = _Server(config, client)
+                            timeout_keep_alive=5,
+                            # JSON lines: uvicorn's loggers go through the root handler
+                            **({"log_config": None} if server_config.log_format == "json"
+                               else {}))
+    server = _Server(config, app.state.radixserve, server_config.shutdown_timeout_s)
     try:
         await server.serve()
     finally:
@@ -173,14 +196,19 @@ except ImportError:  # pragma: no cover - uvicorn is a dependency
 
 
 class _Server(_ServerBase):  # type: ignore[misc,valid-type]
-    """uvicorn's server with our signal handling: the first SIGTERM/SIGINT fails in-flight
-    requests at once (so streams end instead of holding the graceful shutdown open) and
-    starts the shutdown; a second SIGINT forces it. The signal is not re-raised afterwards, so
-    the process exits 0."""
+    """uvicorn's server with our signal handling: the first SIGTERM/SIGINT drains
+    (``AppState.drain``: the port stays open so new requests get a 503 rather than a refused
+    connection, running ones finish for up to ``shutdown_timeout_s``), then uvicorn's own
+    shutdown runs; before the model is ready it shuts down at once. A second signal fails the
+    running requests and shuts down now; a second SIGINT forces it. The signal is not
+    re-raised afterwards, so the process exits 0."""
 
-    def __init__(self, config, client) -> None:  # noqa: ANN001
+    def __init__(self, config, state, shutdown_timeout_s: float) -> None:  # noqa: ANN001
         super().__init__(config)
-        self._client = client
+        self._state = state
+        self._client = state.client
+        self._shutdown_timeout_s = shutdown_timeout_s
+        self._drain_task: asyncio.Task | None = None
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
@@ -195,8 +223,21 @@ class _Server(_ServerBase):  # type: ignore[misc,valid-type]
                 loop.remove_signal_handler(sig)
 
     def _on_signal(self, sig: int) -> None:
-        log.info("received %s: shutting down", signal.Signals(sig).name)
+        name = signal.Signals(sig).name
+        first = self._drain_task is None and not self.should_exit
+        if first and self._state.serving is not None and self._client.healthy:
+            log.info("received %s: draining (up to %g s; a second signal stops at once)",
+                     name, self._shutdown_timeout_s)
+            self._drain_task = asyncio.ensure_future(self._drain())
+            return
+        log.info("received %s: shutting down", name)
         if self.should_exit and sig == signal.SIGINT:
             self.force_exit = True
         self.should_exit = True
         self._client.begin_shutdown("server is shutting down")
+
+    async def _drain(self) -> None:
+        try:
+            await self._state.drain(self._shutdown_timeout_s)
+        finally:
+            self.should_exit = True

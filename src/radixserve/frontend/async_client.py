@@ -143,7 +143,8 @@ class AsyncEngineClient:
     Attributes:
         info: the core's ``EngineInfo`` once ``start`` returned.
         ready: the handshake completed and the engine is alive.
-        draining: ``begin_shutdown`` was called; new requests are refused.
+        draining: ``begin_drain`` or ``begin_shutdown`` was called: ``healthy`` is False (the
+            server refuses new API requests; gateways stop routing here).
         dead_reason: why the engine is gone (None while alive).
         stats: the latest ``SchedulerStats`` (None before the first step).
         busy_s: seconds the engine had running requests (summed between step messages);
@@ -170,6 +171,7 @@ class AsyncEngineClient:
         self._encoder = msgspec.msgpack.Encoder()
         self._tasks: list[asyncio.Task] = []
         self._closing = False
+        self._stopping = False
         self.busy_s = 0.0
         self._stats_at = 0.0
         self._calls: dict[int, asyncio.Future[int]] = {}
@@ -222,10 +224,17 @@ class AsyncEngineClient:
         (the server loads it after ``start``: the engine names the folder)."""
         self._processor = OutputProcessor(tokenizer)
 
+    def begin_drain(self) -> None:
+        """Stop admitting (``healthy`` turns False, so /health answers 503 and gateways route
+        elsewhere) while the requests in flight keep running; ``add_requests`` still takes
+        the requests an API handler admitted before. ``begin_shutdown`` ends the drain."""
+        self.draining = True
+
     def begin_shutdown(self, reason: str = "server is shutting down") -> None:
         """Refuse new requests (``healthy`` turns False) and fail the in-flight ones at once,
         aborting them in the engine; ``shutdown`` then stops the engine."""
         self.draining = True
+        self._stopping = True
         self.fail_in_flight(reason)
 
     def fail_in_flight(self, reason: str) -> None:
@@ -299,8 +308,11 @@ class AsyncEngineClient:
             RequestEncodeError: a request cannot be encoded (nothing was sent).
             ValueError: a request id is already in flight.
         """
-        if not self.healthy:
-            raise EngineDeadError(self.dead_reason or "the engine core is not ready")
+        # a drain still takes what the API handlers admitted before it began
+        if not self.ready or self.dead_reason is not None or self._stopping:
+            raise EngineDeadError(self.dead_reason or ("server is shutting down" if
+                                                       self._stopping else
+                                                       "the engine core is not ready"))
         processor = self._processor
         if processor is None:
             raise RuntimeError("set_tokenizer must be called before add_requests")

@@ -5,10 +5,12 @@ engine-core process, plus Prometheus ``/metrics`` and ``/health`` on a side HTTP
 Start-up: the side HTTP port binds first (``/health`` answers 503 "loading"), then the engine
 core loads the model, the tokenizer is loaded (for ``text`` prompts and worker-side stop
 strings), and only then the gRPC port binds: a gateway never sees a half-ready worker.
-Shutdown on SIGTERM/SIGINT: the standard gRPC health service turns NOT_SERVING, in-flight
-``Generate`` streams end with UNAVAILABLE, the server stops (``graceful_timeout_s``), the engine
-core exits. Exit status: 0 after a signal, 1 when the engine died or could not start or a port
-could not be bound.
+Shutdown on SIGTERM/SIGINT drains: the standard gRPC health service and ``HealthCheck`` turn
+unhealthy and new ``Generate`` calls get UNAVAILABLE (the gateway routes elsewhere), while the
+running ones finish for up to ``--shutdown-timeout`` seconds; then what still runs ends with
+UNAVAILABLE, the server stops (``graceful_timeout_s``) and the engine core exits. A second
+signal stops at once. Exit status: 0 after a signal, 1 when the engine died or could not start
+or a port could not be bound.
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 from radixserve.config import EngineConfig, ServerConfig
 from radixserve.entrypoints.grpc_worker.constraints import ConstraintChecker
 from radixserve.entrypoints.grpc_worker.servicer import VllmEngineServicer, WorkerState
+from radixserve.entrypoints.request_log import RequestLogger, StatsLogger
 from radixserve.entrypoints.worker_facts import ModelFacts
 from radixserve.frontend.async_client import AsyncEngineClient
+from radixserve.frontend.generation_config import log_sampling_defaults, sampling_defaults
 from radixserve.frontend.tokenizer import FrontendTokenizer
 from radixserve.metrics import ServerMetrics
 
@@ -40,6 +44,8 @@ log = logging.getLogger("radixserve.grpc")
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 #: The gRPC service name ``VllmEngine`` registers under (for the standard health service).
 SERVICE_NAME = "vllm.grpc.engine.VllmEngine"
+#: Seconds between checks of the running requests while draining.
+DRAIN_POLL_S = 0.05
 
 
 def grpc_address(host: str, port: int) -> str:
@@ -70,7 +76,7 @@ class _SideServer:
             if self.ready and client.healthy:
                 return JSONResponse({"status": "ok"})
             status = "dead" if client.dead_reason else "loading" if not self.ready else (
-                "shutting_down")
+                "draining")
             return JSONResponse({"status": status}, status_code=503)
 
         @app.get("/metrics")
@@ -121,8 +127,17 @@ async def _serve(server_config: ServerConfig, engine_config: EngineConfig,
         fatal.append(reason)
         stop.set()
 
+    drain = asyncio.Event()
+    serving: list[bool] = []  # set once the gRPC port serves
+
     def on_signal(sig: int) -> None:
-        log.info("received %s: shutting down", signal.Signals(sig).name)
+        name = signal.Signals(sig).name
+        if serving and not drain.is_set() and not stop.is_set():
+            log.info("received %s: draining (up to %g s; a second signal stops at once)",
+                     name, server_config.shutdown_timeout_s)
+            drain.set()
+            return
+        log.info("received %s: shutting down", name)
         stop.set()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -167,7 +182,19 @@ async def _serve(server_config: ServerConfig, engine_config: EngineConfig,
         log.info("ready: serving %s (max_model_len %d) over gRPC on %s",
                  state.facts.served_model_name, state.info.max_model_len,
                  grpc_address(server_config.host, port))
-        await stop.wait()
+        serving.append(True)
+        stats_task = (asyncio.ensure_future(StatsLogger(server_config.log_stats_interval_s)
+                                            .run(lambda: client.stats))
+                      if server_config.log_stats else None)
+        try:
+            await _first(stop, drain)
+            if drain.is_set() and not stop.is_set():
+                await health_servicer.enter_graceful_shutdown()
+                client.begin_drain()
+                await _drain(servicer, stop, server_config.shutdown_timeout_s)
+        finally:
+            if stats_task is not None:
+                stats_task.cancel()
         return 1 if fatal else 0
     finally:
         await health_servicer.enter_graceful_shutdown()
@@ -179,6 +206,32 @@ async def _serve(server_config: ServerConfig, engine_config: EngineConfig,
             await side.stop()
         if fatal:
             log.error("exiting: %s", fatal[0])
+
+
+async def _first(*events: asyncio.Event) -> None:
+    """Return when any of ``events`` is set."""
+    waits = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
+
+
+async def _drain(servicer: VllmEngineServicer, stop: asyncio.Event, timeout_s: float) -> None:
+    """Wait until no ``Generate`` call runs, ``timeout_s`` seconds pass, or ``stop`` is set (a
+    second signal, the engine's death); the caller then fails what still runs."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    log.info("draining: %d requests running, waiting up to %g s for them",
+             len(servicer.active), timeout_s)
+    while servicer.active and loop.time() < deadline and not stop.is_set():
+        await asyncio.sleep(DRAIN_POLL_S)
+    if servicer.active:
+        log.warning("aborting %d running requests (shutdown timeout %g s passed or a second "
+                    "signal came)", len(servicer.active), timeout_s)
+    else:
+        log.info("drained: no request running")
 
 
 async def _start_engine(client: AsyncEngineClient, server_config: ServerConfig,
@@ -193,10 +246,16 @@ async def _start_engine(client: AsyncEngineClient, server_config: ServerConfig,
         client.set_tokenizer(hf_tok)
         facts = ModelFacts.from_engine(info, server_config.served_model_name,
                                        client.config.model)
+        gen = client.config.generation_config
+        defaults = sampling_defaults(gen, info.folder)
+        log_sampling_defaults(defaults, gen)
         return WorkerState(client=client, tokenizer=FrontendTokenizer(hf_tok), info=info,
                            facts=facts, metrics=ServerMetrics(model_name=facts.served_model_name),
                            constraints=ConstraintChecker(hf_tok, info.vocab_size,
-                                                         list(info.eos_token_ids)))
+                                                         list(info.eos_token_ids)),
+                           sampling_defaults=defaults,
+                           request_log=RequestLogger(server_config.log_requests,
+                                                     server_config.log_prompts))
 
     task: asyncio.Task[Any] = asyncio.ensure_future(start())
     stopped = asyncio.ensure_future(stop.wait())

@@ -33,7 +33,8 @@ import math
 import os
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from smg_grpc_proto.generated import common_pb2
@@ -52,6 +53,7 @@ from radixserve.entrypoints.grpc_worker.translate import (
     constraint_field,
     engine_requests_from_proto,
 )
+from radixserve.entrypoints.request_log import RequestLogger
 from radixserve.entrypoints.worker_facts import LoadReporter, ModelFacts
 from radixserve.frontend.async_client import (
     AsyncEngineClient,
@@ -135,6 +137,9 @@ class WorkerState:
         facts: the model's facts as reported to gateways.
         metrics: Prometheus metrics (served on the side HTTP port).
         constraints: compile-checks output constraints before they are submitted.
+        sampling_defaults: the model's sampling defaults (``--generation-config``) for the
+            fields a request leaves unset.
+        request_log: the per-request log lines.
     """
 
     client: AsyncEngineClient
@@ -143,6 +148,8 @@ class WorkerState:
     facts: ModelFacts
     metrics: ServerMetrics
     constraints: ConstraintChecker
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    request_log: RequestLogger = field(default_factory=RequestLogger)
 
 
 class VllmEngineServicer(pb_grpc.VllmEngineServicer):
@@ -175,10 +182,16 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
             log.debug("Generate %s: stream=%s prompt=%d tokens sampling_params={%s}", rid,
                       request.stream, len(request.tokenized.input_ids),
                       str(request.sampling_params).replace("\n", " "))
+        if s.client.draining:
+            # HealthCheck already answers unhealthy: the gateway retries elsewhere
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                "the worker is draining: it finishes its running requests and "
+                                "stops; retry on another worker")
         constrained = constraint_field(request.sampling_params)
         try:
             reqs = engine_requests_from_proto(request, s.tokenizer.encode,
-                                              s.info.max_model_len, s.info.vocab_size)
+                                              s.info.max_model_len, s.info.vocab_size,
+                                              s.sampling_defaults)
             await s.constraints.check(reqs[0].sampling_params.structured_outputs, constrained)
         except InvalidArgument as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -233,6 +246,7 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
             self._observe(stream.states, arrival)
 
     def _observe(self, states: list[RequestState], arrival: float) -> None:
+        self.s.request_log.finished(states, arrival, self.s.tokenizer.decode)
         now = time.time()
         for st in states:
             self.s.metrics.observe_request(
@@ -259,7 +273,7 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
         c = self.s.client
         if c.healthy:
             return pb.HealthCheckResponse(healthy=True, message="Health")
-        reason = c.dead_reason or ("shutting down" if c.draining else "not ready")
+        reason = c.dead_reason or ("draining" if c.draining else "not ready")
         return pb.HealthCheckResponse(healthy=False, message=reason)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest,

@@ -24,13 +24,13 @@ room left".
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
-from radixserve.engine_types import EngineRequest, LogprobRow
+from radixserve.engine_types import EngineRequest, LogprobRow, fan_out
 from radixserve.frontend.output_processor import RequestDelta, RequestState
 from radixserve.kv_transfer.params import kv_transfer_params_from_json, kv_transfer_params_to_json
 from radixserve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -99,8 +99,13 @@ def structured_outputs_from_proto(p: pb.SamplingParams) -> StructuredOutputsPara
         raise InvalidArgument(field, str(e)) from None
 
 
-def sampling_params_from_proto(p: pb.SamplingParams) -> SamplingParams:
+def sampling_params_from_proto(p: pb.SamplingParams,
+                               defaults: Mapping[str, Any] | None = None) -> SamplingParams:
     """radixserve's ``SamplingParams`` for a proto ``SamplingParams``.
+
+    ``defaults`` (the model's sampling defaults, ``--generation-config``) fill the fields the
+    message leaves unset: ``temperature`` and ``max_tokens`` absent, ``top_p``, ``top_k``,
+    ``min_p`` and ``repetition_penalty`` 0 (proto3's unset).
 
     ``prompt_logprobs`` is refused (the worker does not return ``input_logprobs``).
     ``truncate_prompt_tokens`` is applied to the prompt by ``engine_requests_from_proto``.
@@ -117,18 +122,21 @@ def sampling_params_from_proto(p: pb.SamplingParams) -> SamplingParams:
     if p.HasField("prompt_logprobs"):
         raise InvalidArgument("sampling_params.prompt_logprobs",
                               "is not supported by this worker")
+    d = defaults or {}
     try:
         return SamplingParams(
             n=p.n or 1,
-            temperature=p.temperature if p.HasField("temperature") else 1.0,
-            top_p=p.top_p if p.top_p != 0.0 else 1.0,
-            top_k=p.top_k if p.top_k > 0 else -1,
-            min_p=p.min_p,
+            temperature=p.temperature if p.HasField("temperature") else
+            d.get("temperature", 1.0),
+            top_p=p.top_p if p.top_p != 0.0 else d.get("top_p", 1.0),
+            top_k=p.top_k if p.top_k > 0 else d.get("top_k", -1),
+            min_p=p.min_p if p.min_p != 0.0 else d.get("min_p", 0.0),
             seed=p.seed if p.HasField("seed") else None,
             presence_penalty=p.presence_penalty,
             frequency_penalty=p.frequency_penalty,
-            repetition_penalty=p.repetition_penalty if p.repetition_penalty != 0.0 else 1.0,
-            max_tokens=p.max_tokens if p.HasField("max_tokens") else None,
+            repetition_penalty=p.repetition_penalty if p.repetition_penalty != 0.0 else
+            d.get("repetition_penalty", 1.0),
+            max_tokens=p.max_tokens if p.HasField("max_tokens") else d.get("max_tokens"),
             min_tokens=p.min_tokens,
             stop=list(p.stop) or None,
             stop_token_ids=list(p.stop_token_ids) or None,
@@ -214,13 +222,15 @@ def kv_transfer_params_from_proto(req: pb.GenerateRequest) -> dict[str, Any] | N
 
 
 def engine_requests_from_proto(req: pb.GenerateRequest, encode: Callable[[str], list[int]],
-                               max_model_len: int, vocab_size: int | None = None
+                               max_model_len: int, vocab_size: int | None = None,
+                               defaults: Mapping[str, Any] | None = None
                                ) -> list[EngineRequest]:
     """One ``EngineRequest`` per choice of a ``GenerateRequest`` (choice i is request i).
 
-    Engine request ids are the gRPC ``request_id`` (n = 1) or ``"{request_id}#{i}"``: a
-    prefill and a decode leg of one disaggregated request share the gateway's id, which the
-    engine needs only to be unique per instance. ``kv_transfer_params_json`` goes to the
+    Engine request ids come from ``engine_types.fan_out``, as for the HTTP server and the
+    offline ``LLM``: the gRPC ``request_id`` (n = 1) or ``"{request_id}-{i}"``. A prefill and
+    a decode leg of one disaggregated request share the gateway's id, which the engine needs
+    only to be unique per instance. ``defaults``: see ``sampling_params_from_proto``. ``kv_transfer_params_json`` goes to the
     (single) engine request as ``kv_transfer_params``; whether this instance's KV role can
     serve it is the engine core's to decide (its rejection names the field too).
 
@@ -241,7 +251,7 @@ def engine_requests_from_proto(req: pb.GenerateRequest, encode: Callable[[str], 
     if not req.request_id:
         raise InvalidArgument("request_id", "must not be empty")
     _check_unsupported_inputs(req)
-    sp = sampling_params_from_proto(req.sampling_params)
+    sp = sampling_params_from_proto(req.sampling_params, defaults)
     if vocab_size is not None and sp.logit_bias and max(sp.logit_bias) >= vocab_size:
         raise InvalidArgument("sampling_params.logit_bias",
                               f"has token id {max(sp.logit_bias)}; token ids must be in "
@@ -251,15 +261,7 @@ def engine_requests_from_proto(req: pb.GenerateRequest, encode: Callable[[str], 
         raise InvalidArgument(KV_PARAMS_FIELD, f"needs n=1 (got n={sp.n}): one prompt's KV "
                               "moves for one request")
     prompt = prompt_from_proto(req, encode, max_model_len)
-    arrival = time.time()
-    children = sp.children()
-    if len(children) == 1:
-        return [EngineRequest(request_id=req.request_id, prompt_token_ids=prompt,
-                              sampling_params=children[0], arrival_time=arrival,
-                              kv_transfer_params=kv_params)]
-    return [EngineRequest(request_id=f"{req.request_id}#{i}", prompt_token_ids=prompt,
-                          sampling_params=c, arrival_time=arrival)
-            for i, c in enumerate(children)]
+    return fan_out(req.request_id, [prompt], sp, time.time(), kv_params)
 
 
 # -- responses -----------------------------------------------------------------------------------

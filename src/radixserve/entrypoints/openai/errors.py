@@ -35,6 +35,7 @@ class OpenAIError(Exception):
         type: OpenAI error type; derived from the status when None.
         param: the request field at fault, dotted (``messages.0.role``), or None.
         code: optional machine-readable code (e.g. ``"model_not_found"``).
+        headers: extra response headers (a draining server's 503 sends ``Retry-After``).
     """
 
     def __init__(
@@ -44,8 +45,10 @@ class OpenAIError(Exception):
         type: str | None = None,
         param: str | None = None,
         code: str | int | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
+        self.headers = headers
         self.message = message
         self.status_code = status_code
         self.type = type or ERROR_TYPES.get(status_code, "internal_error")
@@ -65,7 +68,7 @@ class OpenAIError(Exception):
 
     def to_response(self) -> JSONResponse:
         """The body as a FastAPI response with this error's status."""
-        return JSONResponse(self.to_dict(), status_code=self.status_code)
+        return JSONResponse(self.to_dict(), status_code=self.status_code, headers=self.headers)
 
 
 def error_response(

@@ -1,5 +1,6 @@
 """Pure ASGI middlewares (no ``BaseHTTPMiddleware``: they must not buffer streamed responses or
-swallow the client's disconnect message): API-key auth and the request-body size limit."""
+swallow the client's disconnect message): API-key auth, the request-body size limit and the
+``X-Request-Id`` echo."""
 
 from __future__ import annotations
 
@@ -97,3 +98,31 @@ class BodySizeLimitMiddleware:
     @staticmethod
     def _error(limit: int) -> BodyTooLarge:
         return BodyTooLarge(f"Request body too large: the limit is {limit} bytes.", 413)
+
+
+class RequestIdMiddleware:
+    """Every response to a request that names itself (``X-Request-Id``) or that a handler
+    named (``request.state.request_id``: a generation request's id, the body's ``request_id``
+    or a generated one) carries ``X-Request-Id: <id>``, errors included."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        # Starlette's ``request.state`` writes into this dict
+        state = scope.setdefault("state", {})
+        given = dict(scope["headers"]).get(b"x-request-id")
+
+        async def send_with_id(msg: Message) -> None:
+            if msg["type"] == "http.response.start":
+                rid = state.get("request_id")
+                value = rid.encode("latin-1") if isinstance(rid, str) else given
+                if value is not None:
+                    msg = {**msg, "headers": [*msg.get("headers", []),
+                                              (b"x-request-id", value)]}
+            await send(msg)
+
+        await self.app(scope, receive, send_with_id)

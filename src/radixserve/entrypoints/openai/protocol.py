@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
 from pydantic import (
@@ -38,9 +39,9 @@ class OpenAIBaseModel(BaseModel):
 
 
 #: Top-level request fields accepted although they change nothing in the output (OpenAI's
-#: bookkeeping and routing hints, vLLM's request id).
+#: bookkeeping and routing hints).
 NO_OP_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier",
-                          "prompt_cache_key", "request_id", "stream_interval"})
+                          "prompt_cache_key", "stream_interval"})
 
 
 # -- requests ----------------------------------------------------------------------------------
@@ -198,6 +199,8 @@ class _SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
+    #: vLLM's field: names the request like ``X-Request-Id`` (the header wins)
+    request_id: str | None = None
     max_tokens: int | None = None
     n: int = 1
     temperature: float = 1.0
@@ -344,17 +347,27 @@ class _SamplingRequest(BaseModel):
     def _sampling_params(
         self, max_tokens: int | None, default_max_tokens: int | None, logprobs: int | None,
         structured: StructuredOutputsParams | None = None, prompt_logprobs: int | None = None,
+        defaults: Mapping[str, Any] | None = None,
     ) -> SamplingParams:
+        # the model's recommended values (``--generation-config``) for the fields this body
+        # leaves unset; an explicit null counts as unset (``_null_means_default`` dropped it)
+        set_here = self.model_fields_set
+
+        def pick(name: str) -> Any:
+            if defaults and name in defaults and name not in set_here:
+                return defaults[name]
+            return getattr(self, name)
+
         return SamplingParams(
             n=self.n,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
+            temperature=pick("temperature"),
+            top_p=pick("top_p"),
+            top_k=pick("top_k"),
+            min_p=pick("min_p"),
             seed=self.seed,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
+            repetition_penalty=pick("repetition_penalty"),
             max_tokens=default_max_tokens if max_tokens is None else max_tokens,
             min_tokens=self.min_tokens,
             stop=self.stop_list(),
@@ -433,10 +446,12 @@ class ChatCompletionRequest(_SamplingRequest):
         return self.tool_choice
 
     def to_sampling_params(self, default_max_tokens: int | None,
-                           structured: StructuredOutputsParams | None = None) -> SamplingParams:
+                           structured: StructuredOutputsParams | None = None,
+                           defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         """Engine sampling params; ``default_max_tokens`` applies when no max is given (None:
         all the room the prompt leaves). ``structured`` is the output constraint
-        (``constraints.structured_outputs_for``).
+        (``constraints.structured_outputs_for``); ``defaults`` the model's sampling defaults
+        (``frontend.generation_config``) for the fields the body leaves unset.
 
         ``max_completion_tokens`` wins over the deprecated ``max_tokens``; ``logprobs=true``
         asks for ``top_logprobs`` alternatives (0 when unset).
@@ -451,7 +466,7 @@ class ChatCompletionRequest(_SamplingRequest):
             max_tokens = self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max_tokens, default_max_tokens, logprobs, structured,
-                                     self.prompt_logprobs)
+                                     self.prompt_logprobs, defaults)
 
 
 class CompletionRequest(_SamplingRequest):
@@ -491,8 +506,10 @@ class CompletionRequest(_SamplingRequest):
         return list(p)  # type: ignore[arg-type]
 
     def to_sampling_params(self, default_max_tokens: int | None,
-                           structured: StructuredOutputsParams | None = None) -> SamplingParams:
-        """Engine sampling params; ``default_max_tokens`` applies when ``max_tokens`` is None.
+                           structured: StructuredOutputsParams | None = None,
+                           defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """Engine sampling params; ``default_max_tokens`` applies when ``max_tokens`` is None,
+        ``defaults`` (the model's sampling defaults) to the fields the body leaves unset.
 
         ``echo`` with ``logprobs`` asks for the prompt's logprobs too (``prompt_logprobs``
         defaults to ``logprobs``, as vLLM does); ``max_tokens`` 0 with ``echo`` runs one token
@@ -506,7 +523,7 @@ class CompletionRequest(_SamplingRequest):
             prompt_logprobs = self.logprobs
         max_tokens = 1 if self.echo_only else self.max_tokens
         return self._sampling_params(max_tokens, default_max_tokens, self.logprobs,
-                                     structured, prompt_logprobs)
+                                     structured, prompt_logprobs, defaults)
 
     @property
     def echo_only(self) -> bool:

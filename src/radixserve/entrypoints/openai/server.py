@@ -2,7 +2,8 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
 ``GET /v1/models/{id}`` (the served name or an alias; 404 ``model_not_found`` otherwise),
-``GET /health`` (200 once the model is loaded, 503 before and after the engine died),
+``GET /health`` (200 once the model is loaded; 503 "loading" before, "draining" after SIGTERM,
+"dead" after the engine died),
 ``GET /metrics`` (Prometheus), ``POST /tokenize``, ``POST /detokenize``, ``GET /version``, and
 the gateway-facing ``GET /server_info``, ``GET /model_info``, ``GET /v1/loads``,
 ``POST /flush_cache`` (``worker_info.py``).
@@ -28,7 +29,11 @@ from fastapi.responses import JSONResponse, Response
 import radixserve
 from radixserve.config import ServerConfig
 from radixserve.entrypoints.openai.errors import OpenAIError, add_exception_handlers
-from radixserve.entrypoints.openai.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
+from radixserve.entrypoints.openai.middleware import (
+    APIKeyMiddleware,
+    BodySizeLimitMiddleware,
+    RequestIdMiddleware,
+)
 from radixserve.entrypoints.openai.protocol import (
     DetokenizeRequest,
     ModelCard,
@@ -41,11 +46,19 @@ from radixserve.entrypoints.openai.serving_driver import ClientDisconnected
 from radixserve.entrypoints.openai.serving_request import check_token_ids, parse_body
 from radixserve.entrypoints.openai.serving_state import ServingState
 from radixserve.entrypoints.openai.worker_info import register_worker_routes
+from radixserve.entrypoints.request_log import RequestLogger, StatsLogger
 from radixserve.frontend.async_client import AsyncEngineClient
+from radixserve.frontend.generation_config import log_sampling_defaults, sampling_defaults
 from radixserve.frontend.tokenizer import FrontendTokenizer
 from radixserve.metrics import ServerMetrics
 
 log = logging.getLogger("radixserve.server")
+
+#: ``Retry-After`` seconds of a draining server's 503s: soon, since a client behind a load
+#: balancer lands on another instance.
+RETRY_AFTER_S = 1
+#: Seconds between checks of the running requests while draining.
+DRAIN_POLL_S = 0.05
 
 
 class AppState:
@@ -57,13 +70,22 @@ class AppState:
         self.serving: ServingState | None = None
         self.metrics = ServerMetrics(model_name=config.served_model_name or "")
         self.start_task: asyncio.Task | None = None
+        self.stats_task: asyncio.Task | None = None
         self.start_error: str | None = None
 
     def ready(self) -> ServingState:
-        """The serving state; raises OpenAIError 503 while loading or after the engine died."""
+        """The serving state.
+
+        Raises:
+            OpenAIError: 503 while loading, draining (with ``Retry-After``) or after the
+                engine died.
+        """
         s = self.serving
         if s is None or not self.client.healthy:
-            raise OpenAIError(f"Service unavailable: {self.unavailable_reason()}", 503)
+            headers = ({"Retry-After": str(RETRY_AFTER_S)} if self.client.draining
+                       else None)
+            raise OpenAIError(f"Service unavailable: {self.unavailable_reason()}", 503,
+                              headers=headers)
         return s
 
     def unavailable_reason(self) -> str:
@@ -71,8 +93,35 @@ class AppState:
         if c.dead_reason or self.start_error:
             return c.dead_reason or self.start_error or ""
         if c.draining or not c.ready and self.serving is not None:
-            return "the server is shutting down"
+            return ("the server is draining: it finishes its running requests and stops; "
+                    "retry on another instance")
         return "the model is still loading"
+
+    @property
+    def in_flight(self) -> int:
+        """API generation requests running (streams count until their last byte)."""
+        return 0 if self.serving is None else self.serving.active_requests
+
+    async def drain(self, timeout_s: float) -> None:
+        """Stop admitting (503 with ``Retry-After``; /health 503 "draining"), let the running
+        requests finish for up to ``timeout_s`` seconds, then fail the rest (their response,
+        or their stream's last event, says the server shut down before they finished)."""
+        self.client.begin_drain()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        log.info("draining: %d requests running, waiting up to %.0f s for them",
+                 self.in_flight, timeout_s)
+        while self.in_flight and loop.time() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        left = self.in_flight
+        if left:
+            log.warning("shutdown timeout (%.0f s) passed: aborting %d running requests",
+                        timeout_s, left)
+        else:
+            log.info("drained: no request running")
+        self.client.begin_shutdown(
+            f"the server shut down before the request finished (--shutdown-timeout "
+            f"{timeout_s:g} s)")
 
     async def start(self) -> None:
         """Start the engine, load the tokenizer, build the serving state. On failure the
@@ -92,11 +141,20 @@ class AppState:
             if client.config.model:
                 aliases.add(str(client.config.model))
             metrics = ServerMetrics(model_name=name)
+            gen = client.config.generation_config
+            defaults = sampling_defaults(gen, info.folder)
+            log_sampling_defaults(defaults, gen)
+            cfg = self.config
             self.serving = ServingState(
                 client=client, tokenizer=FrontendTokenizer(hf_tok), info=info,
                 served_model_name=name, model_aliases=frozenset(aliases), metrics=metrics,
-                max_concurrent_requests=self.config.max_concurrent_requests)
+                max_concurrent_requests=cfg.max_concurrent_requests,
+                sampling_defaults=defaults,
+                request_log=RequestLogger(cfg.log_requests, cfg.log_prompts))
             self.metrics = metrics
+            if cfg.log_stats:
+                self.stats_task = asyncio.ensure_future(
+                    StatsLogger(cfg.log_stats_interval_s).run(lambda: client.stats))
             log.info("ready: serving %s (max_model_len %d) on http://%s:%d", name,
                      info.max_model_len, self.config.host, self.config.port)
         except asyncio.CancelledError:
@@ -126,10 +184,11 @@ def build_app(server_config: ServerConfig, client: AsyncEngineClient) -> FastAPI
         try:
             yield
         finally:
-            if state.start_task is not None and not state.start_task.done():
-                state.start_task.cancel()
-                with contextlib.suppress(BaseException):
-                    await state.start_task
+            for task in (state.start_task, state.stats_task):
+                if task is not None and not task.done():
+                    task.cancel()
+                    with contextlib.suppress(BaseException):
+                        await task
             await client.shutdown(server_config.graceful_timeout_s)
 
     app = FastAPI(title="radixserve", version=radixserve.__version__, lifespan=lifespan,
@@ -144,6 +203,7 @@ def build_app(server_config: ServerConfig, client: AsyncEngineClient) -> FastAPI
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=server_config.max_request_bytes)
     if server_config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=server_config.api_key)
+    app.add_middleware(RequestIdMiddleware)  # outermost: every answer carries the id
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request) -> Any:
@@ -174,8 +234,10 @@ def build_app(server_config: ServerConfig, client: AsyncEngineClient) -> FastAPI
             return JSONResponse({"status": "ok"})
         reason = state.unavailable_reason()
         status = ("dead" if client.dead_reason or state.start_error else
-                  "loading" if reason == "the model is still loading" else "shutting_down")
-        return JSONResponse({"status": status, "reason": reason}, status_code=503)
+                  "loading" if reason == "the model is still loading" else "draining")
+        return JSONResponse({"status": status, "reason": reason}, status_code=503,
+                            headers={"Retry-After": str(RETRY_AFTER_S)}
+                            if status == "draining" else None)
 
     @app.get("/version")
     async def version() -> Response:

@@ -18,8 +18,8 @@ from radixserve.entrypoints.openai.serving_driver import ResponseFormatter, run_
 from radixserve.entrypoints.openai.serving_request import (
     engine_requests,
     kv_transfer_field,
-    new_request_id,
     parse_body,
+    request_id_for,
     sampling_params_for,
 )
 from radixserve.entrypoints.openai.serving_state import ServingState
@@ -176,15 +176,16 @@ async def create_chat_completion(raw: Request, state: ServingState) -> Any:
         assert field is not None
         await state.check_constraint(structured, field)
     sp = sampling_params_for(req, len(ids), state.info.max_model_len, None, "messages",
-                             structured)
-    requests = engine_requests([ids], sp, "chatcmpl", arrival, req.kv_transfer_params)
+                             structured, state.sampling_defaults)
+    rid = request_id_for(raw, req.request_id)
+    requests = engine_requests(rid, [ids], sp, arrival, req.kv_transfer_params)
     last = req.messages[-1]
     role = "assistant" if req.add_generation_prompt else last.role
     echo = last.text() if req.echo and last.role == role else ""
-    fmt = ChatFormatter(state, new_request_id("chatcmpl"), sp.n,
+    fmt = ChatFormatter(state, f"chatcmpl-{rid}", sp.n,
                         tools=ToolOutput.for_request(req, tools), echo=echo, role=role,
                         return_token_ids=bool(req.return_token_ids),
                         token_ids_as_strings=bool(req.return_tokens_as_token_ids),
                         prompt_logprobs=req.prompt_logprobs is not None)
-    return await run_requests(raw, state, fmt, requests, req.stream, req.include_usage,
+    return await run_requests(raw, state, fmt, rid, requests, req.stream, req.include_usage,
                               arrival, "messages", continuous_usage=req.continuous_usage)

@@ -17,8 +17,8 @@ from radixserve.entrypoints.openai.serving_request import (
     check_token_ids,
     engine_requests,
     kv_transfer_field,
-    new_request_id,
     parse_body,
+    request_id_for,
     sampling_params_for,
 )
 from radixserve.entrypoints.openai.serving_state import ServingState
@@ -181,12 +181,14 @@ async def create_completion(raw: Request, state: ServingState) -> Any:
         assert field is not None
         await state.check_constraint(structured, field)
     sp = sampling_params_for(req, longest, state.info.max_model_len,
-                             DEFAULT_COMPLETION_MAX_TOKENS, "prompt", structured)
-    requests = engine_requests(prompts, sp, "cmpl", arrival, req.kv_transfer_params)
-    fmt = CompletionFormatter(state, new_request_id("cmpl"), sp.n, req.echo, texts,
+                             DEFAULT_COMPLETION_MAX_TOKENS, "prompt", structured,
+                             state.sampling_defaults)
+    rid = request_id_for(raw, req.request_id)
+    requests = engine_requests(rid, prompts, sp, arrival, req.kv_transfer_params)
+    fmt = CompletionFormatter(state, f"cmpl-{rid}", sp.n, req.echo, texts,
                               return_token_ids=bool(req.return_token_ids),
                               token_ids_as_strings=bool(req.return_tokens_as_token_ids),
                               echo_only=req.echo_only,
                               prompt_logprobs=req.prompt_logprobs is not None)
-    return await run_requests(raw, state, fmt, requests, req.stream, req.include_usage,
+    return await run_requests(raw, state, fmt, rid, requests, req.stream, req.include_usage,
                               arrival, "prompt", continuous_usage=req.continuous_usage)

@@ -192,9 +192,17 @@ class ResponseFormatter:
         raise NotImplementedError
 
 
+def duplicate_id_error(request_id: str) -> OpenAIError:
+    """The 400 for a request id already used by a running request."""
+    return OpenAIError(f"request_id {request_id!r} is already used by a running request; "
+                       "request ids (X-Request-Id or the body's request_id) must be unique "
+                       "among running requests", param="request_id",
+                       code="duplicate_request_id")
+
+
 async def run_requests(raw: Request, state: ServingState, fmt: ResponseFormatter,
-                       requests: list[EngineRequest], stream: bool, include_usage: bool,
-                       arrival: float, prompt_field: str,
+                       request_id: str, requests: list[EngineRequest], stream: bool,
+                       include_usage: bool, arrival: float, prompt_field: str,
                        continuous_usage: bool = False) -> Any:
     """Send the engine requests and answer: a JSON body, or an SSE ``StreamingResponse``.
 
@@ -204,6 +212,8 @@ async def run_requests(raw: Request, state: ServingState, fmt: ResponseFormatter
     rejection is still a 400 rather than an in-stream error.
 
     Args:
+        request_id: the API request's id (``serving_request.request_id_for``): unique among
+            running requests while this one runs.
         requests: the response's engine requests; request i is choice i.
         arrival: ``time.time()`` when the API request arrived.
         prompt_field: "messages" or "prompt": what the engine's "prompt" errors name.
@@ -211,13 +221,16 @@ async def run_requests(raw: Request, state: ServingState, fmt: ResponseFormatter
             ``stream_options.continuous_usage_stats``).
 
     Raises:
-        OpenAIError: 429 (concurrency limit), 400 (engine rejection, unencodable request), 503
+        OpenAIError: 429 (concurrency limit), 400 (engine rejection, unencodable request, a
+            request id a running request uses), 503
             (engine gone or shutting down), 500 (the engine aborted a request on its own).
         ClientDisconnected: the client left before the headers went out.
     """
     from fastapi.responses import JSONResponse, StreamingResponse
     from starlette.background import BackgroundTask
 
+    if request_id in state.running_ids:
+        raise duplicate_id_error(request_id)
     slot = ConcurrencySlot(state)
     try:
         rstream = state.client.add_requests(requests)
@@ -227,6 +240,11 @@ async def run_requests(raw: Request, state: ServingState, fmt: ResponseFormatter
     except RequestEncodeError as e:
         slot.release()
         raise OpenAIError(str(e)) from None
+    except ValueError:
+        # an engine id in flight: a child id of another request (``"{id}-{k}"``)
+        slot.release()
+        raise duplicate_id_error(request_id) from None
+    state.running_ids.add(request_id)
     states = rstream.states
     it = iterate_deltas(rstream, prompt_field)
 
@@ -237,7 +255,9 @@ async def run_requests(raw: Request, state: ServingState, fmt: ResponseFormatter
         rstream.close()
         if not finished:
             finished = True
+            state.running_ids.discard(request_id)
             record_metrics(state.metrics, states, arrival)
+            state.request_log.finished(states, arrival, state.tokenizer.decode)
             slot.release()
 
     if not stream:

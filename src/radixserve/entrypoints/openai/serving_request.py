@@ -1,17 +1,17 @@
 """From a parsed API body to engine requests: JSON body parsing, sampling params (with the
-frontend's part of the context-length rule), prompt token-id checks, request ids."""
+frontend's part of the context-length rule), prompt token-id checks, request ids (the client's or fresh ones) and the fan-out."""
 
 from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
-import numpy as np
 from fastapi import Request
 from pydantic import BaseModel
 
-from radixserve.engine_types import EngineRequest
+from radixserve.engine_types import EngineRequest, fan_out
 from radixserve.entrypoints.openai.errors import OpenAIError, error_from_value_error
 from radixserve.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -43,7 +43,8 @@ async def parse_body(raw: Request, model: type[M]) -> M:
 
 def sampling_params_for(req: Any, prompt_len: int, max_model_len: int,
                         default_max_tokens: int | None, prompt_field: str,
-                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
+                        structured: StructuredOutputsParams | None = None,
+                        defaults: Mapping[str, Any] | None = None) -> SamplingParams:
     """Build the engine's SamplingParams.
 
     A prompt too long on its own is the engine core's to reject (``EngineCore.add_request``
@@ -58,6 +59,8 @@ def sampling_params_for(req: Any, prompt_len: int, max_model_len: int,
             prompt leaves; None: all the room left (the engine core fills it in).
         prompt_field: "messages" or "prompt", named in errors about the prompt.
         structured: the output constraint (``constraints.structured_outputs_for``).
+        defaults: the model's sampling defaults (``--generation-config``) for the fields the
+            request leaves unset; their ``max_tokens`` replaces ``default_max_tokens``.
 
     Raises:
         OpenAIError: 400 naming the numbers when prompt + max_tokens exceeds the context, or a
@@ -65,10 +68,12 @@ def sampling_params_for(req: Any, prompt_len: int, max_model_len: int,
     """
     room = max_model_len - prompt_len
     default = default_max_tokens
+    if defaults and "max_tokens" in defaults:
+        default = defaults["max_tokens"]
     if default is not None and room >= 1:
         default = min(default, room)
     try:
-        sp = req.to_sampling_params(default, structured)
+        sp = req.to_sampling_params(default, structured, defaults)
     except ValueError as e:
         raise error_from_value_error(e) from None
     # OpenAI's API rule, not an engine limit: the engine can run such a request (it ends with
@@ -104,31 +109,49 @@ def kv_transfer_field(states: Any) -> dict[str, Any]:
     return {} if params is None else {"kv_transfer_params": params}
 
 
-def new_request_id(prefix: str) -> str:
-    """A fresh id such as ``chatcmpl-3f2a...``."""
-    return f"{prefix}-{uuid.uuid4().hex}"
+#: Longest request id accepted from a client (``X-Request-Id`` or the body's ``request_id``).
+MAX_REQUEST_ID_CHARS = 256
+#: The header a client names its request with; the response echoes it.
+REQUEST_ID_HEADER = "x-request-id"
 
 
-def engine_requests(prompts: list[list[int]], sp: SamplingParams, prefix: str,
+def request_id_for(raw: Request, body_request_id: str | None) -> str:
+    """The API request's id: the ``X-Request-Id`` header, else the body's ``request_id``
+    (vLLM's field), else a fresh uuid4 hex. The id names the engine request (or, with several,
+    prefixes its children's ids: ``engine_types.fan_out``), appears in the request's log
+    lines, is echoed in the ``X-Request-Id`` response header (``RequestIdMiddleware``), and
+    the response ``id`` is ``chatcmpl-<id>`` / ``cmpl-<id>`` (as vLLM derives it).
+
+    Raises:
+        OpenAIError: 400 naming ``request_id`` for an empty id, one longer than
+            ``MAX_REQUEST_ID_CHARS``, or one with characters outside printable ASCII (it goes
+            back in a response header and into log lines).
+    """
+    rid = raw.headers.get(REQUEST_ID_HEADER)
+    if rid is None:
+        rid = body_request_id
+    if rid is None:
+        rid = uuid.uuid4().hex
+    elif not rid or len(rid) > MAX_REQUEST_ID_CHARS or not all(
+            " " <= c <= "~" for c in rid) or rid != rid.strip():
+        raise OpenAIError(f"request_id must be 1 to {MAX_REQUEST_ID_CHARS} printable ASCII "
+                          "characters without leading or trailing spaces", param="request_id",
+                          code="invalid_request_id")
+    raw.state.request_id = rid  # the response header echoes it, errors included
+    return rid
+
+
+def engine_requests(request_id: str, prompts: list[list[int]], sp: SamplingParams,
                     arrival_time: float,
                     kv_transfer_params: dict[str, Any] | None = None) -> list[EngineRequest]:
-    """``sp.n`` engine requests per prompt (``SamplingParams.children``); request ``p * n + i``
+    """``sp.n`` engine requests per prompt (``engine_types.fan_out``); request ``p * n + i``
     is the i-th sample of prompt p, which is also its choice index.
 
     Raises:
         OpenAIError: 400 naming ``kv_transfer_params`` when they come with more than one
             engine request (one prompt's KV moves for one request, as in vLLM).
     """
-    base = new_request_id(prefix)
-    children = sp.children()
-    if kv_transfer_params is not None and len(prompts) * len(children) != 1:
+    if kv_transfer_params is not None and len(prompts) * sp.n != 1:
         raise OpenAIError("kv_transfer_params needs exactly one prompt and n=1",
                           param="kv_transfer_params")
-    out = []
-    for ids in prompts:
-        prompt = np.asarray(ids, dtype=np.int32)
-        for child in children:
-            out.append(EngineRequest(request_id=f"{base}-{len(out)}", prompt_token_ids=prompt,
-                                     sampling_params=child, arrival_time=arrival_time,
-                                     kv_transfer_params=kv_transfer_params))
-    return out
+    return fan_out(request_id, prompts, sp, arrival_time, kv_transfer_params)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 from radixserve.engine_types import EngineInfo
 from radixserve.entrypoints.openai.errors import OpenAIError
+from radixserve.entrypoints.request_log import RequestLogger
 from radixserve.frontend.async_client import AsyncEngineClient
 from radixserve.frontend.tokenizer import FrontendTokenizer
 from radixserve.metrics import ServerMetrics
@@ -29,6 +31,11 @@ class ServingState:
         active_requests: generation requests in flight now (see ``ConcurrencySlot``).
         grammar_compiler: the xgrammar compiler over this tokenizer, made at the first
             constrained request (``check_constraint``).
+        sampling_defaults: the model's sampling defaults (``--generation-config``) for the
+            fields a request leaves unset; empty: the server's own.
+        request_log: the per-request log lines.
+        running_ids: ids of the API requests in flight (a client's id must be unique among
+            them: ``X-Request-Id`` / ``request_id``).
     """
 
     client: AsyncEngineClient
@@ -40,6 +47,9 @@ class ServingState:
     max_concurrent_requests: int | None = None
     active_requests: int = 0
     grammar_compiler: GrammarCompiler | None = None
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    request_log: RequestLogger = field(default_factory=RequestLogger)
+    running_ids: set[str] = field(default_factory=set)
     _compiler_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def _compiler(self) -> GrammarCompiler:
