@@ -7,6 +7,8 @@ compiler, loaded with ctypes (which releases the GIL during each call).
   and value row once, in place, and shares it across the query heads of a GQA group.
 * **Fused residual add + RMSNorm** (vLLM's ``fused_add_rms_norm``): torch's CPU ``rms_norm`` is
   a chain of ~8 small ops, ~50 us per call at batch 1, 61 calls per SmolLM2 step; one call here.
+* **GGUF-quantized linears** (``csrc/quant_kernels.c``, wrapped by ``quant.QuantKernels``, the
+  ``quant`` attribute): weights read as the file's ggml blocks, integer dot products.
 
 The shared object is cached under ``cache_dir("kernels")`` (``~/.cache/radixserve/kernels``
 by default; ``$RADIXSERVE_CACHE_DIR`` or ``$XDG_CACHE_HOME`` move it), keyed by the source, the compiler flags and the CPU's
@@ -28,10 +30,13 @@ from pathlib import Path
 import torch
 
 from radixserve.cache_dir import cache_dir
+from radixserve.model_executor.kernels.quant import QuantKernels
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
+#: every C source linked into the one shared object (the cache key covers them all)
+SOURCES = (SOURCE, SOURCE.with_name("quant_kernels.c"))
 CFLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-ffp-contract=fast"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -61,7 +66,7 @@ def build(compiler: str | None = None, march: str = "native") -> Path:
     cc = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise RuntimeError("no C compiler found (set CC or install gcc)")
-    src = SOURCE.read_bytes()
+    src = b"".join(p.read_bytes() for p in SOURCES)
     flags = [*CFLAGS, f"-march={march}"]
     key = hashlib.sha256(src + " ".join([cc, *flags]).encode()
                          + cpu_signature().encode()).hexdigest()[:16]
@@ -73,7 +78,7 @@ def build(compiler: str | None = None, march: str = "native") -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        res = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"],
+        res = subprocess.run([cc, *flags, "-o", tmp, *map(str, SOURCES), "-lm"],
                              capture_output=True, text=True, timeout=120)
         if res.returncode != 0:
             raise RuntimeError(f"{cc} failed ({res.returncode}): {res.stderr.strip()[-2000:]}")
@@ -149,6 +154,8 @@ class CpuKernels:
         fn.argtypes = []
         fn.restype = c_int
         isa = fn()
+        #: GGUF-quantized linears and embedding rows (``csrc/quant_kernels.c``)
+        self.quant = QuantKernels(lib)
         #: the bfloat16 attention path this build has, by the instructions the compiler found
         #: (``-march=native``): "avx512-bf16" (scores with ``vdpbf16ps``, P.V widened in
         #: registers), "avx512" (P.V in registers only) or "portable" (vector extensions)

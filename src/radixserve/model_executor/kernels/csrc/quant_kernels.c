@@ -1,0 +1,737 @@
+/* radixserve's kernels for GGUF-quantized linears: y[M, N] = x[M, K] @ W^T where W is N rows
+ * of ggml blocks exactly as a GGUF file stores them (no float copy of the weights).
+ * Built together with cpu_kernels.c by kernels/cpu.py (`cc -O3 -march=native -fopenmp`).
+ *
+ * Weight block layouts (ggml's `ggml-common.h`; gguf-py's `gguf/quants.py` dequantizes them):
+ *   Q4_0 (id 2),  32 values, 18 B: fp16 d; u8 qs[16]. v[i] = d * ((qs[i] & 15) - 8),
+ *                 v[i + 16] = d * ((qs[i] >> 4) - 8), i < 16.
+ *   Q4_1 (id 3),  32 values, 20 B: fp16 d, fp16 m; u8 qs[16]. v = d * q + m (q as Q4_0's, no -8).
+ *   Q8_0 (id 8),  32 values, 34 B: fp16 d; i8 qs[32]. v[i] = d * qs[i].
+ *   Q4_K (id 12), 256 values, 144 B: fp16 d, fp16 dmin; u8 scales[12] (8 six-bit scales and 8
+ *                 six-bit mins, one per 32-value sub-block); u8 qs[128]. Sub-block 2j is the low
+ *                 nibbles of qs[32j .. 32j + 31], sub-block 2j + 1 their high nibbles;
+ *                 v = d * sc[s] * q - dmin * m[s].
+ *   Q5_K (id 13), 256 values, 176 B: fp16 d, fp16 dmin; u8 scales[12]; u8 qh[32]; u8 qs[128]. As
+ *                 Q4_K with a fifth bit: bit s of qh[i] is bit 4 of value i of sub-block s.
+ *   Q6_K (id 14), 256 values, 210 B: u8 ql[128]; u8 qh[64]; i8 scales[16] (one per 16 values);
+ *                 fp16 d. Half h (128 values) uses ql[64h ..], qh[32h ..]; its 4 groups of 32
+ *                 are ql[64h + i] & 15, ql[64h + 32 + i] & 15, ql[64h + i] >> 4,
+ *                 ql[64h + 32 + i] >> 4, each with 2 bits of qh[32h + i] (bits 0-1, 2-3, 4-5,
+ *                 6-7) on top; v = d * scales[e / 16] * (q - 32).
+ *
+ * Activations are quantized once per call, per block, into a scratch buffer (llama.cpp's
+ * scheme): for Q4_0/Q8_0 weights 32 values as int8 with a float scale (`xq32_t`, Q8_0-style);
+ * for Q4_1 also s = d * sum(q) (Q8_1-style); for the K-quants 256 values with a float scale and
+ * the sums of each 16 (and 32) values (`xqk_t`, Q8_K-style). Every scale is symmetric:
+ * d = amax / 127, q = nearest-even(x * (127 / amax)) (0 for an all-zero block). The scale stays
+ * float32 (llama.cpp rounds Q8_0/Q8_1's to fp16).
+ *
+ * Dot products are exact integers per block; the float arithmetic is one fixed sequence per
+ * output, whatever the tiling, the row count M or the instruction set:
+ *   * the integer dot of a block is kept in 8 int32 "lanes": lane l holds the products of the
+ *     values whose index within their 32-value group is 4l .. 4l + 3 (the lanes AVX2's
+ *     maddubs + madd leave them in), with K-quants' sub-block scales applied in integers;
+ *   * per block b: s = d_w * d_x; acc[l] = fma(s, (float)lane[l], acc[l]) for l < 8;
+ *     Q4_1 also accm = fma(m_w, s_x, accm); Q4_K/Q5_K accm[k] = fma(dmin_w * d_x,
+ *     (float)(m[2k] * bs32[2k] + m[2k+1] * bs32[2k+1]), accm[k]) for k < 4; Q6_K's -32 offset
+ *     is subtracted from the lanes in integers (lane k: 32 * (sc[2k] bs16[2k] + sc[2k+1]
+ *     bs16[2k+1]));
+ *   * y = ((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 + acc7)) (the AVX2 horizontal
+ *     sum), + accm (Q4_1), - ((accm0 + accm2) + (accm1 + accm3)) (K-quants).
+ * The portable C path (`*_ref`) performs exactly these operations, so it gives the AVX2 path's
+ * bits (tests compare them); an AVX-512 VNNI / AMX-INT8 variant would be one more tile
+ * function per type with the same lane contract. Threads split the N output rows, never K.
+ *
+ * Error codes: 1 bad type or sizes; 2 an id out of range (dequantize_rows, nothing written);
+ * 3 out of memory.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define RS_Q_AVX2 1
+#else
+#define RS_Q_AVX2 0
+#endif
+
+#define AI static inline __attribute__((always_inline))
+
+enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
+#define TILE_M 4
+
+/* ---- scalar helpers ----------------------------------------------------------------- */
+
+static inline float fp16_to_f32(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu,
+                   man = h & 0x3FFu;
+    uint32_t bits;
+    if (exp == 0) {
+        float f = (float)man * 0x1p-24f; /* zero or subnormal: exact */
+        return sign ? -f : f;
+    } else if (exp == 31) {
+        bits = sign | 0x7F800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 112u) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline float bf16_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u += 0x7FFFu + ((u >> 16) & 1u); /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+/* a float the compiler must materialize: keeps `a * b` from being fused into a following add
+ * (the build uses -ffp-contract=fast; dequantization must round the product as numpy does) */
+static inline float opaque(float p) {
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+    __asm__("" : "+x"(p));
+#elif defined(__GNUC__) && defined(__aarch64__)
+    __asm__("" : "+w"(p));
+#else
+    volatile float v = p;
+    p = v;
+#endif
+    return p;
+}
+
+/* Q4_K/Q5_K: the 6-bit scale and min of sub-block j (ggml's get_scale_min_k4) */
+static inline void k4_scale_min(const uint8_t *q, uint8_t *sc, uint8_t *mn) {
+    /* bytewise, in 32-bit words: sc[j] = q[j] & 63, mn[j] = q[j + 4] & 63 (j < 4);
+     * sc[j + 4] = (q[j + 8] & 15) | (q[j] >> 6) << 4, mn[j + 4] = q[j + 8] >> 4 | (q[j + 4] >> 6) << 4 */
+    uint32_t a0, a1, a2, u;
+    memcpy(&a0, q, 4);
+    memcpy(&a1, q + 4, 4);
+    memcpy(&a2, q + 8, 4);
+    u = a0 & 0x3F3F3F3Fu;
+    memcpy(sc, &u, 4);
+    u = a1 & 0x3F3F3F3Fu;
+    memcpy(mn, &u, 4);
+    u = (a2 & 0x0F0F0F0Fu) | (((a0 >> 6) & 0x03030303u) << 4);
+    memcpy(sc + 4, &u, 4);
+    u = ((a2 >> 4) & 0x0F0F0F0Fu) | (((a1 >> 6) & 0x03030303u) << 4);
+    memcpy(mn + 4, &u, 4);
+}
+
+static inline float hsum4_ref(const float *a) { return (a[0] + a[2]) + (a[1] + a[3]); }
+static inline float hsum8_ref(const float *a) {
+    float t[4];
+    for (int i = 0; i < 4; ++i) t[i] = a[i] + a[i + 4];
+    return hsum4_ref(t);
+}
+
+/* ---- activation quantization (shared by every path) ---------------------------------- */
+
+typedef struct {
+    int8_t q[32];
+    int16_t c8[16]; /* -8 * (q[2i] + q[2i + 1]): Q4_0's offset, added to maddubs' pairs */
+    float d;
+    float s; /* d * sum(q) (Q4_1's min term) */
+} xq32_t;
+
+typedef struct {
+    int8_t q[256];
+    int16_t bs16[16]; /* sums of each 16 q */
+    int16_t bs32[8];  /* sums of each 32 q */
+    float d;
+    int32_t pad[3];
+} xqk_t;
+
+/* amax of n floats (exact in any order) */
+static inline float absmax(const float *x, int n) {
+    float m = 0.0f;
+    for (int i = 0; i < n; ++i) {
+        float a = fabsf(x[i]);
+        m = a > m ? a : m;
+    }
+    return m;
+}
+
+/* q[i] = nearest-even(x[i] * id) for n values (|x * id| <= 127 by construction) */
+static inline void round_block(const float *x, int n, float id, int8_t *q) {
+#if RS_Q_AVX2
+    const __m256 vid = _mm256_set1_ps(id);
+    for (int i = 0; i < n; i += 32) {
+        __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i), vid));
+        __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8), vid));
+        __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 16), vid));
+        __m256i d = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 24), vid));
+        __m256i ab = _mm256_packs_epi32(a, b), cd = _mm256_packs_epi32(c, d);
+        __m256i v = _mm256_packs_epi16(ab, cd);
+        /* packs interleave 128-bit halves: restore the order */
+        v = _mm256_permutevar8x32_epi32(v, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(q + i), v);
+    }
+#else
+    for (int i = 0; i < n; ++i) q[i] = (int8_t)(int)nearbyintf(x[i] * id);
+#endif
+}
+
+/* row of K values (float32 or bf16) as float32 blocks of `bs` at block b */
+static inline const float *x_block(int xdt, const void *x, int64_t off, int bs, float *tmp) {
+    if (xdt == 0) return (const float *)x + off;
+    const uint16_t *s = (const uint16_t *)x + off;
+    for (int i = 0; i < bs; ++i) tmp[i] = bf16_f32(s[i]);
+    return tmp;
+}
+
+static void quantize_row_32(int xdt, const void *x, int64_t off, int64_t nb, xq32_t *out) {
+    float tmp[32];
+    for (int64_t b = 0; b < nb; ++b) {
+        const float *v = x_block(xdt, x, off + b * 32, 32, tmp);
+        const float amax = absmax(v, 32);
+        const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        round_block(v, 32, id, out[b].q);
+        int sum = 0;
+        for (int i = 0; i < 32; ++i) sum += out[b].q[i];
+        for (int i = 0; i < 16; ++i)
+            out[b].c8[i] = (int16_t)(-8 * (out[b].q[2 * i] + out[b].q[2 * i + 1]));
+        out[b].d = amax / 127.0f;
+        out[b].s = out[b].d * (float)sum;
+    }
+}
+
+static void quantize_row_k(int xdt, const void *x, int64_t off, int64_t nb, xqk_t *out) {
+    float tmp[256];
+    for (int64_t b = 0; b < nb; ++b) {
+        const float *v = x_block(xdt, x, off + b * 256, 256, tmp);
+        const float amax = absmax(v, 256);
+        const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        round_block(v, 256, id, out[b].q);
+        for (int g = 0; g < 16; ++g) {
+            int s = 0;
+            for (int i = 0; i < 16; ++i) s += out[b].q[16 * g + i];
+            out[b].bs16[g] = (int16_t)s;
+        }
+        for (int g = 0; g < 8; ++g)
+            out[b].bs32[g] = (int16_t)(out[b].bs16[2 * g] + out[b].bs16[2 * g + 1]);
+        out[b].d = amax / 127.0f;
+        memset(out[b].pad, 0, sizeof out[b].pad);
+    }
+}
+
+/* ---- portable tiles: one output per activation row, the lane contract spelled out ------ */
+
+/* y[c * R + r] = output of weight row c (at w + c * ws) for activation row r (at xq + r * xs),
+ * c < C, r < R; nb blocks per row. The driver asks for C = TILE_N weight rows at R = 1 (one
+ * activation row: independent accumulator chains) and C = 1 otherwise. */
+typedef void (*tile_fn)(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
+                        int64_t nb, int R, float *y);
+#define TILE_N 4
+
+/* acc[l] = fma(s, lane[l], acc[l]) */
+static inline void lanes_fma(float *acc, float s, const int32_t *lane, int n) {
+    for (int l = 0; l < n; ++l) acc[l] = fmaf(s, (float)lane[l], acc[l]);
+}
+
+static void q4_0_ref(const uint8_t *w0, int64_t ws, int C, const uint8_t *xq, int64_t xs,
+                     int64_t nb, int R, float *y) {
+    for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) {
+        const uint8_t *w = w0 + c * ws;
+        const xq32_t *x = (const xq32_t *)(xq + r * xs);
+        float acc[8] = {0};
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t *blk = w + b * 18;
+            int32_t lane[8] = {0};
+            for (int e = 0; e < 32; ++e) {
+                int q = (e < 16 ? (blk[2 + e] & 15) : (blk[2 + e - 16] >> 4)) - 8;
+                lane[e / 4] += q * x[b].q[e];
+            }
+            lanes_fma(acc, fp16_to_f32(blk) * x[b].d, lane, 8);
+        }
+        y[c * R + r] = hsum8_ref(acc);
+    }
+}
+
+static void q4_1_ref(const uint8_t *w0, int64_t ws, int C, const uint8_t *xq, int64_t xs,
+                     int64_t nb, int R, float *y) {
+    for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) {
+        const uint8_t *w = w0 + c * ws;
+        const xq32_t *x = (const xq32_t *)(xq + r * xs);
+        float acc[8] = {0}, accm = 0.0f;
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t *blk = w + b * 20;
+            int32_t lane[8] = {0};
+            for (int e = 0; e < 32; ++e) {
+                int q = e < 16 ? (blk[4 + e] & 15) : (blk[4 + e - 16] >> 4);
+                lane[e / 4] += q * x[b].q[e];
+            }
+            lanes_fma(acc, fp16_to_f32(blk) * x[b].d, lane, 8);
+            accm = fmaf(fp16_to_f32(blk + 2), x[b].s, accm);
+        }
+        y[c * R + r] = hsum8_ref(acc) + accm;
+    }
+}
+
+static void q8_0_ref(const uint8_t *w0, int64_t ws, int C, const uint8_t *xq, int64_t xs,
+                     int64_t nb, int R, float *y) {
+    for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) {
+        const uint8_t *w = w0 + c * ws;
+        const xq32_t *x = (const xq32_t *)(xq + r * xs);
+        float acc[8] = {0};
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t *blk = w + b * 34;
+            int32_t lane[8] = {0};
+            for (int e = 0; e < 32; ++e) lane[e / 4] += (int8_t)blk[2 + e] * x[b].q[e];
+            lanes_fma(acc, fp16_to_f32(blk) * x[b].d, lane, 8);
+        }
+        y[c * R + r] = hsum8_ref(acc);
+    }
+}
+
+/* Q4_K (hbit = 0) and Q5_K (hbit = 1) */
+static inline void qk45_ref(const uint8_t *w0, int64_t ws, int C, const uint8_t *xq,
+                            int64_t xs, int64_t nb, int R, float *y, int hbit) {
+    const int bb = hbit ? 176 : 144;
+    for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) {
+        const uint8_t *w = w0 + c * ws;
+        const xqk_t *x = (const xqk_t *)(xq + r * xs);
+        float acc[8] = {0}, accm[4] = {0};
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t *blk = w + b * bb;
+            const uint8_t *qh = blk + 16, *qs = blk + (hbit ? 48 : 16);
+            uint8_t sc[8], mn[8];
+            k4_scale_min(blk + 4, sc, mn);
+            int32_t lane[8] = {0}, ml[4];
+            for (int s = 0; s < 8; ++s) {
+                for (int e = 0; e < 32; ++e) {
+                    const uint8_t byte = qs[32 * (s / 2) + e];
+                    int q = (s & 1) ? byte >> 4 : byte & 15;
+                    if (hbit) q |= ((qh[e] >> s) & 1) << 4;
+                    lane[e / 4] += sc[s] * (q * x[b].q[32 * s + e]);
+                }
+            }
+            for (int k = 0; k < 4; ++k)
+                ml[k] = mn[2 * k] * x[b].bs32[2 * k] + mn[2 * k + 1] * x[b].bs32[2 * k + 1];
+            lanes_fma(acc, fp16_to_f32(blk) * x[b].d, lane, 8);
+            lanes_fma(accm, fp16_to_f32(blk + 2) * x[b].d, ml, 4);
+        }
+        y[c * R + r] = hsum8_ref(acc) - hsum4_ref(accm);
+    }
+}
+
+static void q4_k_ref(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
+                     int64_t nb, int R, float *y) {
+    qk45_ref(w, ws, C, xq, xs, nb, R, y, 0);
+}
+
+static void q5_k_ref(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
+                     int64_t nb, int R, float *y) {
+    qk45_ref(w, ws, C, xq, xs, nb, R, y, 1);
+}
+
+/* Q6_K's 6-bit value of element 32g + e (g < 8, e < 32) */
+static inline int q6_value(const uint8_t *blk, int g, int e) {
+    const int h = g / 4, c = g % 4;
+    const uint8_t *ql = blk + 64 * h, *qh = blk + 128 + 32 * h;
+    const uint8_t lo = ql[(c & 1) * 32 + e];
+    return ((c & 2) ? lo >> 4 : lo & 15) | (((qh[e] >> (2 * c)) & 3) << 4);
+}
+
+static void q6_k_ref(const uint8_t *w0, int64_t ws, int C, const uint8_t *xq, int64_t xs,
+                     int64_t nb, int R, float *y) {
+    for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) {
+        const uint8_t *w = w0 + c * ws;
+        const xqk_t *x = (const xqk_t *)(xq + r * xs);
+        float acc[8] = {0};
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t *blk = w + b * 210;
+            const int8_t *sc = (const int8_t *)(blk + 192);
+            int32_t lane[8] = {0};
+            for (int g = 0; g < 8; ++g)
+                for (int e = 0; e < 32; ++e)
+                    lane[e / 4] += sc[(32 * g + e) / 16] * (q6_value(blk, g, e) * x[b].q[32 * g + e]);
+            for (int k = 0; k < 8; ++k)
+                lane[k] -= 32 * (sc[2 * k] * x[b].bs16[2 * k] + sc[2 * k + 1] * x[b].bs16[2 * k + 1]);
+            lanes_fma(acc, fp16_to_f32(blk + 208) * x[b].d, lane, 8);
+        }
+        y[c * R + r] = hsum8_ref(acc);
+    }
+}
+
+/* ---- AVX2 tiles: R activation rows share each weight block's decode ------------------- */
+#if RS_Q_AVX2
+AI float hsum4_avx(__m128 v) {
+    __m128 t = _mm_add_ps(v, _mm_movehl_ps(v, v)); /* (0 + 2), (1 + 3) */
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+AI float hsum8_avx(__m256 v) {
+    return hsum4_avx(_mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)));
+}
+AI __m256i nibbles32(const uint8_t *p) { /* 16 bytes -> 32 values: low nibbles, then high */
+    const __m128i v = _mm_loadu_si128((const __m128i *)p);
+    const __m256i both = _mm256_setr_m128i(v, _mm_srli_epi16(v, 4));
+    return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+}
+AI float f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* Q4_0 (type 0: unsigned nibbles, the -8 added to maddubs' pairs from the activation side),
+ * Q8_0 (type 1: signed, abs/sign trick), Q4_1 (type 2: unsigned, min term) for C weight rows x
+ * R activation rows (C * R <= 4) */
+AI void q32_tile_avx2(const uint8_t *w, int64_t ws, const uint8_t *xq, int64_t xs, int64_t nb,
+                      float *y, const int C, const int R, const int type) {
+    const int bb = type == 0 ? 18 : type == 1 ? 34 : 20;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[TILE_N][TILE_M];
+    float accm[TILE_N][TILE_M];
+    for (int c = 0; c < C; ++c)
+        for (int r = 0; r < R; ++r) {
+            acc[c][r] = _mm256_setzero_ps();
+            accm[c][r] = 0.0f;
+        }
+    for (int64_t b = 0; b < nb; ++b) {
+        for (int c = 0; c < C; ++c) {
+            const uint8_t *blk = w + c * ws + b * bb;
+            __m256i wq, aw;
+            if (type == 1) {
+                wq = _mm256_loadu_si256((const __m256i *)(blk + 2));
+                aw = _mm256_sign_epi8(wq, wq);
+            } else {
+                wq = aw = nibbles32(blk + (type == 0 ? 2 : 4));
+            }
+            const __m256 dw = _mm256_set1_ps(f16(blk));
+            for (int r = 0; r < R; ++r) {
+                const xq32_t *x = (const xq32_t *)(xq + r * xs) + b;
+                __m256i xv = _mm256_loadu_si256((const __m256i *)x->q);
+                if (type == 1) xv = _mm256_sign_epi8(xv, wq);
+                __m256i p = _mm256_maddubs_epi16(aw, xv);
+                if (type == 0) p = _mm256_add_epi16(p, _mm256_loadu_si256((const __m256i *)x->c8));
+                p = _mm256_madd_epi16(p, ones);
+                const __m256 s = _mm256_mul_ps(dw, _mm256_broadcast_ss(&x->d));
+                acc[c][r] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(p), acc[c][r]);
+                if (type == 2) accm[c][r] = fmaf(f16(blk + 2), x->s, accm[c][r]);
+            }
+        }
+    }
+    for (int c = 0; c < C; ++c)
+        for (int r = 0; r < R; ++r)
+            y[c * R + r] = type == 2 ? hsum8_avx(acc[c][r]) + accm[c][r] : hsum8_avx(acc[c][r]);
+}
+
+/* Q4_K (hbit = 0) and Q5_K (hbit = 1), one weight row */
+AI void qk45_tile_avx2(const uint8_t *w, const uint8_t *xq, int64_t xs, int64_t nb, float *y,
+                       const int R, const int hbit) {
+    const int bb = hbit ? 176 : 144;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    __m256 acc[TILE_M];
+    __m128 accm[TILE_M];
+    for (int r = 0; r < R; ++r) {
+        acc[r] = _mm256_setzero_ps();
+        accm[r] = _mm_setzero_ps();
+    }
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t *blk = w + b * bb;
+        const uint8_t *qs = blk + (hbit ? 48 : 16);
+        uint8_t scm[16]; /* 8 scales, then 8 mins */
+        k4_scale_min(blk + 4, scm, scm + 8);
+        const __m256i sm16 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)scm));
+        const __m256i sc16 = _mm256_permute2x128_si256(sm16, sm16, 0x00);
+        const __m128i mins = _mm256_extracti128_si256(sm16, 1);
+        __m256i wv[8], sv[8];
+        __m256i hb = hbit ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
+        for (int j = 0; j < 4; ++j) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+            wv[2 * j] = _mm256_and_si256(q, m4);
+            wv[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+        }
+        if (hbit) {
+            for (int s = 0; s < 8; ++s) {
+                const __m256i bit = _mm256_and_si256(hb, one);
+                wv[s] = _mm256_or_si256(wv[s], _mm256_slli_epi16(bit, 4));
+                hb = _mm256_srli_epi16(hb, 1);
+            }
+        }
+        for (int s = 0; s < 8; ++s) /* scale s in every 16-bit lane */
+            sv[s] = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)(0x0100 + 0x0202 * s)));
+        const __m256 d = _mm256_set1_ps(f16(blk));
+        const __m128 dmin = _mm_set1_ps(f16(blk + 2));
+        for (int r = 0; r < R; ++r) {
+            const xqk_t *x = (const xqk_t *)(xq + r * xs) + b;
+            __m256i isum = _mm256_setzero_si256();
+            for (int s = 0; s < 8; ++s) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(x->q + 32 * s));
+                isum = _mm256_add_epi32(isum,
+                                        _mm256_madd_epi16(_mm256_maddubs_epi16(wv[s], xv), sv[s]));
+            }
+            const __m128i im = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i *)x->bs32));
+            const __m256 s1 = _mm256_mul_ps(d, _mm256_broadcast_ss(&x->d));
+            acc[r] = _mm256_fmadd_ps(s1, _mm256_cvtepi32_ps(isum), acc[r]);
+            const __m128 s2 = _mm_mul_ps(dmin, _mm_broadcast_ss(&x->d));
+            accm[r] = _mm_fmadd_ps(s2, _mm_cvtepi32_ps(im), accm[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) y[r] = hsum8_avx(acc[r]) - hsum4_avx(accm[r]);
+}
+
+AI void q6k_tile_avx2(const uint8_t *w, const uint8_t *xq, int64_t xs, int64_t nb, float *y,
+                      const int R) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3);
+    __m256 acc[TILE_M];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t *blk = w + b * 210;
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        __m256i wv[8], sv[8];
+        for (int h = 0; h < 2; ++h) {
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+            const __m256i hh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+            const __m256i lo[4] = {_mm256_and_si256(l0, m4), _mm256_and_si256(l1, m4),
+                                   _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                   _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4)};
+            for (int c = 0; c < 4; ++c) {
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(hh, 2 * c), m3);
+                wv[4 * h + c] = _mm256_or_si256(lo[c], _mm256_slli_epi16(hi, 4));
+            }
+        }
+        for (int g = 0; g < 8; ++g)
+            sv[g] = _mm256_setr_m128i(_mm_set1_epi16(sc[2 * g]), _mm_set1_epi16(sc[2 * g + 1]));
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+        const __m256 d = _mm256_set1_ps(f16(blk + 208));
+        for (int r = 0; r < R; ++r) {
+            const xqk_t *x = (const xqk_t *)(xq + r * xs) + b;
+            __m256i isum = _mm256_setzero_si256();
+            for (int g = 0; g < 8; ++g) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(x->q + 32 * g));
+                isum = _mm256_add_epi32(isum,
+                                        _mm256_madd_epi16(_mm256_maddubs_epi16(wv[g], xv), sv[g]));
+            }
+            const __m256i off = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)x->bs16));
+            isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(off, 5));
+            const __m256 s1 = _mm256_mul_ps(d, _mm256_broadcast_ss(&x->d));
+            acc[r] = _mm256_fmadd_ps(s1, _mm256_cvtepi32_ps(isum), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) y[r] = hsum8_avx(acc[r]);
+}
+
+/* one tile function per type: the R (and, at R = 1, C) counts as compile-time constants */
+#define BY_ROWS(call)                                                                        \
+    switch (R) {                                                                             \
+    case 4: call(4); break;                                                                  \
+    case 3: call(3); break;                                                                  \
+    case 2: call(2); break;                                                                  \
+    default: call(1); break;                                                                 \
+    }
+#define Q32_TILE(name, TYPE)                                                                 \
+    static void name(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,     \
+                     int64_t nb, int R, float *y) {                                          \
+        const int type = TYPE;                                                               \
+        if (R == 1 && C == TILE_N) {                                                         \
+            q32_tile_avx2(w, ws, xq, xs, nb, y, TILE_N, 1, type);                            \
+            return;                                                                          \
+        }                                                                                    \
+        for (int c = 0; c < C; ++c) {                                                        \
+            const uint8_t *wc = w + c * ws;                                                  \
+            float *yc = y + c * R;                                                           \
+            BY_ROWS(Q32_ROWS)                                                                \
+        }                                                                                    \
+    }
+#define Q32_ROWS(r) q32_tile_avx2(wc, ws, xq, xs, nb, yc, 1, r, type)
+#define ROW_TILE(name, call)                                                                 \
+    static void name(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,     \
+                     int64_t nb, int R, float *y) {                                          \
+        for (int c = 0; c < C; ++c) {                                                        \
+            const uint8_t *wc = w + c * ws;                                                  \
+            float *yc = y + c * R;                                                           \
+            BY_ROWS(call)                                                                    \
+        }                                                                                    \
+    }
+#define Q4_K_T(r) qk45_tile_avx2(wc, xq, xs, nb, yc, r, 0)
+#define Q5_K_T(r) qk45_tile_avx2(wc, xq, xs, nb, yc, r, 1)
+#define Q6_K_T(r) q6k_tile_avx2(wc, xq, xs, nb, yc, r)
+Q32_TILE(q4_0_avx2, 0)
+Q32_TILE(q8_0_avx2, 1)
+Q32_TILE(q4_1_avx2, 2)
+ROW_TILE(q4_k_avx2, Q4_K_T)
+ROW_TILE(q5_k_avx2, Q5_K_T)
+ROW_TILE(q6_k_avx2, Q6_K_T)
+#endif
+
+/* ---- drivers ------------------------------------------------------------------------- */
+
+typedef struct {
+    int block, bytes, kquant; /* values and bytes per weight block; Q8_K activations */
+    tile_fn ref, fast;
+} qtype_t;
+
+static int qtype_info(int t, qtype_t *q) {
+    switch (t) {
+#if RS_Q_AVX2
+#define FAST(f) f
+#else
+#define FAST(f) NULL
+#endif
+    case T_Q4_0: *q = (qtype_t){32, 18, 0, q4_0_ref, FAST(q4_0_avx2)}; return 0;
+    case T_Q4_1: *q = (qtype_t){32, 20, 0, q4_1_ref, FAST(q4_1_avx2)}; return 0;
+    case T_Q8_0: *q = (qtype_t){32, 34, 0, q8_0_ref, FAST(q8_0_avx2)}; return 0;
+    case T_Q4_K: *q = (qtype_t){256, 144, 1, q4_k_ref, FAST(q4_k_avx2)}; return 0;
+    case T_Q5_K: *q = (qtype_t){256, 176, 1, q5_k_ref, FAST(q5_k_avx2)}; return 0;
+    case T_Q6_K: *q = (qtype_t){256, 210, 1, q6_k_ref, FAST(q6_k_avx2)}; return 0;
+#undef FAST
+    default: return 1;
+    }
+}
+
+/* which tile code this build runs by default: 1 AVX2 (+FMA, F16C), 0 portable C */
+int rs_quant_isa(void) { return RS_Q_AVX2; }
+
+/* y[M, N] (row stride ldo, elements) = x[M, K] @ W^T, W = N rows of K / block blocks.
+ * xdt/odt: 0 float32, 1 bfloat16. flags bit 0: use the portable tiles (tests). */
+int rs_quant_linear(int wtype, const uint8_t *w, int64_t N, int64_t K, int xdt, const void *x,
+                    int64_t M, int odt, void *out, int64_t ldo, int flags, int num_threads) {
+    qtype_t qt;
+    if (qtype_info(wtype, &qt) || K <= 0 || K % qt.block || N < 0 || M < 0 || ldo < N
+        || (unsigned)xdt > 1 || (unsigned)odt > 1)
+        return 1;
+    if (M == 0 || N == 0) return 0;
+    const tile_fn tile = (flags & 1) || !qt.fast ? qt.ref : qt.fast;
+    const int64_t nb = K / qt.block, row_bytes = nb * qt.bytes;
+    const int64_t xs = nb * (qt.kquant ? (int64_t)sizeof(xqk_t) : (int64_t)sizeof(xq32_t));
+    uint8_t *xq = aligned_alloc(64, (size_t)((M * xs + 63) / 64 * 64));
+    if (!xq) return 3;
+    const int nt = num_threads > 0 ? num_threads : 1;
+#pragma omp parallel for num_threads(nt) if (M * K >= 65536) schedule(static)
+    for (int64_t i = 0; i < M; ++i) {
+        if (qt.kquant)
+            quantize_row_k(xdt, x, i * K, nb, (xqk_t *)(xq + i * xs));
+        else
+            quantize_row_32(xdt, x, i * K, nb, (xq32_t *)(xq + i * xs));
+    }
+    /* groups of weight rows (~64 KiB) stay in L2 while every tile of activation rows passes */
+    int64_t jb = (64 * 1024) / (row_bytes > 0 ? row_bytes : 1);
+    if (jb < 1) jb = 1;
+    if (jb > 256) jb = 256;
+    const int64_t groups = (N + jb - 1) / jb;
+#pragma omp parallel for num_threads(nt) if (N * row_bytes * (M < 4 ? M : 4) >= 65536) \
+    schedule(static)
+    for (int64_t gi = 0; gi < groups; ++gi) {
+        const int64_t j0 = gi * jb, j1 = j0 + jb < N ? j0 + jb : N;
+        for (int64_t i0 = 0; i0 < M; i0 += TILE_M) {
+            const int R = (int)(M - i0 < TILE_M ? M - i0 : TILE_M);
+            for (int64_t j = j0; j < j1;) {
+                /* one activation row: TILE_N weight rows at once (independent chains) */
+                const int C = R == 1 && j1 - j >= TILE_N ? TILE_N : 1;
+                float y[TILE_N * TILE_M];
+                tile(w + j * row_bytes, row_bytes, C, xq + i0 * xs, xs, nb, R, y);
+                for (int c = 0; c < C; ++c)
+                    for (int r = 0; r < R; ++r) {
+                        const int64_t o = (i0 + r) * ldo + j + c;
+                        if (odt == 0)
+                            ((float *)out)[o] = y[c * R + r];
+                        else
+                            ((uint16_t *)out)[o] = f32_bf16(y[c * R + r]);
+                    }
+                j += C;
+            }
+        }
+    }
+    free(xq);
+    return 0;
+}
+
+/* one weight block as floats, with gguf-py's (numpy's) float32 arithmetic */
+static void dequant_block(int t, const uint8_t *blk, float *v) {
+    switch (t) {
+    case T_Q4_0: {
+        const float d = fp16_to_f32(blk);
+        for (int i = 0; i < 16; ++i) {
+            v[i] = d * (float)((blk[2 + i] & 15) - 8);
+            v[i + 16] = d * (float)((blk[2 + i] >> 4) - 8);
+        }
+        break;
+    }
+    case T_Q4_1: {
+        const float d = fp16_to_f32(blk), m = fp16_to_f32(blk + 2);
+        for (int i = 0; i < 16; ++i) {
+            v[i] = opaque(d * (float)(blk[4 + i] & 15)) + m;
+            v[i + 16] = opaque(d * (float)(blk[4 + i] >> 4)) + m;
+        }
+        break;
+    }
+    case T_Q8_0: {
+        const float d = fp16_to_f32(blk);
+        for (int i = 0; i < 32; ++i) v[i] = (float)(int8_t)blk[2 + i] * d;
+        break;
+    }
+    case T_Q4_K:
+    case T_Q5_K: {
+        const int hbit = t == T_Q5_K;
+        const float d = fp16_to_f32(blk), dmin = fp16_to_f32(blk + 2);
+        const uint8_t *qh = blk + 16, *qs = blk + (hbit ? 48 : 16);
+        uint8_t sc[8], mn[8];
+        k4_scale_min(blk + 4, sc, mn);
+        for (int s = 0; s < 8; ++s) {
+            const float ds = d * (float)sc[s], dm = dmin * (float)mn[s];
+            for (int e = 0; e < 32; ++e) {
+                const uint8_t byte = qs[32 * (s / 2) + e];
+                int q = (s & 1) ? byte >> 4 : byte & 15;
+                if (hbit) q |= ((qh[e] >> s) & 1) << 4;
+                v[32 * s + e] = opaque(ds * (float)q) - dm;
+            }
+        }
+        break;
+    }
+    case T_Q6_K: {
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        const float d = fp16_to_f32(blk + 208);
+        for (int g = 0; g < 8; ++g)
+            for (int e = 0; e < 32; ++e) {
+                const float ds = d * (float)sc[(32 * g + e) / 16];
+                v[32 * g + e] = ds * (float)(q6_value(blk, g, e) - 32);
+            }
+        break;
+    }
+    }
+}
+
+/* out[T, K] (contiguous, odt 0 float32 / 1 bf16) = rows ids[T] of W [N, K], dequantized */
+int rs_quant_dequantize_rows(int wtype, const uint8_t *w, int64_t N, int64_t K,
+                             const int64_t *ids, int64_t T, int odt, void *out,
+                             int num_threads) {
+    qtype_t qt;
+    if (qtype_info(wtype, &qt) || K <= 0 || K % qt.block || N < 0 || T < 0 || (unsigned)odt > 1)
+        return 1;
+    for (int64_t t = 0; t < T; ++t)
+        if (ids[t] < 0 || ids[t] >= N) return 2;
+    const int64_t nb = K / qt.block, row_bytes = nb * qt.bytes;
+    const int nt = num_threads > 0 ? num_threads : 1;
+#pragma omp parallel for num_threads(nt) if (T * K >= 65536) schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+        const uint8_t *row = w + ids[t] * row_bytes;
+        float v[256];
+        for (int64_t b = 0; b < nb; ++b) {
+            dequant_block(wtype, row + b * qt.bytes, v);
+            const int64_t o = t * K + b * qt.block;
+            if (odt == 0)
+                memcpy((float *)out + o, v, sizeof(float) * (size_t)qt.block);
+            else
+                for (int i = 0; i < qt.block; ++i) ((uint16_t *)out)[o + i] = f32_bf16(v[i]);
+        }
+    }
+    return 0;
+}

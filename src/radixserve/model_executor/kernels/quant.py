@@ -1,0 +1,198 @@
+"""ctypes wrapper of ``csrc/quant_kernels.c``: linears and embedding lookups on GGUF-quantized
+weights served as the file stores them (issue 30), built into the same shared object as the
+other CPU kernels (``cpu.build``); ``CpuKernels.load().quant`` is an instance.
+
+A weight is a contiguous ``uint8`` tensor [N, row_bytes]: row n is output n's K values as
+``K / values_per_block`` consecutive ggml blocks (``row_bytes = K / values_per_block *
+bytes_per_block``), the bytes of a GGUF tensor of ggml shape [K, N] as they lie in the file.
+Block layouts are ggml's (``ggml-common.h``: ``block_q4_0``, ``block_q4_1``, ``block_q8_0``,
+``block_q4_K``, ``block_q5_K``, ``block_q6_K``), the ones gguf-py's ``gguf.quants``
+dequantizes; the C source's header restates them.
+
+``linear`` quantizes the activations per block once per call, as llama.cpp does (int8 with a
+float32 scale per 32 values for Q4_0/Q4_1/Q8_0 weights, plus the scaled sum for Q4_1; per 256
+values with 16-value sums for the K-quants), and sums integer dot products per block. Each
+output is one fixed sequence of float operations whatever the batch (M), the other rows of the
+call, the thread count or the code path (AVX2 or portable C): y[i, j] is bitwise the same
+alone or batched.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+#: ggml type id -> name, for the types these kernels take
+SUPPORTED_TYPES: dict[int, str] = {
+    int(GGMLQuantizationType.Q4_0): "Q4_0",
+    int(GGMLQuantizationType.Q4_1): "Q4_1",
+    int(GGMLQuantizationType.Q8_0): "Q8_0",
+    int(GGMLQuantizationType.Q4_K): "Q4_K",
+    int(GGMLQuantizationType.Q5_K): "Q5_K",
+    int(GGMLQuantizationType.Q6_K): "Q6_K",
+}
+_DT = {torch.float32: 0, torch.bfloat16: 1}
+_ERRORS = {1: "bad type or sizes", 2: "a row id out of range (nothing written)",
+           3: "out of memory"}
+
+
+def block_info(ggml_type: int) -> tuple[int, int]:
+    """(values per block, bytes per block) of a supported ggml type (gguf's
+    ``GGML_QUANT_SIZES``).
+
+    Raises:
+        ValueError: a type these kernels do not take.
+    """
+    if ggml_type not in SUPPORTED_TYPES:
+        raise ValueError(f"ggml type {ggml_type} is not supported (supported: "
+                         f"{', '.join(f'{k} {v}' for k, v in SUPPORTED_TYPES.items())})")
+    return GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+
+
+def row_bytes(ggml_type: int, k: int) -> int:
+    """Bytes of one weight row of ``k`` values (``k`` a multiple of the block).
+
+    Raises:
+        ValueError: unsupported type, or ``k`` not a positive multiple of the block size.
+    """
+    block, nbytes = block_info(ggml_type)
+    if k <= 0 or k % block:
+        raise ValueError(f"{SUPPORTED_TYPES[ggml_type]} needs K a positive multiple of {block}, "
+                         f"got {k}")
+    return k // block * nbytes
+
+
+class QuantKernels:
+    """The quantized-weight entry points of a loaded kernel library (``CpuKernels.quant``)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        fn = lib.rs_quant_linear
+        fn.argtypes = [c_int, ptr, i64, i64, c_int, ptr, i64, c_int, ptr, i64, c_int, c_int]
+        fn.restype = c_int
+        self._linear = fn
+        fn = lib.rs_quant_dequantize_rows
+        fn.argtypes = [c_int, ptr, i64, i64, ptr, i64, c_int, ptr, c_int]
+        fn.restype = c_int
+        self._dequant = fn
+        fn = lib.rs_quant_isa
+        fn.argtypes = []
+        fn.restype = c_int
+        #: the tiles this build runs: "avx2" (AVX2 + FMA + F16C) or "portable" (plain C, the
+        #: same bits, slower)
+        self.isa = "avx2" if fn() == 1 else "portable"
+
+    def linear(self, ggml_type: int, w: torch.Tensor, x: torch.Tensor, out: torch.Tensor, *,
+               portable: bool = False) -> None:
+        """``out = x @ W.T`` for a quantized weight W, written into ``out``.
+
+        Args:
+            ggml_type: ggml type id of W, a key of ``SUPPORTED_TYPES``.
+            w: contiguous uint8 [N, row_bytes], row_bytes = K / block * block bytes
+                (``block_info``): N rows of raw ggml blocks.
+            x: contiguous float32 or bfloat16 [M, K].
+            out: float32 or bfloat16 [M, N], last dim contiguous, row stride free (it may be
+                a column slice ``big[:, lo:hi]`` of a fused output); written.
+            portable: run the portable C tiles even where AVX2 ones are built (the same bits;
+                for tests).
+
+        Raises:
+            ValueError: unsupported type, or wrong dtypes, shapes or layouts (the message
+                names which).
+            RuntimeError: the kernel's error code (1: bad sizes, 3: out of memory).
+        """
+        block, _ = block_info(ggml_type)
+        if w.dtype != torch.uint8 or w.dim() != 2 or not w.is_contiguous():
+            raise ValueError(f"w must be a contiguous uint8 [N, row_bytes] tensor, got "
+                             f"{w.dtype} {tuple(w.shape)}")
+        if x.dtype not in _DT or x.dim() != 2 or not x.is_contiguous():
+            raise ValueError(f"x must be a contiguous float32/bfloat16 [M, K] tensor, got "
+                             f"{x.dtype} {tuple(x.shape)}")
+        if out.dtype not in _DT or out.dim() != 2:
+            raise ValueError(f"out must be float32/bfloat16 [M, N], got {out.dtype} "
+                             f"{tuple(out.shape)}")
+        m, k = x.shape
+        n = w.shape[0]
+        if k % block or k == 0:
+            raise ValueError(f"K = {k} is not a positive multiple of "
+                             f"{SUPPORTED_TYPES[ggml_type]}'s block of {block}")
+        if w.shape[1] != row_bytes(ggml_type, k):
+            raise ValueError(f"w rows hold {w.shape[1]} bytes; K = {k} of "
+                             f"{SUPPORTED_TYPES[ggml_type]} needs {row_bytes(ggml_type, k)}")
+        if tuple(out.shape) != (m, n):
+            raise ValueError(f"out is {tuple(out.shape)}, expected (M, N) = {(m, n)}")
+        if any(t.device.type != "cpu" for t in (w, x, out)):
+            raise ValueError("w, x and out must be CPU tensors")
+        if (n > 1 and out.stride(1) != 1) or (m > 1 and out.stride(0) < n):
+            raise ValueError(f"out's last dim must be contiguous with row stride >= N, got "
+                             f"strides {out.stride()}")
+        self.linear_unchecked(ggml_type, w.data_ptr(), n, k, x.data_ptr(), x.dtype, m,
+                              out.data_ptr(), out.dtype, max(out.stride(0), n),
+                              portable=portable)
+
+    def linear_unchecked(self, ggml_type: int, w_ptr: int, n: int, k: int, x_ptr: int,
+                         x_dtype: torch.dtype, m: int, out_ptr: int, out_dtype: torch.dtype,
+                         ldo: int, *, portable: bool = False) -> None:
+        """``linear`` on raw addresses for a caller that checked the tensors once (the decode
+        path calls it many times per step).
+
+        Args:
+            ggml_type: ggml type id (``SUPPORTED_TYPES``).
+            w_ptr: address of N * row_bytes weight bytes.
+            n, k: output features N and input features K (K a multiple of the block).
+            x_ptr, x_dtype: address of contiguous [M, K] float32/bfloat16 activations.
+            m: rows M.
+            out_ptr, out_dtype: address of [M, N] float32/bfloat16 output, element (i, j) at
+                ``i * ldo + j``.
+            ldo: out's row stride in elements (>= N).
+
+        Raises:
+            RuntimeError: the kernel's error code (1: bad type or sizes, 3: out of memory).
+        """
+        rc = self._linear(ggml_type, w_ptr, n, k, _DT[x_dtype], x_ptr, m, _DT[out_dtype],
+                          out_ptr, ldo, 1 if portable else 0, torch.get_num_threads())
+        if rc:
+            raise RuntimeError(f"quantized linear kernel failed with code {rc} "
+                               f"({_ERRORS.get(rc, 'unknown')})")
+
+    def dequantize_rows(self, ggml_type: int, w: torch.Tensor, ids: torch.Tensor,
+                        out: torch.Tensor) -> None:
+        """Embedding lookup: ``out[t] = dequantize(W[ids[t]])``, with gguf-py's float32
+        arithmetic (bit for bit its ``dequantize`` in float32; bfloat16 out rounds that to
+        nearest even).
+
+        Args:
+            ggml_type: ggml type id (``SUPPORTED_TYPES``).
+            w: contiguous uint8 [N, row_bytes] (rows of raw ggml blocks).
+            ids: contiguous int64 [T], each in [0, N).
+            out: contiguous float32 or bfloat16 [T, K]; written.
+
+        Raises:
+            ValueError: unsupported type, wrong dtypes, shapes or layouts.
+            RuntimeError: an id out of range (code 2; nothing written), or code 1 (bad sizes).
+        """
+        block, _ = block_info(ggml_type)
+        if w.dtype != torch.uint8 or w.dim() != 2 or not w.is_contiguous():
+            raise ValueError(f"w must be a contiguous uint8 [N, row_bytes] tensor, got "
+                             f"{w.dtype} {tuple(w.shape)}")
+        if ids.dtype != torch.int64 or ids.dim() != 1 or not ids.is_contiguous():
+            raise ValueError(f"ids must be a contiguous int64 [T] tensor, got {ids.dtype} "
+                             f"{tuple(ids.shape)}")
+        if (out.dtype not in _DT or out.dim() != 2 or not out.is_contiguous()
+                or out.shape[0] != ids.shape[0]):
+            raise ValueError(f"out must be a contiguous float32/bfloat16 [T, K] tensor with "
+                             f"T = {ids.shape[0]}, got {out.dtype} {tuple(out.shape)}")
+        k = out.shape[1]
+        if k % block or k == 0 or w.shape[1] != row_bytes(ggml_type, k):
+            raise ValueError(f"out's K = {k} does not fit w's rows of {w.shape[1]} bytes of "
+                             f"{SUPPORTED_TYPES[ggml_type]}")
+        if any(t.device.type != "cpu" for t in (w, ids, out)):
+            raise ValueError("w, ids and out must be CPU tensors")
+        rc = self._dequant(ggml_type, w.data_ptr(), w.shape[0], k, ids.data_ptr(),
+                           ids.shape[0], _DT[out.dtype], out.data_ptr(),
+                           torch.get_num_threads())
+        if rc:
+            raise RuntimeError(f"dequantize_rows failed with code {rc} "
+                               f"({_ERRORS.get(rc, 'unknown')})")

@@ -1,0 +1,190 @@
+"""The GGUF-quantized linear and embedding kernels (``kernels/quant.py``,
+``csrc/quant_kernels.c``) against gguf-py's block formats, for every supported type."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf.constants import GGMLQuantizationType as QT
+from gguf.quants import dequantize, quantize
+
+from radixserve.model_executor.kernels.cpu import CpuKernels, build
+from radixserve.model_executor.kernels.quant import SUPPORTED_TYPES, block_info
+
+TYPES = [int(QT.Q4_0), int(QT.Q4_1), int(QT.Q8_0), int(QT.Q4_K), int(QT.Q5_K), int(QT.Q6_K)]
+NAMES = {t: SUPPORTED_TYPES[t] for t in TYPES}
+
+
+@pytest.fixture(scope="module")
+def qk():
+    build()  # raises with the compiler's message if the build fails
+    return CpuKernels.load().quant
+
+
+def make_weight(t: int, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Random valid uint8 [n, row_bytes] rows of type t: gguf-py's quantize where it has one,
+    else random bytes with sane fp16 scales (every byte pattern is a valid K-quant block)."""
+    rng = np.random.default_rng(seed)
+    block, nbytes = block_info(t)
+    if t in (QT.Q4_0, QT.Q4_1, QT.Q8_0):
+        return quantize(rng.standard_normal((n, k), dtype=np.float32) * 0.05, QT(t))
+    raw = rng.integers(0, 256, (n, k // block, nbytes), dtype=np.uint8)
+    d = (rng.uniform(1e-4, 3e-3, (n, k // block)).astype(np.float16).view(np.uint8)
+         .reshape(n, k // block, 2))
+    if t == QT.Q6_K:
+        raw[..., 208:210] = d
+    else:
+        raw[..., 0:2] = d
+        raw[..., 2:4] = (rng.uniform(1e-4, 3e-3, (n, k // block)).astype(np.float16)
+                         .view(np.uint8).reshape(n, k // block, 2))
+    return raw.reshape(n, -1)
+
+
+def quantize_acts(x: np.ndarray, block: int):
+    """The kernel's activation quantization in numpy: per block d = amax / 127,
+    q = rint(x * (127 / amax)) in float32. Returns (q int64 [M, K], d float32 [M, K / block])."""
+    m, k = x.shape
+    xb = x.reshape(m, k // block, block).astype(np.float32)
+    amax = np.abs(xb).max(-1)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.rint(xb * inv[..., None]).astype(np.int64)
+    return q.reshape(m, k), (amax / np.float32(127)).astype(np.float32)
+
+
+def reference(t: int, w: np.ndarray, x: np.ndarray, k: int):
+    """(y, scale): the kernel's math in float64 on gguf-py's dequantized weights and the
+    quantized activations; scale = sum |w| |xq| per output (for a relative bound)."""
+    act_block = 32 if t in (QT.Q4_0, QT.Q4_1, QT.Q8_0) else 256
+    q, d = quantize_acts(x, act_block)
+    xq = (q.reshape(x.shape[0], -1, act_block) * d[..., None].astype(np.float64))
+    xq = xq.reshape(x.shape)
+    wd = dequantize(w, QT(t)).reshape(w.shape[0], k).astype(np.float64)
+    return xq @ wd.T, np.abs(xq) @ np.abs(wd).T
+
+
+def run(qk, t, w, x, out_dtype=torch.float32, **kw):
+    out = torch.empty(x.shape[0], w.shape[0], dtype=out_dtype)
+    qk.linear(t, torch.from_numpy(w), x, out, **kw)
+    return out
+
+
+@pytest.mark.parametrize("t", TYPES, ids=NAMES.values())
+def test_against_references(qk, t):
+    block, _ = block_info(t)
+    for k in ((256, 4096) if block == 32 else (512, 4096)):
+        n, m = 40, 5
+        w = make_weight(t, n, k, seed=k)
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(k))
+        x[1] = 0.0  # an all-zero row: scale 0
+        y = run(qk, t, w, x).double().numpy()
+        # (a) the same quantized activations, summed in float64: float32 rounding apart
+        ref, scale = reference(t, w, x.numpy(), k)
+        assert np.all(np.abs(y - ref) <= 5e-7 * scale + 1e-30), np.abs(y - ref).max()
+        assert np.all(y[1] == 0.0)
+        # (b) F.linear on the dequantized float weights: the activations' quantization error,
+        # at most half a step (amax / 254) per value, times |w|
+        wd = torch.from_numpy(dequantize(w, QT(t)).reshape(n, k))
+        act_block = 32 if block == 32 else 256
+        amax = x.abs().reshape(m, -1, act_block).amax(-1).double()  # [m, blocks]
+        wabs = wd.abs().reshape(n, -1, act_block).sum(-1).double()  # [n, blocks]
+        bound = (amax / 254) @ wabs.T * 1.001 + 1e-5 * (x.abs().double() @ wd.abs().double().T)
+        err = (torch.from_numpy(y) - F.linear(x, wd).double()).abs()
+        assert torch.all(err <= bound), (err - bound).max()
+
+
+@pytest.mark.parametrize("t", TYPES, ids=NAMES.values())
+def test_batch_invariance_bitwise(qk, t):
+    block, _ = block_info(t)
+    k, n = 1024, 27  # 27: weight-row tiles of 4 and a remainder
+    w = make_weight(t, n, k, seed=3)
+    x = torch.randn(64, k, generator=torch.Generator().manual_seed(4))
+    full = run(qk, t, w, x)
+    for m in (1, 2, 3, 5, 17, 64):
+        assert torch.equal(run(qk, t, w, x[:m]), full[:m]), m
+        assert torch.equal(run(qk, t, w, x[m - 1:m]), full[m - 1:m]), m  # alone
+    perm = torch.randperm(64, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(run(qk, t, w, x[perm].contiguous()), full[perm])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(run(qk, t, w, x), full)
+    finally:
+        torch.set_num_threads(threads)
+    if qk.isa != "portable":  # the portable tiles give the same bits
+        for m in (1, 3, 64):
+            assert torch.equal(run(qk, t, w, x[:m], portable=True), full[:m]), m
+
+
+@pytest.mark.parametrize("t", TYPES, ids=NAMES.values())
+def test_out_column_slice_and_bf16(qk, t):
+    block, _ = block_info(t)
+    k, n, m = 512, 20, 6
+    w = make_weight(t, n, k, seed=7)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(8))
+    want = run(qk, t, w, x)
+    # (d) out is a column slice of a fused output (the other columns untouched)
+    big = torch.full((m, n + 13), 7.0)
+    qk.linear(t, torch.from_numpy(w), x, big[:, 5:5 + n])
+    assert torch.equal(big[:, 5:5 + n], want)
+    assert torch.all(big[:, :5] == 7.0) and torch.all(big[:, 5 + n:] == 7.0)
+    # (e) bfloat16: x is widened exactly, out rounded to nearest even
+    xb = x.bfloat16()
+    want_b = run(qk, t, w, xb.float())
+    assert torch.equal(run(qk, t, w, xb), want_b)
+    assert torch.equal(run(qk, t, w, xb, out_dtype=torch.bfloat16), want_b.bfloat16())
+    bigb = torch.zeros(m, 2 * n, dtype=torch.bfloat16)
+    qk.linear(t, torch.from_numpy(w), xb, bigb[:, n:])
+    assert torch.equal(bigb[:, n:], want_b.bfloat16()) and torch.all(bigb[:, :n] == 0)
+
+
+@pytest.mark.parametrize("t", TYPES, ids=NAMES.values())
+def test_dequantize_rows_bitwise(qk, t):
+    block, _ = block_info(t)
+    k, n = 512, 16
+    w = make_weight(t, n, k, seed=11)
+    wd = torch.from_numpy(dequantize(w, QT(t)).reshape(n, k).astype(np.float32))
+    ids = torch.tensor([3, 0, 15, 3, 7], dtype=torch.int64)
+    out = torch.empty(5, k)
+    qk.dequantize_rows(t, torch.from_numpy(w), ids, out)
+    assert torch.equal(out.view(torch.int32), wd[ids].view(torch.int32))
+    outb = torch.empty(5, k, dtype=torch.bfloat16)
+    qk.dequantize_rows(t, torch.from_numpy(w), ids, outb)
+    assert torch.equal(outb, wd[ids].bfloat16())
+    out.fill_(1.0)
+    with pytest.raises(RuntimeError, match="out of range"):
+        qk.dequantize_rows(t, torch.from_numpy(w), torch.tensor([0, n]), out[:2])
+    with pytest.raises(RuntimeError, match="out of range"):
+        qk.dequantize_rows(t, torch.from_numpy(w), torch.tensor([-1]), out[:1])
+    assert torch.all(out == 1.0)
+
+
+def test_bad_inputs_raise(qk):
+    t = int(QT.Q4_K)
+    w = torch.from_numpy(make_weight(t, 8, 512))
+    x = torch.randn(3, 512)
+    out = torch.empty(3, 8)
+    with pytest.raises(ValueError, match="not supported"):
+        qk.linear(int(QT.Q5_0), w, x, out)
+    with pytest.raises(ValueError, match="uint8"):
+        qk.linear(t, w.view(torch.int8), x, out)
+    with pytest.raises(ValueError, match="contiguous float32/bfloat16"):
+        qk.linear(t, w, x.half(), out)
+    with pytest.raises(ValueError, match="contiguous float32/bfloat16"):
+        qk.linear(t, w, torch.randn(512, 3).t(), out)
+    with pytest.raises(ValueError, match="multiple"):
+        qk.linear(t, w, torch.randn(3, 384), out)
+    with pytest.raises(ValueError, match="bytes"):
+        qk.linear(t, w, torch.randn(3, 256), out)
+    with pytest.raises(ValueError, match="expected"):
+        qk.linear(t, w, x, torch.empty(3, 9))
+    with pytest.raises(ValueError, match="last dim"):
+        qk.linear(t, w, x, torch.empty(8, 3).t())
+    with pytest.raises(ValueError, match="float32/bfloat16"):
+        qk.linear(t, w, x, torch.empty(3, 8, dtype=torch.float16))
+    with pytest.raises(ValueError, match="int64"):
+        qk.dequantize_rows(t, w, torch.tensor([0], dtype=torch.int32), torch.empty(1, 512))
+    with pytest.raises(ValueError, match="does not fit"):
+        qk.dequantize_rows(t, w, torch.tensor([0]), torch.empty(1, 256))
+    with pytest.raises(ValueError, match="not supported"):
+        block_info(0)
