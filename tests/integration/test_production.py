@@ -7,8 +7,10 @@
   engine ids in the log lines; a duplicate among running requests is a 400;
 * logs: one line per finished request, a stats line per interval, JSON lines, the switches
   that turn them off, no prompt text unless ``--log-prompts``;
+* generation defaults: ``--generation-config FOLDER`` fills the fields a request leaves unset;
 * drain: SIGTERM stops admitting (503 with ``Retry-After``, /health "draining") while running
-  streams finish; past ``--shutdown-timeout`` what still runs is aborted; exit status 0.
+  streams finish; past ``--shutdown-timeout`` what still runs is aborted; exit status 0. The
+  gRPC worker (``serve --grpc``) likewise, with its request ids and log lines.
 
 No test asserts how fast something happens: each waits for the event itself
 (``server_utils.wait_until``).
@@ -21,10 +23,13 @@ import signal
 import threading
 from pathlib import Path
 
+import grpc
 import httpx
 import openai
 import pytest
+from grpc_utils import GrpcWorker
 from server_utils import HANG_TIMEOUT_S, ServerProcess, wait_until
+from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
 #: null model whose every step takes 2 ms
 NULL_ARGS = ["--null-model", "--null-step-ms", "2", "--num-pages", "2048"]
@@ -294,3 +299,85 @@ def test_shutdown_timeout_aborts_what_still_runs(tmp_path: Path) -> None:
         assert "aborting 1 running requests" in srv.log_tail(20000)
     finally:
         srv.stop()
+
+
+@pytest.mark.timeout(300)
+def test_grpc_worker_ids_logs_and_drain(tmp_path: Path) -> None:
+    w = GrpcWorker([*NULL_ARGS, "--shutdown-timeout", "120"], tmp_path)
+    try:
+        w.wait_ready(timeout_s=180)
+        stub = w.stub()
+
+        def gen(rid: str, max_tokens: int, n: int = 1, stream: bool = False):
+            return stub.Generate(pb.GenerateRequest(
+                request_id=rid, tokenized=pb.TokenizedInput(input_ids=[1, 2, 3]),
+                sampling_params=pb.SamplingParams(max_tokens=max_tokens, n=n,
+                                                  ignore_eos=True), stream=stream),
+                timeout=HANG_TIMEOUT_S)
+
+        done = [r for r in gen("g1", 4, n=2) if r.WhichOneof("response") == "complete"]
+        assert len(done) == 2
+        # the gateway's id names the engine requests (engine_types.fan_out) in the log
+        lines = wait_until(lambda: [ln for ln in w.log_path.read_text().splitlines()
+                                    if "radixserve.requests" in ln], "gRPC request lines")
+        assert any("finished request g1-0:" in ln for ln in lines)
+        assert any("finished request g1-1:" in ln and "output_tokens=4" in ln for ln in lines)
+        # a stream runs when SIGTERM comes: it finishes, new calls are refused meanwhile
+        call = gen("long", 1500, stream=True)
+        it = iter(call)
+        next(it)
+        w.proc.send_signal(signal.SIGTERM)
+        health = wait_until(lambda: (h := stub.HealthCheck(pb.HealthCheckRequest()))
+                            and not h.healthy and h, "HealthCheck to turn unhealthy")
+        assert health.message == "draining"
+        assert httpx.get(w.metrics_url + "/health", timeout=5).json()["status"] == "draining"
+        if not call.done():
+            with pytest.raises(grpc.RpcError) as e:
+                list(gen("late", 1))
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "draining" in e.value.details()
+        rest = list(it)  # the running stream ends normally
+        assert rest[-1].WhichOneof("response") == "complete"
+        assert rest[-1].complete.finish_reason == "length"
+        assert w.proc.wait(HANG_TIMEOUT_S) == 0, w.log_tail()
+        assert "drained: no request running" in w.log_tail(20000)
+    finally:
+        w.stop()
+
+
+# -- generation defaults -------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(300)
+def test_generation_config_folder_sets_defaults(tmp_path: Path, srv) -> None:
+    gen = tmp_path / "gen"
+    gen.mkdir()
+    (gen / "generation_config.json").write_text(json.dumps(
+        {"max_new_tokens": 7, "temperature": 0.5, "top_k": 50}))
+    s = _start(tmp_path / "s", ["--generation-config", str(gen)])
+    try:
+        c = _client(s)
+        msgs = [{"role": "user", "content": "hi"}]
+        # the model's max_new_tokens where the request gives no maximum
+        assert c.chat.completions.create(model=MODEL, messages=msgs).usage \
+            .completion_tokens == 7
+        assert c.completions.create(model=MODEL, prompt="x").usage.completion_tokens == 7
+        assert c.completions.create(model=MODEL, prompt="x", max_tokens=3).usage \
+            .completion_tokens == 3
+        # the start-up log names them (top_k 50 is Hugging Face's default: not one)
+        assert "sampling defaults from the model's generation config (--generation-config " \
+               f"{gen}; `--generation-config vllm` ignores them): temperature=0.5, " \
+               "max_tokens=7" in s.log_path.read_text()
+    finally:
+        s.stop()
+    # the default model's folder recommends nothing: OpenAI's 16 for a completion
+    assert _client(srv).completions.create(model=MODEL, prompt="x").usage \
+        .completion_tokens == 16
+    # a folder without the file is refused at start-up, naming it
+    bad = ServerProcess([*NULL_ARGS, "--generation-config", str(tmp_path / "nope")],
+                        tmp_path / "b")
+    try:
+        assert bad.proc.wait(HANG_TIMEOUT_S) == 1
+        assert "no generation_config.json in that folder" in bad.log_tail()
+    finally:
+        bad.stop()

@@ -87,7 +87,7 @@ class StatsLogger:
 
     interval_s: float = 10.0
     _last: SchedulerStats | None = field(default=None, repr=False)
-    _last_at: float = field(default=0.0, repr=False)
+    _last_at: float | None = field(default=None, repr=False)
     _was_active: bool = field(default=False, repr=False)
 
     def log(self, stats: SchedulerStats | None, now: float | None = None) -> bool:
@@ -97,7 +97,8 @@ class StatsLogger:
         if stats is None:  # no engine step yet: the counters start from zero
             self._last_at = now
             return False
-        prev, prev_at = self._last or SchedulerStats(), self._last_at or now
+        prev = self._last or SchedulerStats()
+        prev_at = now if self._last_at is None else self._last_at
         self._last, self._last_at = stats, now
         dt = max(now - prev_at, 1e-9)
         d_prompt = stats.prompt_tokens - prev.prompt_tokens
