@@ -38,7 +38,10 @@ _ALIASES = {"enable_prefix_caching": ["--no-prefix-caching", "--no-prefix-cache"
 #: vLLM's short spellings
 _SHORT = {"tensor_parallel_size": ["-tp"]}
 _HELP = {"kv_transfer_config": "prefill/decode disaggregation as vLLM's JSON, e.g. "
-         '\'{"kv_connector":"NixlConnector","kv_role":"kv_both"}\' (see KVTransferConfig)'}
+         '\'{"kv_connector":"NixlConnector","kv_role":"kv_both"}\' (see KVTransferConfig)',
+         "generation_config": "sampling defaults for requests that leave them unset: auto "
+         "(the model's generation_config.json), vllm (none), or a folder holding one "
+         "(default auto)"}
 
 
 def parse_kv_transfer_config(text: str) -> KVTransferConfig:
