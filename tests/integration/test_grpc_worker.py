@@ -30,8 +30,10 @@ PROMPT = [1, 4093, 198, 36218, 15876, 2, 198, 1, 520, 9531, 198]  # a chat-templ
 
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory: pytest.TempPathFactory):
+    # a short drain: the SIGTERM test sees a stream outlive it (test_production.py drains)
     w = GrpcWorker(["--dtype", "float32", "--num-pages", str(NUM_PAGES), "--max-num-seqs", "16",
-                    "--seed", "0"], tmp_path_factory.mktemp("grpc_worker"))
+                    "--seed", "0", "--shutdown-timeout", "1"],
+                   tmp_path_factory.mktemp("grpc_worker"))
     try:
         w.wait_ready()
         yield w
@@ -336,7 +338,8 @@ def test_flush_cache_evicts_unlocked_pages(worker, stub) -> None:
 
 
 def test_sigterm_ends_streams_and_exits_0(worker, stub) -> None:
-    """Last in this module: it stops the shared worker."""
+    """Last in this module: it stops the shared worker. A stream still running when the
+    drain's time (``--shutdown-timeout 1``) is up ends with UNAVAILABLE."""
     engine = descendants(worker.proc.pid)
     err = _first_chunk_then(stub, "term",
                             lambda _: worker.proc.send_signal(signal.SIGTERM))
