@@ -188,3 +188,26 @@ def test_json_formatter() -> None:
     assert obj["message"] == "done x" and obj["logger"] == "radixserve.requests"
     assert obj["level"] == "INFO" and obj["request_id"] == "x" and obj["e2e_s"] == 0.5
     assert obj["time"].endswith("Z")
+
+
+def test_engine_refuses_an_id_in_use() -> None:
+    """A client's id reaches the engine core as is: one that a running request, or a finished
+    one whose pages are held for a KV transfer (keyed by that id), uses is refused."""
+    from radixserve.config import EngineConfig
+    from radixserve.core.engine_core import EngineCore
+    from radixserve.engine_types import RequestRejected
+    from radixserve.model_executor.null_runner import NullRunner
+
+    engine = EngineCore(EngineConfig(page_size=16, num_pages=8, max_num_seqs=4,
+                                     disable_overlap=True),
+                        NullRunner(num_pages=8, max_model_len=48, vocab_size=49152))
+    (req,) = fan_out("same", [[1, 2, 3]], SamplingParams(max_tokens=4), 0.0)
+    engine.add_request(req)
+    with pytest.raises(RequestRejected) as e:
+        engine.add_request(req)
+    assert (e.value.param, e.value.code) == ("request_id", "duplicate_request_id")
+    engine.abort_requests(["same"], notify=False)
+    engine.scheduler.held["kept"] = object()  # type: ignore[assignment] - only its key counts
+    with pytest.raises(RequestRejected, match="holds KV pages"):
+        engine.add_request(fan_out("kept", [[1]], SamplingParams(), 0.0)[0])
+    del engine.scheduler.held["kept"]

@@ -160,7 +160,14 @@ class EngineCore:
                 f"completion. Please reduce the length of the prompt.", "prompt",
                 "context_length_exceeded")
         if er.request_id in self.scheduler.requests:
-            raise RequestRejected(f"request_id {er.request_id!r} is already running")
+            raise RequestRejected(f"request_id {er.request_id!r} is already running",
+                                  "request_id", "duplicate_request_id")
+        if er.request_id in self.scheduler.held:
+            # its KV-transfer lease and held pages are keyed by this id (clients name their
+            # requests: X-Request-Id)
+            raise RequestRejected(f"request_id {er.request_id!r} is in use: a finished request "
+                                  "with this id still holds KV pages for a decode instance",
+                                  "request_id", "duplicate_request_id")
         sp = er.sampling_params
         room = self.max_model_len - n
         max_tokens = room if sp.max_tokens is None else min(sp.max_tokens, room)
