@@ -92,7 +92,8 @@ class QuantKernels:
             ggml_type: ggml type id of W, a key of ``SUPPORTED_TYPES``.
             w: contiguous uint8 [N, row_bytes], row_bytes = K / block * block bytes
                 (``block_info``): N rows of raw ggml blocks.
-            x: contiguous float32 or bfloat16 [M, K].
+            x: contiguous float32 or bfloat16 [M, K], finite (a block holding an infinity or
+                NaN gives unspecified outputs for its row).
             out: float32 or bfloat16 [M, N], last dim contiguous, row stride free (it may be
                 a column slice ``big[:, lo:hi]`` of a fused output); written.
             portable: run the portable C tiles even where AVX2 ones are built (the same bits;

@@ -379,8 +379,8 @@ AI float hsum8_avx(__m256 v) {
     return hsum4_avx(_mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)));
 }
 AI __m256i nibbles32(const uint8_t *p) { /* 16 bytes -> 32 values: low nibbles, then high */
-    const __m128i v = _mm_loadu_si128((const __m128i *)p);
-    const __m256i both = _mm256_setr_m128i(v, _mm_srli_epi16(v, 4));
+    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
+    const __m256i both = _mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
     return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
 }
 AI float f16(const uint8_t *p) {
@@ -404,6 +404,17 @@ AI void q32_tile_avx2(const uint8_t *w, int64_t ws, const uint8_t *xq, int64_t x
             accm[c][r] = 0.0f;
         }
     for (int64_t b = 0; b < nb; ++b) {
+        /* the C weight scales, widened together */
+        __m128i h16 = _mm_setzero_si128();
+        for (int c = 0; c < C; ++c) {
+            uint16_t h;
+            memcpy(&h, w + c * ws + b * bb, 2);
+            h16 = _mm_insert_epi16(h16, h, c);
+        }
+        const __m128 dws = _mm_cvtph_ps(h16);
+        __m128 s4[TILE_M]; /* d_w(c) * d_x(r) for the C columns */
+        for (int r = 0; r < R; ++r)
+            s4[r] = _mm_mul_ps(dws, _mm_broadcast_ss(&((const xq32_t *)(xq + r * xs) + b)->d));
         for (int c = 0; c < C; ++c) {
             const uint8_t *blk = w + c * ws + b * bb;
             __m256i wq, aw;
@@ -413,7 +424,6 @@ AI void q32_tile_avx2(const uint8_t *w, int64_t ws, const uint8_t *xq, int64_t x
             } else {
                 wq = aw = nibbles32(blk + (type == 0 ? 2 : 4));
             }
-            const __m256 dw = _mm256_set1_ps(f16(blk));
             for (int r = 0; r < R; ++r) {
                 const xq32_t *x = (const xq32_t *)(xq + r * xs) + b;
                 __m256i xv = _mm256_loadu_si256((const __m256i *)x->q);
@@ -421,7 +431,8 @@ AI void q32_tile_avx2(const uint8_t *w, int64_t ws, const uint8_t *xq, int64_t x
                 __m256i p = _mm256_maddubs_epi16(aw, xv);
                 if (type == 0) p = _mm256_add_epi16(p, _mm256_loadu_si256((const __m256i *)x->c8));
                 p = _mm256_madd_epi16(p, ones);
-                const __m256 s = _mm256_mul_ps(dw, _mm256_broadcast_ss(&x->d));
+                const __m256 s = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(s4[r]),
+                                                          _mm256_set1_epi32(c));
                 acc[c][r] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(p), acc[c][r]);
                 if (type == 2) accm[c][r] = fmaf(f16(blk + 2), x->s, accm[c][r]);
             }
