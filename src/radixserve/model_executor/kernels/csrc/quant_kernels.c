@@ -633,9 +633,11 @@ int rs_quant_linear(int wtype, const uint8_t *w, int64_t N, int64_t K, int xdt, 
         else
             quantize_row_32(xdt, x, i * K, nb, (xq32_t *)(xq + i * xs));
     }
-    /* groups of weight rows (~64 KiB) stay in L2 while every tile of activation rows passes */
-    int64_t jb = (64 * 1024) / (row_bytes > 0 ? row_bytes : 1);
-    if (jb < 1) jb = 1;
+    /* groups of weight rows (~64 KiB) stay in L2 while every tile of activation rows passes;
+     * a multiple of TILE_N, and at least one group per thread */
+    int64_t jb = (64 * 1024) / row_bytes, per_thread = (N + nt - 1) / nt;
+    if (jb > per_thread) jb = per_thread;
+    jb = (jb + TILE_N - 1) / TILE_N * TILE_N;
     if (jb > 256) jb = 256;
     const int64_t groups = (N + jb - 1) / jb;
 #pragma omp parallel for num_threads(nt) if (N * row_bytes * (M < 4 ? M : 4) >= 65536) \
