@@ -12,6 +12,9 @@ from typing import Any
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
+#: ``--quantization`` (vLLM's flag): "gguf" serves a GGUF's blocks, "int8" quantizes a float
+#: checkpoint's linears at load, "none" keeps every weight dense
+QUANTIZATIONS = ("gguf", "int8", "none")
 #: KV connectors ``kv_transfer_config.kv_connector`` may name (``kv_transfer/factory.py``).
 KV_CONNECTORS = ("NixlConnector", "TcpConnector")
 #: Roles of an instance in prefill/decode disaggregation (vLLM's ``kv_role`` values).
@@ -217,6 +220,13 @@ class EngineConfig:
             top_k, min_p, repetition_penalty, max_new_tokens as max_tokens), "vllm" uses
             none (vLLM's and OpenAI's defaults), a folder reads its
             ``generation_config.json``. Applied by the frontends, not the engine core.
+        quantization: how linear weights are held (vLLM's ``--quantization``): None picks,
+            for a GGUF file on CPU, "gguf" or "none", whichever measured faster on this
+            machine (cached; "gguf" where the dequantized weights would not fit), else dense;
+            "gguf" serves the file's quantized
+            blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) through radixserve's kernels; "int8"
+            quantizes a float checkpoint's projections to int8 blocks (ggml's Q8_0) at load;
+            "none" holds every weight dense in ``dtype`` (a GGUF dequantized at load).
     """
 
     model: str | None = None
@@ -244,6 +254,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
     cuda_graph_max_bs: int | None = None
+    quantization: str | None = None
     generation_config: str = "auto"
 
     def __post_init__(self) -> None:
@@ -275,6 +286,9 @@ class EngineConfig:
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy={self.schedule_policy!r} is not one of "
                              f"{', '.join(SCHEDULE_POLICIES)}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization={self.quantization!r} is not one of "
+                             f"{', '.join(QUANTIZATIONS)}")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs={self.cuda_graph_max_bs} must be >= 1")
         if self.tensor_parallel_size < 1:

@@ -14,10 +14,12 @@ SERVER_ARGS = ["--num-pages", "640", "--max-num-seqs", "96", "--seed", "0", "--s
 
 @pytest.fixture(scope="session")
 def default_llm():
-    """The default model (SmolLM2-135M-Instruct), float32, radixserve's offline LLM."""
+    """The default model (SmolLM2-135M-Instruct), float32, radixserve's offline LLM, its Q4_1
+    file dequantized (the dense path, compared with transformers' own dequantization; the
+    block path has its own tests against llama.cpp, test_quantized_default.py)."""
     from radixserve import LLM
 
-    return LLM(dtype="float32", seed=0)
+    return LLM(dtype="float32", seed=0, quantization="none")
 
 
 @pytest.fixture(scope="session")

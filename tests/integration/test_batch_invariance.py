@@ -24,8 +24,10 @@ NUM_PROMPTS = 24
 @pytest.fixture(scope="module")
 def auto_llm() -> LLM:
     """The default model in the default dtype, with a 48-token step budget: a ~40-token chat
-    prompt is prefilled in one chunk alone and split across steps among others."""
-    return LLM(dtype="auto", seed=0, num_pages=512, max_num_batched_tokens=48)
+    prompt is prefilled in one chunk alone and split across steps among others; its Q4_1
+    file dequantized (the block path: ``test_greedy_tokens_alone_equal_batched_in_blocks``)."""
+    return LLM(dtype="auto", seed=0, num_pages=512, max_num_batched_tokens=48,
+               quantization="none")
 
 
 def _drop_prefix_cache(llm: LLM) -> None:
@@ -36,7 +38,19 @@ def _drop_prefix_cache(llm: LLM) -> None:
 
 
 def test_greedy_tokens_alone_equal_batched_in_default_dtype(auto_llm: LLM) -> None:
-    llm = auto_llm
+    _check_alone_equals_batched(auto_llm)
+
+
+def test_greedy_tokens_alone_equal_batched_in_blocks() -> None:
+    """The same with the Q4_1 file served in its blocks: the quantized kernels quantize and
+    sum each row alike whatever the batch."""
+    llm = LLM(dtype="auto", seed=0, num_pages=512, max_num_batched_tokens=48,
+              quantization="gguf")
+    assert llm.engine.runner.paths.paths["linear"] == "quantized"
+    _check_alone_equals_batched(llm)
+
+
+def _check_alone_equals_batched(llm: LLM) -> None:
     tok = llm.get_tokenizer()
     prompts = [tok.apply_chat_template(
         [{"role": "user", "content": f"Write one sentence about the number {i}."}],
@@ -84,7 +98,8 @@ def test_cpu_linear_kernel_gives_oneDNN_tokens_and_logprobs(auto_llm: LLM) -> No
     for the default dtype (bf16: AVX512-BF16; float32: AVX2 + FMA); it must reproduce the
     reference (oneDNN's GEMM for every call) exactly: the same tokens and the same logprob
     values, for requests alone and together."""
-    ref = LLM(dtype="auto", seed=0, num_pages=128, cpu_linear_kernel=False)
+    ref = LLM(dtype="auto", seed=0, num_pages=128, cpu_linear_kernel=False,
+              quantization="none")
     runner = auto_llm.engine.runner
     want_path = ("radixserve" if runner.kernels is not None
                  and runner.kernels.has_linear_kernel(runner.dtype) else "onednn")
@@ -117,7 +132,8 @@ def test_fused_decode_gives_the_per_op_tokens_and_logprobs(auto_llm: LLM) -> Non
     fused = runner.kernels is not None and runner.kernels.has_linear_kernel(runner.dtype)
     assert runner.paths.paths["decode_layers"] == ("fused" if fused else "per-op")
     assert (stack is not None) == fused
-    ref = LLM(dtype="auto", seed=0, num_pages=128, fused_decode=False)
+    ref = LLM(dtype="auto", seed=0, num_pages=128, fused_decode=False,
+              quantization="none")
     assert ref.engine.runner.paths.paths["decode_layers"] == "per-op"
     assert ref.engine.runner.paths.reasons["decode_layers"] == "--no-fused-decode"
     calls = []
@@ -180,8 +196,9 @@ def test_fused_decode_and_linear_kernel_in_float32() -> None:
     """The float32 kernels (AVX2 + FMA or AVX-512) on both CPU kinds, whatever the default
     dtype: the fused stack and the linear kernel give the tokens and logprob values of the
     per-op oneDNN reference, batched."""
-    fast = LLM(dtype="float32", seed=0, num_pages=128)
-    ref = LLM(dtype="float32", seed=0, num_pages=128, cpu_linear_kernel=False)
+    fast = LLM(dtype="float32", seed=0, num_pages=128, quantization="none")
+    ref = LLM(dtype="float32", seed=0, num_pages=128, cpu_linear_kernel=False,
+              quantization="none")
     runner = fast.engine.runner
     has = runner.kernels is not None and runner.kernels.has_linear_kernel(torch.float32)
     assert runner.paths.paths["linear_kernel"] == ("radixserve" if has else "onednn")

@@ -99,7 +99,7 @@ def test_bfloat16_parity_with_transformers_bfloat16(hf_reference) -> None:
 
     model, _ = hf_reference
     ref_model = copy.deepcopy(model).to(torch.bfloat16)
-    llm = LLM(dtype="bfloat16", seed=0, num_pages=256)
+    llm = LLM(dtype="bfloat16", seed=0, num_pages=256, quantization="none")
     assert llm.engine.runner.attention_backend == "cpu"
     tok = llm.get_tokenizer()
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,

@@ -21,7 +21,7 @@ def _tokens(llm: LLM) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def shadow_llm() -> LLM:
-    return LLM(dtype="float32", seed=0, num_pages=128, shadow_rate=1.0)
+    return LLM(dtype="float32", seed=0, num_pages=128, shadow_rate=1.0, quantization="none")
 
 
 def test_shadow_checks_count_agreement_and_serve_the_fast_path(shadow_llm: LLM,

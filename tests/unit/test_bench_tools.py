@@ -153,7 +153,7 @@ def test_avx2_emulation_holds_every_layer_to_avx2() -> None:
     probe = ("import json, os, torch\n"
              "from torch._inductor.cpu_vec_isa import pick_vec_isa\n"
              "from radixserve.model_executor.kernels.cpu import CpuKernels\n"
-             "from radixserve.model_executor.runner import resolve_dtype\n"
+             "from radixserve.model_executor.device_policy import resolve_dtype\n"
              "k = CpuKernels.load()\n"
              "flags = [ln for ln in open('/proc/cpuinfo') if ln.startswith('flags')][0]\n"
              "print(json.dumps({'f32': k.f32_gemm_isa, 'bf16_dot': k.has_bf16_dot,\n"

@@ -80,13 +80,14 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int, n_head_kv: int) -> np.ndarray
         w.shape)
 
 
-def write_tiny_gguf(arch: str, path: Path, tie: bool, eot_id: int | None = None):
+def write_tiny_gguf(arch: str, path: Path, tie: bool, eot_id: int | None = None,
+                    hidden: int = 64, intermediate: int = 96):
     """Write a random 2-layer model as an F32 GGUF the way llama.cpp would; return its weights."""
     import gguf
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
     tokens = SPECIALS + _byte_level_alphabet() + [m.replace(" ", "") for m in MERGES]
-    common = dict(vocab_size=len(tokens), hidden_size=64, intermediate_size=96,
+    common = dict(vocab_size=len(tokens), hidden_size=hidden, intermediate_size=intermediate,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=tie,
                   bos_token_id=1, eos_token_id=2)

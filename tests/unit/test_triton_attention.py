@@ -270,8 +270,8 @@ def test_backend_selection(triton_attention, monkeypatch: pytest.MonkeyPatch) ->
     not; "triton" where the kernels cannot run is an error naming why."""
     import radixserve.model_executor.attention as attention_pkg
     from radixserve.config import ATTENTION_BACKENDS, EngineConfig
-    from radixserve.model_executor.attention.paged_attention import build_attention
-    from radixserve.model_executor.runner import select_cpu_kernels, select_triton
+    from radixserve.model_executor.attention.registry import build_attention
+    from radixserve.model_executor.device_policy import select_cpu_kernels, select_triton
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert "triton" in ATTENTION_BACKENDS

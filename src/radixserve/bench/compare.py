@@ -574,13 +574,13 @@ def run(engines: list[str], num_prompts: int, input_len: int, output_len: int, d
     Hugging Face folder MODEL, so that both run the same weights."""
     from radixserve.bench.datasets import random_text_prompts
     from radixserve.bench.overhead import machine_info
+    from radixserve.model_executor.device_policy import resolve_device, resolve_dtype
     from radixserve.model_executor.loader import (
         export_hf_weights,
         is_gguf_file,
         load_tokenizer,
         resolve_model,
     )
-    from radixserve.model_executor.runner import resolve_device, resolve_dtype
 
     # one concrete dtype for every engine ("auto" is what radixserve would pick here)
     dtype = str(resolve_dtype(dtype, resolve_device("auto"))).removeprefix("torch.")

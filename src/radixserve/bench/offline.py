@@ -76,8 +76,8 @@ def run_transformers(prompts: list[BenchPrompt], model: str | None, dtype: str,
     same weights radixserve loads (a GGUF's dequantized into a cached safetensors folder)."""
     from transformers import AutoModelForCausalLM
 
+    from radixserve.model_executor.device_policy import resolve_device, resolve_dtype
     from radixserve.model_executor.loader import export_hf_weights, resolve_model
-    from radixserve.model_executor.runner import resolve_device, resolve_dtype
 
     device = resolve_device("auto")
     tdtype = resolve_dtype(dtype, device)

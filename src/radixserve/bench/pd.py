@@ -47,8 +47,8 @@ from radixserve.bench.serve import (
 def kv_geometry(model: str | None, dtype: str) -> dict[str, Any]:
     """Layers, KV heads, head dim and the KV dtype (``dtype`` "auto" resolved as the engine
     does) of ``model`` (None: the default model), without loading weights."""
+    from radixserve.model_executor.device_policy import resolve_dtype
     from radixserve.model_executor.loader import load_hf_config, resolve_model
-    from radixserve.model_executor.runner import resolve_dtype
 
     files = resolve_model(model)
     hf = load_hf_config(files.folder)

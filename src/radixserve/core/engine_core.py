@@ -71,7 +71,7 @@ class EngineCore:
 
     Args:
         config: engine configuration.
-        runner: the model runner (``model_executor.runner.build_runner``). The pool uses its
+        runner: the model runner (``model_executor.factory.build_runner``). The pool uses its
             KV pages, or fewer when ``config.num_pages`` says so (never more). With
             ``config.kv_transfer_config`` its ``kv_connector`` is the worker-side connector.
 

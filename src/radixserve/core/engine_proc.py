@@ -91,7 +91,7 @@ def build_engine(config: EngineConfig, null_model: bool = False,
         ValueError: unreadable model, unsupported architecture, bad configuration.
     """
     from radixserve.core.engine_core import EngineCore
-    from radixserve.model_executor.runner import build_runner
+    from radixserve.model_executor.factory import build_runner
 
     engine = EngineCore(config, build_runner(config, null_model, null_step_s))
     # for tests of real processes: assert the KV invariants after every step (an

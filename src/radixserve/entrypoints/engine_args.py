@@ -13,6 +13,7 @@ from collections.abc import Callable
 from radixserve.config import (
     ATTENTION_BACKENDS,
     DTYPES,
+    QUANTIZATIONS,
     SCHEDULE_POLICIES,
     EngineConfig,
     KVTransferConfig,
@@ -33,7 +34,7 @@ def parse_bytes(text: str) -> int:
 
 
 _CHOICES = {"dtype": DTYPES, "schedule_policy": SCHEDULE_POLICIES,
-            "attention_backend": ATTENTION_BACKENDS}
+            "attention_backend": ATTENTION_BACKENDS, "quantization": QUANTIZATIONS}
 _ALIASES = {"enable_prefix_caching": ["--no-prefix-caching", "--no-prefix-cache"]}
 #: vLLM's short spellings
 _SHORT = {"tensor_parallel_size": ["-tp"]}

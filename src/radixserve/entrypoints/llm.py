@@ -20,7 +20,7 @@ from radixserve.engine_types import fan_out
 from radixserve.frontend.generation_config import log_sampling_defaults, sampling_defaults
 from radixserve.frontend.output_processor import OutputProcessor, RequestState
 from radixserve.frontend.tokenizer import FrontendTokenizer
-from radixserve.model_executor.runner import build_runner
+from radixserve.model_executor.factory import build_runner
 from radixserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from radixserve.sampling_params import SamplingParams
 

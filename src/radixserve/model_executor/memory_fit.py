@@ -9,6 +9,8 @@ explicit dtype that cannot fit is refused at once, naming the sizes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from radixserve.model_executor.models.llama import ModelArgs
@@ -45,7 +47,8 @@ def weight_bytes(a: ModelArgs, dtype: torch.dtype) -> int:
 
 
 def fit_dtype(asked: str, dtype: torch.dtype, a: ModelArgs, device: torch.device,
-              shards: int = 1, available: int | None = None
+              shards: int = 1, available: int | None = None,
+              bytes_for: Callable[[torch.dtype], int] | None = None
               ) -> tuple[torch.dtype, str | None]:
     """The dtype to serve in, given what fits: ``dtype`` itself, or bfloat16 where ``asked``
     is "auto", ``dtype`` is float32 and its weights would not fit while bf16's would.
@@ -57,6 +60,8 @@ def fit_dtype(asked: str, dtype: torch.dtype, a: ModelArgs, device: torch.device
         device: checked on CPU only (GPU memory is the CUDA allocator's business).
         shards: tensor-parallel ranks on this machine (each holds about 1/shards).
         available: MemAvailable in bytes (None: read it now).
+        bytes_for: the weights' bytes when served with activations in a dtype (None:
+            ``weight_bytes``; quantized weights take fewer, ``quantization``).
 
     Returns:
         ``(dtype, reason)``: reason says why the dtype changed, else None.
@@ -71,11 +76,12 @@ def fit_dtype(asked: str, dtype: torch.dtype, a: ModelArgs, device: torch.device
     if avail is None:
         return dtype, None
     budget = FIT_FRACTION * avail
-    need = weight_bytes(a, dtype) / shards
+    size = bytes_for or (lambda dt: weight_bytes(a, dt))
+    need = size(dtype) / shards
     gib = 1 << 30
     if need <= budget:
         return dtype, None
-    half = weight_bytes(a, torch.bfloat16) / shards
+    half = size(torch.bfloat16) / shards
     if asked == "auto" and dtype == torch.float32 and half <= budget:
         return torch.bfloat16, (f"float32 weights ({need / gib:.1f} GiB) do not fit in the "
                                 f"{avail / gib:.1f} GiB available; bfloat16 ({half / gib:.1f} "

@@ -286,3 +286,88 @@ def choose_kernel_rows(kernels: CpuKernels, dtype: torch.dtype,
               f"layer at rows {ms}")
     _write(path, {"max_rows": cap, "reason": reason, "seconds": secs})
     return KernelRowsChoice(cap, reason, secs)
+
+
+#: token counts a GGUF's two forms are timed at (decode sizes, and a prefill chunk at half
+#: weight, as in ``_WEIGHTS``)
+FORM_M = (1, 16, 64, 256)
+
+
+@dataclass
+class GgufFormChoice:
+    """Verdict of ``choose_gguf_form``.
+
+    Attributes:
+        form: "gguf" (served in its blocks) or "none" (dequantized into the serving dtype).
+        reason: one line for the start-up log.
+        seconds: form -> seconds of one pass over a layer's projections and the LM head at
+            each of ``FORM_M`` (empty if not measured).
+        cached: the verdict came from the cache file.
+    """
+
+    form: str
+    reason: str
+    seconds: dict[str, list[float]]
+    cached: bool = False
+
+
+def measure_gguf_forms(blocks: list[tuple[int, torch.Tensor, torch.Tensor]], quant: Any,
+                       dtype: torch.dtype, batch_hint: int) -> dict[str, list[float]]:
+    """Seconds of one pass over ``blocks`` (``(ggml type, uint8 [N, row bytes] blocks, the
+    same weight dequantized [N, K] in ``dtype``)``: a layer's projections and the LM head) at
+    each of ``FORM_M`` rows, through the quantized kernels ("gguf") and through the dense
+    path's oneDNN-packed GEMM ("none"); interleaved, best of two."""
+    packed = [packed_linear(d, None, batch_hint) or dense_linear(d) for _, _, d in blocks]
+    out: dict[str, list[float]] = {"gguf": [], "none": []}
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for m in FORM_M:
+            xs = [torch.randn(m, d.shape[1], generator=g).to(dtype) for _, _, d in blocks]
+            ys = [torch.empty(m, d.shape[0], dtype=dtype) for _, _, d in blocks]
+
+            def quantized(_: object, xs=xs, ys=ys) -> None:
+                for (t, b, _), x, y in zip(blocks, xs, ys, strict=True):
+                    quant.linear(t, b, x, y)
+
+            def dense(_: object, xs=xs) -> None:
+                for p, x in zip(packed, xs, strict=True):
+                    p(x)
+
+            reps = 5 if m <= 64 else 1
+            tq = min(_time(quantized, None, reps), _time(quantized, None, reps))
+            td = min(_time(dense, None, reps), _time(dense, None, reps))
+            out["gguf"].append(tq)
+            out["none"].append(td)
+    return out
+
+
+def choose_gguf_form(blocks: Callable[[], list[tuple[int, torch.Tensor, torch.Tensor]]],
+                     quant: Any, dtype: torch.dtype, batch_hint: int,
+                     cache_key: str) -> GgufFormChoice:
+    """Serve a GGUF in its blocks or dequantized, whichever is faster on this machine: the
+    cached verdict for ``cache_key`` (the file's shapes, types and the dtype) with this kernel
+    build, CPU and torch, or a fresh ``measure_gguf_forms`` (then cached).
+
+    Args:
+        blocks: makes the measured weights (called only when nothing is cached).
+        quant: the quantized kernels (``CpuKernels.quant``).
+        dtype: the serving dtype of the dense form and of activations.
+        batch_hint: the hint dense weights are packed with.
+        cache_key: identifies the file's shapes and types, the dtype and the kernels' build.
+    """
+    path = _cache_file("gguf-form", cache_key, str(batch_hint))
+    d = _read(path, "form", ("gguf", "none"))
+    if d is not None:
+        return GgufFormChoice(d["form"], f"measured before on this machine ({path.name}): "
+                              + d["reason"], d["seconds"], cached=True)
+    secs = measure_gguf_forms(blocks(), quant, dtype, batch_hint)
+    logs = [_WEIGHTS[m] * math.log(d / q)
+            for m, q, d in zip(FORM_M, secs["gguf"], secs["none"], strict=True)]
+    speedup = math.exp(sum(logs) / sum(_WEIGHTS[m] for m in FORM_M))
+    form = "gguf" if speedup > 1.0 else "none"
+    ms = " ".join(f"M={m}: {q * 1e3:.2f}/{d * 1e3:.2f}"
+                  for m, q, d in zip(FORM_M, secs["gguf"], secs["none"], strict=True))
+    reason = (f"measured on a layer and the LM head, blocks/dequantized ms {ms}; blocks "
+              f"{speedup:.2f}x")
+    _write(path, {"form": form, "reason": reason, "seconds": secs})
+    return GgufFormChoice(form, reason, secs)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,9 +19,19 @@ from radixserve.kvcache.storage import KVStorage
 from radixserve.model_executor.attention.paged_attention import AttentionMetadata
 from radixserve.model_executor.cpu_malloc import tune_malloc
 from radixserve.model_executor.cuda_graphs import maybe_decode_graphs
+from radixserve.model_executor.device_policy import (
+    ForwardPaths,
+    attention_isa,
+    attention_reason,
+    resolve_device,
+    resolve_dtype,
+    select_cpu_kernels,
+    select_triton,
+)
 from radixserve.model_executor.forward_batch import ForwardBatch, SampleResult
 from radixserve.model_executor.kernels.cpu import CpuKernels
 from radixserve.model_executor.memory_fit import fit_dtype
+from radixserve.model_executor.models.decode_stack import DecodeStack
 from radixserve.model_executor.models.llama import CausalLM, ModelArgs, rope_inv_freq
 from radixserve.model_executor.parallel.group import TensorParallelGroup
 from radixserve.model_executor.parallel.sharding import ShardLayout
@@ -31,150 +40,45 @@ from radixserve.model_executor.path_choice import (
     choose_kernel_rows,
     choose_linear_path,
 )
+from radixserve.model_executor.quantization import (
+    choose_quantization,
+    measured_gguf_form,
+    served_weight_bytes,
+)
 from radixserve.model_executor.sampler import prompt_logprob_rows, sample
 from radixserve.model_executor.shadow import ShadowChecker, reference_copy
-from radixserve.model_executor.step_runner import ModelInfo, StepRunner
+from radixserve.model_executor.step_runner import ModelInfo
 
 log = logging.getLogger(__name__)
 
 
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} but CUDA is not available")
-    return torch.device(device)
-
-
-def cpu_has_native_bf16() -> bool:
-    """True when the CPU has AVX512-BF16 or AMX-BF16 (bf16 matmul ~4x fp32 there)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """"auto" -> bfloat16 on CUDA and bf16-capable CPUs, else float32."""
-    if dtype == "auto":
-        if device.type == "cuda" or cpu_has_native_bf16():
-            return torch.bfloat16
-        return torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16,
-            "float16": torch.float16}[dtype]
-
-
-def select_cpu_kernels(backend: str, device: torch.device,
-                       dtype: torch.dtype) -> CpuKernels | None:
-    """radixserve's CPU kernels (paged decode attention, fused add + RMSNorm) for
-    ``--attention-backend``.
-
-    "auto": the kernels on CPU for float32/bfloat16 when they build, else torch ops (SDPA);
-    "torch": always torch ops (the reference path); "cpu": the kernels or an error; "triton":
-    none (Triton attention, torch ops for the element-wise steps).
-
-    Raises:
-        ValueError: "cpu" asked for but not possible here (device, dtype or no compiler).
-    """
-    if backend in ("torch", "triton"):
-        return None
-    usable = CpuKernels.supports(dtype, device)
-    if backend == "cpu" and not usable:
-        raise ValueError(f"attention_backend='cpu' needs device cpu and float32/bfloat16, "
-                         f"got {device} {dtype}")
-    kernel = CpuKernels.load() if usable else None
-    if backend == "cpu" and kernel is None:
-        raise ValueError("attention_backend='cpu': the CPU attention kernel could not be built "
-                         "(see the log; it needs a C compiler)")
-    return kernel
-
-
-def select_triton(backend: str, device: torch.device,
-                  dtype: torch.dtype = torch.float32) -> tuple[bool, str | None]:
-    """Whether attention runs in radixserve's Triton kernels (``attention/triton_attention``)
-    for ``--attention-backend``, and why not when "auto" could have used them.
-
-    "triton": the kernels or an error; "auto": the kernels on CUDA when ``triton`` imports
-    (the reason names the failure otherwise); "cpu", "torch": no. On CPU the kernels run only
-    in Triton's interpreter (``TRITON_INTERPRET=1`` before the first import: tests), and not
-    in bfloat16, whose dots the interpreter gets wrong.
-
-    Raises:
-        ValueError: "triton" asked for but ``triton`` does not import, or the device is not
-            CUDA and the kernels are not interpreted, or interpreted in bfloat16.
-    """
-    if backend not in ("triton", "auto") or (backend == "auto" and device.type != "cuda"):
-        return False, None
-    try:
-        from radixserve.model_executor.attention import triton_attention
-    except Exception as e:  # ImportError, or a triton that fails while importing
-        if backend == "triton":
-            raise ValueError(f"attention_backend='triton' needs the triton package "
-                             f"(pip install 'radixserve[triton]'): {e}") from e
-        return False, f"triton does not import ({e})"
-    if not triton_attention.supports_device(device):
-        raise ValueError(f"attention_backend='triton' runs on CUDA, not {device.type} (on CPU "
-                         "only in Triton's interpreter: TRITON_INTERPRET=1, for tests)")
-    if device.type != "cuda" and dtype == torch.bfloat16:
-        raise ValueError("attention_backend='triton' on CPU (Triton's interpreter) needs "
-                         "float32 or float16: the interpreter's bfloat16 tl.dot multiplies raw "
-                         "bits (triton-lang/triton#11584)")
-    return True, None
+def _quant_kernels(kernels: CpuKernels | None):  # noqa: ANN202 - QuantKernels
+    """The quantized kernels of the C library (loaded here when attention does not use it)."""
+    lib = kernels or CpuKernels.load()
+    if lib is None:
+        raise ValueError("quantized weights need radixserve's C kernels, which could not be "
+                         "built here (see the log)")
+    return lib.quant
 
 
 _REQUIRED = ("architectures", "vocab_size", "hidden_size", "intermediate_size",
              "num_hidden_layers", "num_attention_heads", "rms_norm_eps")
 
 
-@dataclass
-class ForwardPaths:
-    """The code path each part of the forward runs ("attention": "cpu" | "triton" | "torch",
-    "linear": "packed" | "dense"), why, which fast paths fell back, and the steps run."""
-
-    paths: dict[str, str] = field(default_factory=dict)
-    reasons: dict[str, str] = field(default_factory=dict)
-    fallbacks: dict[str, str] = field(default_factory=dict)
-    steps: int = 0
-
-    def pick(self, part: str, path: str, reason: str, fallback: bool = False) -> None:
-        self.paths[part] = path
-        self.reasons[part] = reason
-        if fallback:
-            self.fallbacks[part] = reason
-            log.warning("%s: fast path unavailable, using %s: %s", part, path, reason)
-
-
-def _attention_reason(asked: str, device: torch.device, dtype: torch.dtype,
-                      built: bool, triton: bool = False,
-                      no_triton: str | None = None) -> tuple[str, bool]:
-    """Why the attention path is what it is, and whether that is a fall-back."""
-    if asked in ("torch", "triton"):
-        return f"--attention-backend {asked}", False
-    if triton:
-        return ("radixserve's Triton kernels on CUDA: split-KV decode and paged extend, K/V "
-                "read in place from their pages"), False
-    if no_triton is not None:
-        return f"the Triton kernels are unavailable: {no_triton}", True
-    if built:
-        return ("radixserve's C kernels: prefill and decode rows share one arithmetic "
-                "(batch-invariant), faster decode than SDPA (docs/benchmarks.md)"), False
-    if not CpuKernels.supports(dtype, device):
-        return f"the C kernels run on CPU in float32/bfloat16, not {device.type} {dtype}", False
-    return "the C kernels failed to build or load (see the log above)", True
-
-
-def _attention_isa(kernels: CpuKernels, dtype: torch.dtype) -> tuple[str, str]:
-    """The instruction-set path of the C attention kernels for ``dtype``, and why."""
-    if dtype != torch.bfloat16:
-        return "portable", f"{dtype} runs the portable vector code on every CPU"
-    isa = kernels.bf16_attention_isa
-    why = {"avx512-bf16": "AVX512-BF16 pair dot products for the scores, value rows widened "
-                          "in registers (1.3-1.5x per layer on Zen 5, docs/benchmarks.md)",
-           "avx512": "value rows widened in registers; no AVX512-BF16 for the scores",
-           "portable": "no AVX-512 on this CPU: the portable vector code"}[isa]
-    return isa, why
+def enable_decode_stack(model: CausalLM, on: bool) -> tuple[str, str]:
+    """Run decode steps' layers in one C call where the model allows it (after
+    ``pack_linears``; ``decode_stack.py``). Returns the path ("fused" or "per-op") and why."""
+    if not on:
+        model.decode_stack = None
+        return "per-op", "--no-fused-decode"
+    # the shard, not ``model.tp``: the group is joined after loading
+    why = DecodeStack.eligible(list(model.layers), model.kernels, model.shard.size > 1)
+    if why is not None:
+        model.decode_stack = None
+        return "per-op", why
+    model.decode_stack = DecodeStack(model.kernels, list(model.layers))
+    return "fused", ("decode steps run every layer in one call of radixserve's C kernels "
+                     "(the per-op path's kernels, in its order)")
 
 
 def read_config(folder: Path) -> SimpleNamespace | None:
@@ -231,9 +135,14 @@ class ModelRunner:
         if self.device.type == "cuda" and self.shard.size > 1:
             self.device = torch.device("cuda", tp_rank)
             torch.cuda.set_device(self.device)
-        self.dtype, dtype_change = fit_dtype(config.dtype, resolve_dtype(config.dtype,
-                                                                         self.device),
-                                             args, self.device, self.shard.size)
+        quantization, quant_why = choose_quantization(config.quantization, files.gguf,
+                                                      self.device, self.shard.size)
+        if quantization == "gguf" and config.quantization is None:
+            quantization, quant_why = self._auto_gguf_form(config, files.gguf, args)
+        self.dtype, dtype_change = fit_dtype(
+            config.dtype, resolve_dtype(config.dtype, self.device), args, self.device,
+            self.shard.size, bytes_for=lambda dt: served_weight_bytes(args, dt, quantization,
+                                                                       files.gguf))
         self.args = args
         page_size = config.page_size
         kv_heads = self.shard.num_kv_heads
@@ -257,24 +166,29 @@ class ModelRunner:
         self.attention_backend = ("cpu" if self.kernels is not None
                                   else "triton" if use_triton else "torch")
         paths = ForwardPaths()
+        paths.pick("quantization", quantization or "none", quant_why)
         if dtype_change is not None:
             paths.pick("dtype", str(self.dtype).removeprefix("torch."), dtype_change)
             log.warning("--dtype auto: %s", dtype_change)
         if self.device.type == "cpu":
             tuned = tune_malloc(config.tune_malloc)
             paths.pick("malloc", "tuned" if tuned.applied else "default", tuned.reason)
-        paths.pick("attention", self.attention_backend, *_attention_reason(
+        paths.pick("attention", self.attention_backend, *attention_reason(
             config.attention_backend, self.device, self.dtype, self.kernels is not None,
             use_triton, no_triton))
         if self.kernels is not None:
-            paths.pick("attention_isa", *_attention_isa(self.kernels, self.dtype))
+            paths.pick("attention_isa", *attention_isa(self.kernels, self.dtype))
         # parameters made in the serving dtype on the device, filled a block of rows at a time
         # from the checkpoint: loading never holds the model in another dtype or on the host
         model = CausalLM(args, inv_freq, rope_scale, max(model_len, self.max_model_len) + 1,
                          self.kernels, self.attention_backend, self.shard, self.dtype,
-                         self.device)
+                         self.device, quantization,
+                         None if quantization is None else _quant_kernels(self.kernels))
         model.load_weights(checkpoint_weights(files, args.num_heads, args.num_kv_heads))
         self.model = model.eval()
+        if config.shadow_rate > 0 and quantization is not None:
+            raise ValueError("--shadow-rate compares against a dense reference copy; it is not "
+                             "available with quantized weights (--quantization none)")
         self.shadow = (ShadowChecker(reference_copy(self.model), config.shadow_rate, config.seed)
                        if config.shadow_rate > 0 else None)
         #: the packed linear kernel's row cap measured on this machine (None: not measured)
@@ -319,6 +233,24 @@ class ModelRunner:
             log.info("shadow checks: %.0f%% of steps re-run on the reference path "
                      "(SDPA, dense, eager)", 100 * config.shadow_rate)
 
+    def _auto_gguf_form(self, config: EngineConfig, gguf: Path, a: ModelArgs
+                        ) -> tuple[str | None, str]:
+        """A GGUF with ``--quantization`` unset: in its blocks, or dequantized where that
+        fits in memory and measured faster (``measured_gguf_form``), or where shadow checks
+        need a dense reference."""
+        if config.shadow_rate > 0:
+            return None, ("the GGUF is dequantized at load: shadow checks compare against a "
+                          "dense reference copy")
+        try:
+            dense, _ = fit_dtype(config.dtype, resolve_dtype(config.dtype, self.device), a,
+                                 self.device, self.shard.size)
+        except ValueError as e:
+            return "gguf", f"the GGUF served in its blocks: dequantized it would not fit ({e})"
+        kernels = CpuKernels.load()
+        if kernels is None:
+            return None, "the GGUF is dequantized at load: the C kernels are unavailable"
+        return measured_gguf_form(gguf, a, dense, min(config.max_num_seqs, 64), kernels)
+
     def _pick_linears(self, config: EngineConfig, paths: ForwardPaths) -> bool:
         """Pack the linears or keep them dense (``--pack-weights``: on, off, or measured on
         this machine when unset); records the path and why. Returns True when packed."""
@@ -332,6 +264,8 @@ class ModelRunner:
         # tuned for decode-sized batches: prefill-sized calls lose only a few %
         hint = min(config.max_num_seqs, 64)
         m, a = self.model, self.args
+        if m.quantization is not None:
+            return self._pack_quantized(hint, paths)
         layer = m.layers[0]
         model_key = (f"{a.arch} {a.hidden_size} {a.intermediate_size} {a.num_heads} "
                      f"{a.num_kv_heads} {a.head_dim} {a.vocab_size} {self.dtype}"
@@ -361,11 +295,28 @@ class ModelRunner:
             # a shape the kernel could not reproduce on a machine that has it: a fall-back
             fell_back = any(kb is None for kb in self.model.kernel_k_blocks.values())
             paths.pick("linear_kernel", path, why, fallback=fell_back)
-            paths.pick("decode_layers", *self.model.enable_decode_stack(config.fused_decode))
+            paths.pick("decode_layers", *enable_decode_stack(self.model, config.fused_decode))
             return True
         paths.pick("linear", "dense", "oneDNN packing unavailable in this torch build",
                    fallback=True)
         return False
+
+    def _pack_quantized(self, hint: int, paths: ForwardPaths) -> bool:
+        """A quantized model: its blocks stay as they are; dense rest (an embedding-tied LM
+        head under int8, norms aside) is packed for oneDNN. Records the formats held."""
+        m = self.model
+        kinds: dict[str, int] = {}
+        for layer in m.layers:
+            for method in layer.quantized.values():
+                kinds[method.kind] = kinds.get(method.kind, 0) + 1
+        head = "dense" if m.lm_head_q is None else m.lm_head_q.kind
+        embed = "dense" if m.embed_q is None else m.embed_q.kind
+        packed = m.pack_linears(batch_hint=hint)
+        paths.pick("linear", "quantized", f"projections {kinds}, LM head {head}, embedding "
+                   f"{embed}; dense rest {'packed for oneDNN' if packed else 'F.linear'}")
+        paths.pick("decode_layers", "per-op", "quantized projections are not in the fused "
+                   "decode stack")
+        return packed
 
     def _linear_kernel_reason(self, config: EngineConfig,
                               rows: KernelRowsChoice | None) -> tuple[str, str]:
@@ -500,22 +451,3 @@ class ModelRunner:
         result.prompt_logprobs = plp
         return result
 
-
-def build_runner(config: EngineConfig, null_model: bool = False,
-                 null_step_s: float = 0.0) -> StepRunner:
-    """The runner for ``config``: the model loaded into a ``ModelRunner`` (seconds), or with
-    ``null_model`` a ``NullRunner`` with the model's facts and no weights (overhead
-    measurements; each step sleeps ``null_step_s`` seconds).
-
-    Raises:
-        ValueError: unreadable model, unsupported architecture, bad dtype/device/sizes.
-    """
-    if not null_model:
-        if config.tensor_parallel_size > 1:
-            from radixserve.model_executor.parallel.tp_runner import TensorParallelRunner
-
-            return TensorParallelRunner(config)
-        return ModelRunner(config)
-    from radixserve.model_executor.null_runner import NullRunner
-
-    return NullRunner.for_model(config, null_step_s)

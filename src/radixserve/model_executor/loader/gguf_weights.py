@@ -176,13 +176,41 @@ class GgufTensor(LazyTensor):
         """``blk.0.attn_q.weight (Q4_K)``, for error messages."""
         return f"{self.info.name} ({type_name(self.info.ggml_type)})"
 
+    @property
+    def ggml_type(self) -> int:
+        """The tensor's ggml type id (``gguf.GGMLQuantizationType``)."""
+        return self.info.ggml_type
+
+    @property
+    def quantized(self) -> bool:
+        """Whether its values are stored in quantized blocks (not plain F32/F16/BF16)."""
+        return self.info.ggml_type not in _PLAIN
+
     def rows(self, lo: int, hi: int) -> torch.Tensor:
+        return self._unpermuted(lo, hi, self._raw_rows)
+
+    def block_rows(self, lo: int, hi: int) -> torch.Tensor:
+        """Rows ``lo:hi`` as stored: uint8 ``[hi - lo, row_bytes]`` of ggml blocks (a 2-D
+        tensor only), llama's q/k permutation undone (it moves whole rows, and a quantized
+        block never spans two rows).
+
+        Raises:
+            ValueError: a 1-D tensor, or the bytes cannot be read (naming the tensor).
+        """
+        if len(self.info.shape) != 2:
+            raise ValueError(f"{self.describe()} is not a matrix")
+        row_bytes = self.info.nbytes // self.info.shape[0]
+        return self._unpermuted(lo, hi, lambda a, b: torch.frombuffer(
+            bytearray(self._bytes(a, b, row_bytes)), dtype=torch.uint8).reshape(b - a,
+                                                                              row_bytes))
+
+    def _unpermuted(self, lo: int, hi: int, read) -> torch.Tensor:  # noqa: ANN001
         if self.qk_heads is None:
-            return self._raw_rows(lo, hi)
+            return read(lo, hi)
         # un-permute whole heads: head h's rows are a permutation of the same rows in the file
         per_head = self.shape[0] // self.qk_heads
         h0, h1 = lo // per_head, -(-hi // per_head)
-        raw = self._raw_rows(h0 * per_head, h1 * per_head)
+        raw = read(h0 * per_head, h1 * per_head)
         w = raw.reshape(h1 - h0, per_head // 2, 2, *raw.shape[1:]).transpose(1, 2)
         w = w.reshape(raw.shape)
         return w[lo - h0 * per_head:hi - h0 * per_head].contiguous()
@@ -194,8 +222,8 @@ class GgufTensor(LazyTensor):
         row_bytes = info.nbytes // info.shape[0]
         return self._read(lo, hi, row_bytes).reshape(hi - lo, info.shape[1])
 
-    def _read(self, lo: int, hi: int, row_bytes: int) -> torch.Tensor:
-        """Rows ``lo:hi`` of ``row_bytes`` each, decoded to a flat tensor."""
+    def _bytes(self, lo: int, hi: int, row_bytes: int) -> bytes:
+        """The stored bytes of rows ``lo:hi`` of ``row_bytes`` each."""
         info = self.info
         n = (hi - lo) * row_bytes
         try:
@@ -209,6 +237,12 @@ class GgufTensor(LazyTensor):
         if len(buf) != n:
             raise ValueError(f"{self.path}: tensor {self.describe()} is cut short (the file "
                              "is truncated)")
+        return buf
+
+    def _read(self, lo: int, hi: int, row_bytes: int) -> torch.Tensor:
+        """Rows ``lo:hi`` of ``row_bytes`` each, decoded to a flat tensor."""
+        info = self.info
+        buf = self._bytes(lo, hi, row_bytes)
         if info.ggml_type in _PLAIN:
             t = torch.frombuffer(bytearray(buf), dtype=_PLAIN[info.ggml_type])
         else:

@@ -12,16 +12,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixserve.model_executor.attention.paged_attention import (
-    AttentionMetadata,
-    build_attention,
-)
+from radixserve.model_executor.attention.paged_attention import AttentionMetadata
+from radixserve.model_executor.attention.registry import build_attention
 from radixserve.model_executor.kernels.cpu import CpuKernels
+from radixserve.model_executor.kernels.quant import SUPPORTED_TYPES, QuantKernels, block_info
 from radixserve.model_executor.layers.linear import (
     KernelFactory,
     LinearFn,
@@ -29,8 +29,14 @@ from radixserve.model_executor.layers.linear import (
     packed_linear,
 )
 from radixserve.model_executor.layers.packed_kernel import packed_kernel_linear
+from radixserve.model_executor.layers.quantized import (
+    Q8_0,
+    QuantizedEmbedding,
+    QuantizedLinear,
+    Segment,
+    quantize_q8_0,
+)
 from radixserve.model_executor.loader.lazy_tensor import LazyTensor, as_lazy, copy_rows
-from radixserve.model_executor.models.decode_stack import DecodeStack
 from radixserve.model_executor.parallel.group import TensorParallelGroup
 from radixserve.model_executor.parallel.sharding import ShardLayout, single
 
@@ -39,12 +45,30 @@ from radixserve.model_executor.parallel.sharding import ShardLayout, single
 #: and "longrope" switches factors past its original context: neither is implemented
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
+#: how linear weights may be held besides dense: "gguf" (a GGUF's quantized blocks as stored)
+#: or "int8" (Q8_0 blocks made at load from a float checkpoint)
+QUANTIZATIONS = ("gguf", "int8")
+
+#: the parameters whose weights a quantization may hold in blocks instead
+_LINEAR_PARAMS = ("qkv", "o", "gate_up", "down")
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
+
+
+class LayerStack(Protocol):
+    """Runs every layer of the steps it ``applies`` to in one call (the fused decode stack,
+    ``models.decode_stack``)."""
+
+    def applies(self, h: torch.Tensor, meta: AttentionMetadata) -> bool: ...
+
+    def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            kv_layers: list[torch.Tensor], meta: AttentionMetadata
+            ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @dataclass
@@ -222,15 +246,30 @@ class DecoderLayer(nn.Module):
         self.attn = build_attention(backend, a.num_heads, a.num_kv_heads, a.head_dim, scale,
                                     kernels)
         self.kernels = kernels
+        #: projections held in blocks (``set_quantized``), by parameter name
+        self.quantized: dict[str, QuantizedLinear] = {}
+        self.qkv_proj: LinearFn
+        self.o_proj: LinearFn
+        self.gate_up_proj: LinearFn
+        self.down_proj: LinearFn
         self.bind_dense_linears()
 
     def bind_dense_linears(self) -> None:
         """Run the four projections as ``F.linear`` over this layer's own parameters (a deep
-        copy of the layer must call it: the bound callables capture the parameters)."""
-        self.qkv_proj: LinearFn = dense_linear(self.qkv, self.qkv_bias)
-        self.o_proj: LinearFn = dense_linear(self.o)
-        self.gate_up_proj: LinearFn = dense_linear(self.gate_up)
-        self.down_proj: LinearFn = dense_linear(self.down)
+        copy of the layer must call it: the bound callables capture the parameters); a
+        projection held quantized (``quantized``) keeps its method."""
+        bias = {"qkv": self.qkv_bias}
+        for n in _LINEAR_PARAMS:
+            if n not in self.quantized:
+                setattr(self, n + "_proj", dense_linear(self.get_parameter(n), bias.get(n)))
+
+    def set_quantized(self, name: str, method: QuantizedLinear) -> None:
+        """Hold projection ``name`` ("qkv", "o", "gate_up", "down") as ``method``; its dense
+        parameter is freed."""
+        self.quantized[name] = method
+        setattr(self, name + "_proj", method)
+        p = self.get_parameter(name)
+        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
     def pack_linears(self, batch_hint: int, kernel: KernelFactory | None = None) -> bool:
         """Pack the four projections for oneDNN (CPU) and free their dense copies;
@@ -238,7 +277,7 @@ class DecoderLayer(nn.Module):
 
         Returns False where packing is not available (decided on the first weight, before
         anything is freed)."""
-        names = ("qkv", "o", "gate_up", "down")
+        names = tuple(n for n in _LINEAR_PARAMS if n not in self.quantized)
         ops = [packed_linear(self.get_parameter(n), getattr(self, n + "_bias", None), batch_hint,
                              kernel)
                for n in names]
@@ -314,16 +353,40 @@ class CausalLM(nn.Module):
             this rank's slices; ``join_group`` must follow before the first forward.
         dtype, device: where the parameters live, from the start (the serving dtype: a
             checkpoint is never held in another dtype on the way, see ``load_weights``).
+        quantization: None (every weight dense in ``dtype``), "gguf" (a GGUF's quantized
+            projections, embedding and LM head kept in their blocks) or "int8" (the
+            projections and an untied LM head quantized to Q8_0 at load); see
+            ``layers.quantized``. Needs ``quant`` and a CPU model without tensor parallelism.
+        quant: the quantized kernels (``CpuKernels.quant``), with ``quantization``.
+
+    Raises:
+        ValueError: a quantization without its kernels, on another device or sharded.
     """
 
     def __init__(self, a: ModelArgs, inv_freq: torch.Tensor, rope_scale: float,
                  max_positions: int, kernels: CpuKernels | None = None,
                  attention_backend: str | None = None,
                  shard: ShardLayout | None = None, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", quantization: str | None = None,
+                 quant: QuantKernels | None = None) -> None:
         super().__init__()
         self.a = a
         self.shard = shard or single(a)
+        if quantization is not None:
+            if quantization not in QUANTIZATIONS:
+                raise ValueError(f"quantization={quantization!r} is not one of "
+                                 f"{', '.join(QUANTIZATIONS)}")
+            if quant is None or torch.device(device).type != "cpu":
+                raise ValueError(f"quantization={quantization!r} runs on CPU with radixserve's "
+                                 "C kernels")
+            if self.shard.size > 1:
+                raise ValueError(f"quantization={quantization!r} with tensor parallelism is "
+                                 "not supported")
+        self.quantization, self.quant = quantization, quant
+        #: the embedding looked up from blocks (``quantization`` "gguf"), else None
+        self.embed_q: QuantizedEmbedding | None = None
+        #: the LM head held in blocks, else None (dense or packed, ``_lm_head_proj``)
+        self.lm_head_q: QuantizedLinear | None = None
         local = self.shard.local_args(a)
         rows = self.shard.vocab_rows
         f = {"dtype": dtype, "device": device}
@@ -337,8 +400,9 @@ class CausalLM(nn.Module):
         self.lm_head = None if a.tie_word_embeddings else nn.Parameter(
             torch.empty(rows, a.hidden_size, **f))
         self._lm_head_proj: LinearFn | None = None
-        #: decode steps' layers in one C call (``enable_decode_stack``), or None: per op
-        self.decode_stack: DecodeStack | None = None
+        #: decode steps' layers in one C call (``models.decode_stack``, set by the runner),
+        #: or None: per op
+        self.decode_stack: LayerStack | None = None
         #: [N, K] -> the packed linear kernel's K blocking, None where oneDNN stays
         #: (``pack_linears(linear_kernel=True)``)
         self.kernel_k_blocks: dict[tuple[int, int], int | None] = {}
@@ -375,7 +439,8 @@ class CausalLM(nn.Module):
                                             kernel_max_rows)
 
         w = self.embed if self.lm_head is None else self.lm_head
-        head = packed_linear(w, None, batch_hint, factory)
+        head = (self.lm_head_q if self.lm_head_q is not None
+                else packed_linear(w, None, batch_hint, factory))
         if head is None or not all(layer.pack_linears(batch_hint, factory)
                                    for layer in self.layers):
             return False
@@ -383,22 +448,6 @@ class CausalLM(nn.Module):
         if self.lm_head is not None:
             self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype)
         return True
-
-    def enable_decode_stack(self, on: bool) -> tuple[str, str]:
-        """Run decode steps' layers in one C call where the model allows it (after
-        ``pack_linears``; ``decode_stack.py``). Returns the path ("fused" or "per-op") and
-        why."""
-        if not on:
-            self.decode_stack = None
-            return "per-op", "--no-fused-decode"
-        # the shard, not ``self.tp``: the group is joined after loading
-        why = DecodeStack.eligible(list(self.layers), self.kernels, self.shard.size > 1)
-        if why is not None:
-            self.decode_stack = None
-            return "per-op", why
-        self.decode_stack = DecodeStack(self.kernels, list(self.layers))
-        return "fused", ("decode steps run every layer in one call of radixserve's C kernels "
-                         "(the per-op path's kernels, in its order)")
 
     def join_group(self, group: TensorParallelGroup) -> None:
         """Sharded model: run its collectives over ``group`` (size must match the shard's).
@@ -439,6 +488,8 @@ class CausalLM(nn.Module):
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """int64 [T] -> [T, hidden]; vocab-parallel: each rank looks up the ids in its rows,
         zero elsewhere, and the all-reduce adds the one non-zero row."""
+        if self.embed_q is not None:
+            return self.embed_q(input_ids)
         if self.tp is None:
             return F.embedding(input_ids, self.embed)
         lo, hi = self.shard.vocab
@@ -450,6 +501,8 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] -> float32 logits [S, vocab] (vocab-parallel: every rank gets
         all of them, gathered)."""
+        if self._lm_head_proj is None and self.lm_head_q is not None:
+            self._lm_head_proj = self.lm_head_q
         if self._lm_head_proj is None:
             # bound lazily: the dense weight may move device or dtype after construction
             self._lm_head_proj = dense_linear(self.embed if self.lm_head is None
@@ -488,6 +541,8 @@ class CausalLM(nn.Module):
                  "self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm"}
         expected = {n for n, _ in self.named_parameters()}
         seen: dict[str, int] = {}
+        #: parameter -> its rows held in blocks (``quantization``), bound after the loop
+        blocks: dict[str, list[Segment]] = {}
         with torch.no_grad():
             for name, w in weights:
                 src = as_lazy(name, w)
@@ -529,13 +584,76 @@ class CausalLM(nn.Module):
                                      f"{tuple(src.shape)}" + (f" (this shard: {shape})"
                                                               if shape != src.shape else "")
                                      + f", expected {tuple(dst.shape)}")
-                copy_rows(dst, src, rows, cols)
-                if pad:
-                    dst[rows[1] - rows[0]:].zero_()
+                seg = self._block_segment(target, src, 0 if rng is None else rng[0])
+                if seg is not None:
+                    blocks.setdefault(target, []).append(seg)
+                else:
+                    copy_rows(dst, src, rows, cols)
+                    if pad:
+                        dst[rows[1] - rows[0]:].zero_()
                 seen[target] = seen.get(target, 0) + (dst.shape[0] if rng else param.shape[0])
         for name, p in self.named_parameters():
             if seen.get(name, 0) != p.shape[0]:
                 raise ValueError(f"checkpoint is missing weights for {name!r}")
+        if self.quantization is not None:
+            self._bind_blocks(blocks)
+
+    def _block_segment(self, target: str, src: LazyTensor, lo: int) -> Segment | None:
+        """The rows of ``src`` (going to rows ``lo:`` of parameter ``target``) in blocks, or
+        None where they are copied dense: no quantization, not a linear weight, or a type the
+        kernels lack (a GGUF's Q5_0 rows are dequantized into the serving dtype)."""
+        base = target.rsplit(".", 1)[-1]
+        if (self.quantization is None or len(src.shape) != 2
+                or base not in (*_LINEAR_PARAMS, "embed", "lm_head")):
+            return None
+        n = src.shape[0]
+        if self.quantization == "gguf":
+            t = getattr(src, "ggml_type", None)
+            if (not getattr(src, "quantized", False) or t not in SUPPORTED_TYPES
+                    or src.shape[1] % block_info(t)[0]):
+                return None
+            return Segment(lo, lo + n, t, src.block_rows(0, n))
+        if base == "embed" or src.shape[1] % 32:
+            return None  # int8: the embedding stays dense (the tied LM head with it)
+        step = src.row_chunk()
+        parts = [quantize_q8_0(src.rows(i, min(n, i + step))) for i in range(0, n, step)]
+        return Segment(lo, lo + n, Q8_0, torch.cat(parts) if len(parts) > 1 else parts[0])
+
+    def _bind_blocks(self, blocks: dict[str, list[Segment]]) -> None:
+        """Turn the parameters with rows in blocks into quantized methods; rows loaded dense
+        become dense segments of the same method, and the dense parameters are freed."""
+        quant = self.quant
+        assert quant is not None
+        for target, segs in blocks.items():
+            param = self.get_parameter(target)
+            n, k = param.shape
+            segs = sorted(segs, key=lambda sg: sg.lo)
+            full, at = [], 0
+            for sg in segs:
+                if sg.lo > at:
+                    full.append(Segment(at, sg.lo, None, param[at:sg.lo].clone()))
+                full.append(sg)
+                at = sg.hi
+            if at < n:
+                full.append(Segment(at, n, None, param[at:n].clone()))
+            owner, _, name = target.rpartition(".")
+            if name == "embed":
+                if len(segs) != 1 or (segs[0].lo, segs[0].hi) != (0, n):
+                    continue  # partly dense: the dense table serves
+                self.embed_q = QuantizedEmbedding(quant, segs[0].ggml_type, segs[0].data, k,
+                                                  param.dtype)
+                if self.lm_head is None:
+                    self.lm_head_q = QuantizedLinear(quant, n, k, full)
+                param.data = torch.empty(0, dtype=param.dtype)
+                continue
+            method = QuantizedLinear(quant, n, k, full,
+                                     getattr(self.get_submodule(owner), "qkv_bias", None)
+                                     if name == "qkv" else None)
+            if name == "lm_head":
+                self.lm_head_q = method
+                param.data = torch.empty(0, dtype=param.dtype)
+            else:
+                self.get_submodule(owner).set_quantized(name, method)
 
     def _shard_plan(self, name: str, shape: tuple[int, ...]
                     ) -> tuple[tuple[int, int], tuple[int, int] | None, int]:

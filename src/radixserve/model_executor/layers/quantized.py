@@ -1,0 +1,149 @@
+"""Linear layers whose weights stay quantized: ggml blocks (GGUF Q4_0, Q4_1, Q8_0, Q4_K, Q5_K,
+Q6_K) read from the file as they are, or int8 made at load (``--quantization int8``).
+
+A projection is a list of row segments, each in its own format: llama.cpp's ``Q4_K_M`` files
+store ``attn_v`` (and ``ffn_down``) of some layers in Q6_K and ``attn_q``/``attn_k`` in Q4_K, so
+the fused QKV projection has segments of two types, each computed by its own kernel straight
+into its columns of one output. A segment whose type has no kernel (Q5_0, Q5_1, ...) holds
+dense rows in the serving dtype instead and runs ``F.linear``.
+
+The quantized kernels (``kernels/quant.py``) quantize each activation row per block and sum
+integer products, the same operations for a row whatever the batch, so greedy decoding stays
+batch invariant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+
+from radixserve.model_executor.kernels.quant import QuantKernels
+
+#: ggml's Q8_0: blocks of 32 int8 values and one float16 scale (34 bytes); ``--quantization
+#: int8`` stores linears in it
+Q8_0 = 8
+
+
+@dataclass
+class Segment:
+    """Rows ``[lo, hi)`` of a projection's output features.
+
+    Attributes:
+        lo, hi: output rows (features) this segment computes.
+        ggml_type: the ggml type of ``data``, or None for dense rows.
+        data: uint8 ``[hi - lo, row_bytes]`` ggml blocks, or ``[hi - lo, K]`` dense rows in the
+            serving dtype.
+    """
+
+    lo: int
+    hi: int
+    ggml_type: int | None
+    data: torch.Tensor
+
+
+class QuantizedLinear:
+    """``x [M, K] -> [M, N]``: ``x @ W.T + bias`` with W held as ``segments``.
+
+    Args:
+        quant: the loaded quantized kernels.
+        n, k: output and input features.
+        segments: covering ``[0, n)`` in order, without overlap.
+        bias: [n] in the activation dtype, or None.
+
+    Raises:
+        ValueError: segments that do not tile ``[0, n)``, or a segment of the wrong shape.
+    """
+
+    def __init__(self, quant: QuantKernels, n: int, k: int, segments: list[Segment],
+                 bias: torch.Tensor | None = None) -> None:
+        at = 0
+        for s in segments:
+            if s.lo != at or s.hi <= s.lo or s.data.shape[0] != s.hi - s.lo:
+                raise ValueError(f"segments must tile [0, {n}) in order, got rows "
+                                 f"[{s.lo}, {s.hi}) with {s.data.shape[0]} rows after {at}")
+            if s.ggml_type is None and s.data.shape[1] != k:
+                raise ValueError(f"dense segment [{s.lo}, {s.hi}) has {s.data.shape[1]} "
+                                 f"columns, expected {k}")
+            at = s.hi
+        if at != n:
+            raise ValueError(f"segments cover [0, {at}), expected [0, {n})")
+        self.quant, self.n, self.k = quant, n, k
+        self.segments = segments
+        self.bias = bias
+
+    @property
+    def kind(self) -> str:
+        """The formats held, e.g. ``Q4_K+Q6_K`` (``dense`` for unquantized segments)."""
+        names = []
+        for s in self.segments:
+            name = "dense" if s.ggml_type is None else GGMLQuantizationType(s.ggml_type).name
+            if name not in names:
+                names.append(name)
+        return "+".join(names)
+
+    def nbytes(self) -> int:
+        """Bytes of the weights as held."""
+        return sum(s.data.numel() * s.data.element_size() for s in self.segments)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], self.n, dtype=x.dtype)
+        for s in self.segments:
+            view = out[:, s.lo:s.hi]
+            if s.ggml_type is None:
+                view.copy_(F.linear(x, s.data))
+            else:
+                self.quant.linear(s.ggml_type, s.data, x, view)
+        if self.bias is not None:
+            out += self.bias
+        return out
+
+
+class QuantizedEmbedding:
+    """Token embedding rows looked up from ggml blocks, dequantized per looked-up row.
+
+    Args:
+        quant: the loaded quantized kernels.
+        ggml_type: the blocks' type.
+        data: uint8 ``[vocab_rows, row_bytes]``.
+        dim: values per row (the hidden size).
+        dtype: the activation dtype rows are returned in.
+    """
+
+    def __init__(self, quant: QuantKernels, ggml_type: int, data: torch.Tensor, dim: int,
+                 dtype: torch.dtype) -> None:
+        self.quant, self.ggml_type, self.data = quant, ggml_type, data
+        self.dim, self.dtype = dim, dtype
+        #: the blocks' type name (``Q6_K``)
+        self.kind = GGMLQuantizationType(ggml_type).name
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        """int64 ids [T] -> [T, dim] in ``dtype``.
+
+        Raises:
+            RuntimeError: an id outside the table (the kernel's check).
+        """
+        out = torch.empty(ids.shape[0], self.dim, dtype=self.dtype)
+        self.quant.dequantize_rows(self.ggml_type, self.data, ids.contiguous(), out)
+        return out
+
+
+def quantize_q8_0(rows: torch.Tensor) -> torch.Tensor:
+    """Float rows ``[R, K]`` (K a multiple of 32) -> uint8 ``[R, K / 32 * 34]`` Q8_0 blocks:
+    per block of 32, ``d = max|x| / 127`` as float16 and ``round(x / d)`` as int8 (ggml's
+    ``quantize_row_q8_0_ref``, here gguf-py's ``quants.quantize``).
+
+    Raises:
+        ValueError: K not a multiple of 32.
+    """
+    import numpy as np
+    from gguf.quants import quantize
+
+    if rows.shape[1] % 32:
+        raise ValueError(f"int8 (Q8_0) needs rows of a multiple of 32 values, not "
+                         f"{rows.shape[1]}")
+    q = quantize(rows.float().numpy(), GGMLQuantizationType.Q8_0)
+    return torch.from_numpy(np.ascontiguousarray(q, dtype=np.uint8))

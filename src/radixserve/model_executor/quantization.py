@@ -1,0 +1,120 @@
+"""Which form the linear weights are served in (``--quantization``), decided before loading.
+
+* ``gguf``: a GGUF file's quantized tensors are served in their blocks (Q4_0, Q4_1, Q8_0, Q4_K,
+  Q5_K, Q6_K) by radixserve's quantized kernels; other types are dequantized. The default for a
+  GGUF on CPU: a decode step reads every weight once, so 4-bit blocks read ~4x fewer bytes than
+  bfloat16 (vLLM's ``--quantization gguf`` is the same choice on GPU).
+* ``int8``: the projections (and an untied LM head) of a float checkpoint quantized to ggml's
+  Q8_0 at load (int8 with a float16 scale per 32 values); CPU only.
+* ``none``: every weight dense in the serving dtype (a GGUF is dequantized at load).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from radixserve.config import QUANTIZATIONS
+from radixserve.model_executor.kernels.cpu import CpuKernels
+from radixserve.model_executor.memory_fit import weight_bytes
+from radixserve.model_executor.models.llama import ModelArgs
+
+#: ``--quantization`` values (None: pick)
+QUANTIZATION_CHOICES = QUANTIZATIONS
+
+
+def choose_quantization(asked: str | None, gguf: Path | None, device: torch.device,
+                        shards: int) -> tuple[str | None, str]:
+    """The quantization to serve with (None: dense) and why.
+
+    Args:
+        asked: ``--quantization`` (None: "gguf" for a GGUF file on CPU, else dense).
+        gguf: the GGUF file being served, or None for a safetensors folder.
+        device: the serving device.
+        shards: tensor-parallel ranks.
+
+    Raises:
+        ValueError: a choice this model or machine cannot serve, naming why.
+    """
+    if asked not in (None, *QUANTIZATION_CHOICES):
+        raise ValueError(f"quantization={asked!r} is not one of "
+                         f"{', '.join(QUANTIZATION_CHOICES)}")
+    if asked == "none":
+        return None, ("--quantization none: weights dense in the serving dtype"
+                      + (" (the GGUF dequantized at load)" if gguf is not None else ""))
+    if asked == "gguf" and gguf is None:
+        raise ValueError("--quantization gguf needs a GGUF file as the model")
+    if asked == "int8" and gguf is not None:
+        raise ValueError("--quantization int8 quantizes a float checkpoint; this model is a "
+                         "GGUF file (served in its own blocks with --quantization gguf)")
+    if asked is None and gguf is None:
+        return None, "an unquantized checkpoint: weights dense in the serving dtype"
+    why = _unavailable(device, shards)
+    if why is not None:
+        if asked is not None:
+            raise ValueError(f"--quantization {asked}: {why}")
+        return None, f"the GGUF is dequantized at load: {why}"
+    if asked == "int8":
+        return "int8", ("--quantization int8: projections in Q8_0 blocks (int8, a float16 "
+                        "scale per 32 values) through radixserve's kernels")
+    return "gguf", ("the GGUF's quantized tensors served in their blocks through radixserve's "
+                    "kernels" + (" (--quantization gguf)" if asked else ""))
+
+
+def _unavailable(device: torch.device, shards: int) -> str | None:
+    if device.type != "cpu":
+        return f"quantized kernels run on CPU, not {device.type}"
+    if shards > 1:
+        return "quantized weights are not sharded for tensor parallelism yet"
+    kernels = CpuKernels.load()
+    if kernels is None:
+        return "radixserve's C kernels could not be built here (see the log)"
+    return None
+
+
+def served_weight_bytes(a: ModelArgs, dtype: torch.dtype, quantization: str | None,
+                        gguf: Path | None) -> int:
+    """Bytes the served weights take: the GGUF file's size for "gguf" (an upper bound: dense
+    fall-back rows of a type without kernels take more), Q8_0's 34 bytes per 32 values for
+    "int8" projections beside a dense embedding, else ``weight_bytes``."""
+    if quantization == "gguf" and gguf is not None:
+        return gguf.stat().st_size
+    if quantization == "int8":
+        embed = a.vocab_size * a.hidden_size
+        dense_values = weight_bytes(a, torch.int8) - embed
+        return dense_values * 34 // 32 + embed * torch.empty(0, dtype=dtype).element_size()
+    return weight_bytes(a, dtype)
+
+
+def measured_gguf_form(gguf: Path, a: ModelArgs, dtype: torch.dtype, batch_hint: int,
+                       kernels: CpuKernels) -> tuple[str | None, str]:
+    """For a GGUF left to ``--quantization`` auto: "gguf" or None (dequantized), whichever
+    ran a layer's projections and the LM head faster on this machine (``choose_gguf_form``:
+    measured once, cached), and why."""
+    from radixserve.model_executor.kernels.quant import SUPPORTED_TYPES, block_info
+    from radixserve.model_executor.loader.gguf_weights import iter_gguf_weights
+    from radixserve.model_executor.path_choice import choose_gguf_form
+
+    weights = dict(iter_gguf_weights(gguf, a.num_heads, a.num_kv_heads))
+    names = [f"model.layers.0.{n}.weight" for n in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    names.append("lm_head.weight" if "lm_head.weight" in weights
+                 else "model.embed_tokens.weight")
+    picked = [weights[n] for n in names if n in weights]
+    usable = [t for t in picked if t.quantized and t.ggml_type in SUPPORTED_TYPES
+              and t.shape[1] % block_info(t.ggml_type)[0] == 0]
+    if not usable:
+        return None, "the GGUF has no tensors of a type radixserve's kernels serve: dequantized"
+    key = " ".join(f"{t.ggml_type}:{t.shape[0]}x{t.shape[1]}" for t in usable)
+
+    def blocks() -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        return [(t.ggml_type, t.block_rows(0, t.shape[0]), t.full().to(dtype))
+                for t in usable]
+
+    choice = choose_gguf_form(blocks, kernels.quant, dtype, batch_hint,
+                              f"{key} {dtype} {kernels.build_id}")
+    if choice.form == "gguf":
+        return "gguf", "the GGUF served in its blocks, faster here: " + choice.reason
+    return None, "the GGUF dequantized at load, faster here: " + choice.reason
