@@ -1,0 +1,142 @@
+"""A rolling restart of two gRPC workers behind the real smg gateway loses no request
+(issue 26): while a client keeps streaming completions through smg, each worker in turn gets
+SIGTERM, drains (its running streams finish, ``HealthCheck`` turns unhealthy and new calls get
+UNAVAILABLE, so smg routes to the other worker), exits 0 and is started again on its port,
+and smg routes to it again once its health checks pass.
+
+Null-model workers (no weights: a fixed token per 2 ms step) keep it cheap; smg and the
+official ``openai`` client are real.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from grpc_utils import Proc, Smg, free_ports
+from server_utils import HANG_TIMEOUT_S, wait_until
+
+MODEL = "SmolLM2-135M-Instruct"
+WORKER_ARGS = ["--null-model", "--null-step-ms", "2", "--num-pages", "2048",
+               "--shutdown-timeout", "60"]
+SMG_STABLE = ["--worker-wedge-secs", "60", "--disable-worker-overload-protection",
+              "--balance-rel-threshold", "10", "--cb-failure-threshold", "2",
+              "--retry-max-retries", "2"]
+#: tokens per streamed request: ~0.3-1 s each, so restarts catch some mid-stream
+TOKENS = 150
+
+pytestmark = pytest.mark.skipif(not (Path(sys.executable).parent / "smg").exists(),
+                                reason="smg is not installed (the gateway extra)")
+
+
+class Worker(Proc):
+    """``radixserve serve --grpc`` on fixed ports, so a restarted worker keeps its URL."""
+
+    def __init__(self, port: int, metrics_port: int, workdir: Path, name: str) -> None:
+        self.port, self.metrics_port = port, metrics_port
+        super().__init__(name, [sys.executable, "-m", "radixserve.cli", "serve", "--grpc",
+                                "--host", "127.0.0.1", "--port", str(port), "--metrics-port",
+                                str(metrics_port), *WORKER_ARGS], workdir)
+
+    @property
+    def url(self) -> str:
+        return f"grpc://127.0.0.1:{self.port}"
+
+    def healthy(self) -> bool:
+        try:
+            return httpx.get(f"http://127.0.0.1:{self.metrics_port}/health",
+                             timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def served(self) -> float:
+        """Generation tokens this worker process produced (its /metrics)."""
+        text = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).text
+        for line in text.splitlines():
+            if line.startswith("radixserve:generation_tokens_total"):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+
+class Traffic(threading.Thread):
+    """Streams completions through smg until stopped; records every outcome."""
+
+    def __init__(self, base_url: str, i: int) -> None:
+        super().__init__(daemon=True)
+        # no client-side retries: whatever the gateway lets through is counted
+        self.client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused",
+                                    max_retries=0, timeout=HANG_TIMEOUT_S)
+        self.i = i
+        self.stop = threading.Event()
+        self.ok = 0
+        self.failures: list[str] = []
+
+    def run(self) -> None:
+        n = 0
+        while not self.stop.is_set():
+            n += 1
+            finish, chunks = None, 0
+            try:
+                for ch in self.client.completions.create(
+                        model=MODEL, prompt=f"Client {self.i} request {n}:",
+                        max_tokens=TOKENS, stream=True, extra_body={"ignore_eos": True}):
+                    chunks += 1
+                    if ch.choices and ch.choices[0].finish_reason:
+                        finish = ch.choices[0].finish_reason
+            except openai.APIError as e:
+                self.failures.append(f"request {n}: {type(e).__name__}: {e}")
+                continue
+            if finish == "length":
+                self.ok += 1
+            else:
+                self.failures.append(f"request {n}: finish {finish} after {chunks} chunks")
+
+
+@pytest.mark.timeout(900)
+def test_rolling_restart_behind_smg_loses_no_request(tmp_path: Path) -> None:
+    ports = free_ports(4)
+    workers = [Worker(ports[2 * i], ports[2 * i + 1], tmp_path, f"worker-{i}")
+               for i in range(2)]
+    smg = None
+    traffic: list[Traffic] = []
+    try:
+        for w in workers:
+            w.wait_http(f"http://127.0.0.1:{w.metrics_port}/health", timeout_s=300)
+        smg = Smg([w.url for w in workers], "round_robin", tmp_path, SMG_STABLE)
+        smg.wait_ready(2)
+        traffic = [Traffic(smg.base_url, i) for i in range(3)]
+        for t in traffic:
+            t.start()
+        wait_until(lambda: all(t.ok >= 2 for t in traffic), "traffic through both workers")
+        for i in range(2):
+            old = workers[i]
+            before = sum(t.ok for t in traffic)
+            assert old.stop(timeout_s=HANG_TIMEOUT_S) == 0, old.log_tail()  # SIGTERM: drain
+            assert "draining" in old.log_tail(20000)
+            workers[i] = Worker(old.port, old.metrics_port, tmp_path, f"worker-{i}")
+            wait_until(workers[i].healthy, f"worker {i} back", timeout_s=300)
+            smg.wait_ready(2, timeout_s=HANG_TIMEOUT_S)
+            # requests kept completing meanwhile, and the new worker takes its share again
+            wait_until(lambda b=before: sum(t.ok for t in traffic) >= b + 6,
+                       "requests completing after the restart")
+            wait_until(lambda w=workers[i]: w.served() > 0,
+                       f"smg to route to the restarted worker {i}")
+        for t in traffic:
+            t.stop.set()
+        for t in traffic:
+            t.join(HANG_TIMEOUT_S)
+            assert not t.is_alive()
+        failures = [f for t in traffic for f in t.failures]
+        assert not failures, failures[:5]
+        assert sum(t.ok for t in traffic) >= 12
+    finally:
+        for t in traffic:
+            t.stop.set()
+        if smg is not None:
+            smg.stop()
+        for w in workers:
+            w.stop()
