@@ -10,6 +10,7 @@ official ``openai`` client are real.
 
 from __future__ import annotations
 
+import signal
 import sys
 import threading
 from pathlib import Path
@@ -17,7 +18,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from grpc_utils import Proc, Smg, free_ports
+from grpc_utils import Proc, Smg, consecutive_free_ports, free_ports
 from server_utils import HANG_TIMEOUT_S, wait_until
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -140,3 +141,36 @@ def test_rolling_restart_behind_smg_loses_no_request(tmp_path: Path) -> None:
             smg.stop()
         for w in workers:
             w.stop()
+
+
+@pytest.mark.timeout(600)
+def test_fleet_sigterm_lets_streams_in_flight_finish(tmp_path: Path) -> None:
+    """``radixserve fleet``: SIGTERM lets smg finish the streams in flight (its grace period is
+    ``--shutdown-timeout``) before the workers stop; exit 0. The stream (4000 steps of 2 ms or
+    more) outlives the 5 s grace smg had before."""
+    base = consecutive_free_ports(4)
+    port, prom = free_ports(2)
+    fleet = Proc("fleet", [
+        sys.executable, "-m", "radixserve.cli", "fleet", "--workers", "2", "--port", str(port),
+        "--prometheus-port", str(prom), "--worker-base-port", str(base), "--policy",
+        "round_robin", "--log-dir", str(tmp_path / "logs"), "--shutdown-timeout", "120",
+        f"--smg-arg={' '.join(SMG_STABLE)}", "--", *WORKER_ARGS], tmp_path)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        fleet.wait_http(url + "/readiness", lambda r: r.json().get("healthy_workers") == 2,
+                        timeout_s=300)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
+                               timeout=HANG_TIMEOUT_S)
+        stream = client.completions.create(model=MODEL, prompt="Long story:", max_tokens=4000,
+                                           stream=True, extra_body={"ignore_eos": True})
+        it = iter(stream)
+        next(it)
+        fleet.proc.send_signal(signal.SIGTERM)
+        finish = None
+        for ch in it:  # the stream runs to its end through the draining gateway
+            if ch.choices and ch.choices[0].finish_reason:
+                finish = ch.choices[0].finish_reason
+        assert finish == "length"
+        assert fleet.proc.wait(HANG_TIMEOUT_S) == 0, fleet.log_tail()
+    finally:
+        fleet.stop()

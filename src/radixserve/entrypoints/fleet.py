@@ -23,7 +23,9 @@ on this machine, each worker pinned to its own CPU cores, all stopped together.
   the fleet is ready when smg's ``/readiness`` counts every worker healthy.
 * a worker that exits on its own is restarted (at most ``--max-restarts`` times each); smg
   notices it through its health checks and routes to it again once it is back.
-* SIGTERM or SIGINT (Ctrl-C) stops smg, then every worker (SIGTERM, then SIGKILL after
+* SIGTERM or SIGINT (Ctrl-C) drains: smg stops taking connections and lets the requests in
+  flight finish for up to ``--shutdown-timeout`` seconds (its
+  ``--shutdown-grace-period-secs``), then every worker stops (SIGTERM, then SIGKILL after
   ``--stop-timeout`` seconds); each child also gets SIGTERM from the kernel if this process
   dies (``PR_SET_PDEATHSIG``), so nothing outlives it. Exit status: 0 after a signal, 1 when a
   worker could not start, smg died or a worker kept dying, 2 for bad arguments.
@@ -36,6 +38,7 @@ import contextlib
 import ctypes
 import json
 import logging
+import math
 import os
 import shlex
 import shutil
@@ -83,6 +86,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="times a worker that exits on its own is restarted (default 3)")
     p.add_argument("--stop-timeout", type=float, default=10.0,
                    help="seconds a child may take to exit on SIGTERM before SIGKILL")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="after SIGTERM, seconds the requests in flight may take to finish "
+                        "(smg's grace period) before the workers stop (default 30)")
     p.add_argument("--start-timeout", type=float, default=900.0,
                    help="seconds the workers may take to load the model")
     p.add_argument("--smg-arg", action="append", default=[], metavar="ARG",
@@ -277,7 +283,8 @@ def cmd_fleet(ns: argparse.Namespace) -> int:
     smg_cmd = [smg, "launch", "--host", ns.host, "--port", str(ns.port),
                "--prometheus-host", ns.host, "--prometheus-port", str(ns.prometheus_port),
                "--worker-urls", *urls, *smg_model, "--policy", ns.policy,
-               "--health-check-interval-secs", "1", "--shutdown-grace-period-secs", "5"]
+               "--health-check-interval-secs", "1",
+               "--shutdown-grace-period-secs", str(max(1, math.ceil(ns.shutdown_timeout)))]
     for extra in ns.smg_arg:
         smg_cmd += shlex.split(extra)
     gateway = Child("smg", smg_cmd, dict(os.environ),
@@ -395,9 +402,10 @@ class Fleet:
         return 0
 
     def _stop_all(self) -> None:
-        # the gateway first, so no new request reaches a worker that is going away
+        # the gateway first, so no new request reaches a worker that is going away; it lets
+        # the requests in flight finish (its grace period, --shutdown-timeout) before exiting
         self.gateway.terminate()
-        self.gateway.wait(time.monotonic() + self.ns.stop_timeout)
+        self.gateway.wait(time.monotonic() + self.ns.shutdown_timeout + self.ns.stop_timeout)
         for w in self.workers:
             w.terminate()
         deadline = time.monotonic() + self.ns.stop_timeout
