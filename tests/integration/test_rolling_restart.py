@@ -174,3 +174,40 @@ def test_fleet_sigterm_lets_streams_in_flight_finish(tmp_path: Path) -> None:
         assert fleet.proc.wait(HANG_TIMEOUT_S) == 0, fleet.log_tail()
     finally:
         fleet.stop()
+
+
+@pytest.mark.timeout(600)
+def test_zmq_worker_sigterm_lets_running_requests_finish(tmp_path: Path) -> None:
+    """A headless ``--zmq-worker`` engine core behind smg drains on SIGTERM too: the stream it
+    runs finishes, then it exits 0."""
+    from grpc_utils import ZmqWorker
+
+    from radixserve.model_executor.loader import resolve_model
+
+    worker = ZmqWorker([*WORKER_ARGS], tmp_path)
+    smg = Smg([worker.url], "round_robin", tmp_path, SMG_STABLE,
+              zmq_model=(MODEL, str(resolve_model(None).folder)))
+    try:
+        smg.wait_ready(1, timeout_s=300)
+        client = openai.OpenAI(base_url=smg.base_url + "/v1", api_key="unused", max_retries=0,
+                               timeout=HANG_TIMEOUT_S)
+        it = iter(client.completions.create(model=MODEL, prompt="Long story:", max_tokens=2000,
+                                            stream=True, extra_body={"ignore_eos": True}))
+        next(it)
+        worker.proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: "draining" in worker.log_tail(), "the worker to drain")
+        # a new request meanwhile is refused at once (smg answers a 500 for any request its
+        # engine ends with an error; the worker's log names the drain)
+        with pytest.raises(openai.APIStatusError):
+            client.completions.create(model=MODEL, prompt="late", max_tokens=2)
+        finish = None
+        for ch in it:
+            if ch.choices and ch.choices[0].finish_reason:
+                finish = ch.choices[0].finish_reason
+        assert finish == "length"
+        assert "refused: the engine is draining" in worker.log_tail(20000)
+        assert worker.proc.wait(HANG_TIMEOUT_S) == 0, worker.log_tail()
+        assert "drained: no request running" in worker.log_tail(20000)
+    finally:
+        smg.stop()
+        worker.stop()

@@ -140,10 +140,22 @@ class EngineLoop:
         self._rejected: list[TokenOutput] = []
         self._dirty = False
         self._next_parent_check = 0.0
+        self._drain_deadline: float | None = None
+
+    @property
+    def draining(self) -> bool:
+        """``begin_drain`` was called."""
+        return self._drain_deadline is not None
 
     def request_stop(self, reason: str) -> None:
         """Make ``run`` return after the current step (safe from a signal handler)."""
         self.stop_reason = reason
+
+    def begin_drain(self, timeout_s: float) -> None:
+        """Refuse new requests (each answered at once with an error naming the drain) and keep
+        stepping the ones in flight; ``run`` returns once none is left or ``timeout_s`` seconds
+        passed (what still runs then ends with the engine). Safe from a signal handler."""
+        self._drain_deadline = time.monotonic() + timeout_s
 
     def run(self) -> str:
         """Loop until Shutdown, a signal or the parent's death; returns the reason."""
@@ -183,10 +195,23 @@ class EngineLoop:
                                                 step_timings=engine.drain_step_timings())
                 self.port.send_step(step, stats)
                 self._dirty = False
+            deadline = self._drain_deadline
+            if deadline is not None and not self._rejected:
+                if not engine.has_unfinished_requests():
+                    self.request_stop("drained: no request running")
+                elif time.monotonic() >= deadline:
+                    self.request_stop("shutdown timeout passed: the requests still running "
+                                      "end with the engine")
         return self.stop_reason
 
     def _handle(self, cmd: Any) -> None:
-        if isinstance(cmd, EngineRequest):
+        if isinstance(cmd, EngineRequest) and self.draining:
+            log.info("request %s refused: the engine is draining", cmd.request_id)
+            self._rejected.append(TokenOutput(
+                request_id=cmd.request_id, finish_reason=FINISH_ABORT,
+                error="the engine is draining: it finishes its running requests and stops; "
+                      "retry on another worker", error_code="draining"))
+        elif isinstance(cmd, EngineRequest):
             try:
                 self.engine.add_request(cmd)
             except ValueError as e:
@@ -240,13 +265,18 @@ def run_engine_process(input_addr: str, output_addr: str, config: EngineConfig,
 
 
 def run_vllm_engine_process(url: str, config: EngineConfig, null_model: bool = False,
-                            null_step_s: float = 0.0) -> int:
+                            null_step_s: float = 0.0, shutdown_timeout_s: float = 0.0) -> int:
     """Behind smg, on vLLM's EngineCore wire (``transport.vllm_zmq``): load, then connect to
     smg's handshake at ``url`` (waiting for smg as long as it takes), loop; on exit push
     ``ENGINE_CORE_DEAD`` so smg fails in-flight requests at once and takes a replacement.
 
+    SIGTERM/SIGINT drain first (``EngineLoop.begin_drain``): new requests are refused, the
+    running ones finish for up to ``shutdown_timeout_s`` seconds; a second signal stops at
+    once.
+
     Args:
         url: the ``ipc://PATH`` given to smg's ``--worker-urls``, or ``tcp://HOST:PORT``.
+        shutdown_timeout_s: the drain's longest wait, seconds (0: stop at once).
 
     Returns:
         the exit status (0 clean, 1 error).
@@ -265,22 +295,28 @@ def run_vllm_engine_process(url: str, config: EngineConfig, null_model: bool = F
                                       f"radixserve-{os.getpid()}"), stop)
 
     try:
-        return _serve(port, handshake, config, None, null_model, null_step_s)
+        return _serve(port, handshake, config, None, null_model, null_step_s,
+                      shutdown_timeout_s)
     finally:
         port.close()
 
 
 def _serve(port: EnginePort, handshake: Callable[[Any, Callable[[], bool]], None],
            config: EngineConfig, parent_pid: int | None, null_model: bool,
-           null_step_s: float) -> int:
+           null_step_s: float, drain_s: float = 0.0) -> int:
     """Load the engine, ``handshake(engine, stopped)``, run the loop; SIGTERM and SIGINT stop
-    it (during the load or the handshake too). Returns the exit status."""
+    it (during the load or the handshake too; once serving, with ``drain_s`` > 0, the first
+    one drains for up to ``drain_s`` seconds). Returns the exit status."""
     loop: EngineLoop | None = None
     pending_signal: list[str] = []
 
     def on_signal(signum: int, _frame: object) -> None:
         reason = f"received {signal.Signals(signum).name}"
-        if loop is not None:
+        if loop is not None and drain_s > 0 and not loop.draining:
+            log.info("engine core: %s: draining (up to %g s; a second signal stops at once)",
+                     reason, drain_s)
+            loop.begin_drain(drain_s)
+        elif loop is not None:
             loop.request_stop(reason)
         else:
             pending_signal.append(reason)

@@ -120,7 +120,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
         try:
             rc = run_vllm_engine_process(ns.zmq_worker, engine_config, ns.null_model,
-                                         ns.null_step_ms / 1000)
+                                         ns.null_step_ms / 1000, ns.shutdown_timeout)
         except ValueError as e:  # a URL of another scheme
             print(f"radixserve: error: {e}", file=sys.stderr)
             return 2
