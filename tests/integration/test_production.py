@@ -292,10 +292,11 @@ def test_shutdown_timeout_aborts_what_still_runs(tmp_path: Path) -> None:
         srv.proc.send_signal(signal.SIGTERM)
         assert srv.proc.wait(timeout=HANG_TIMEOUT_S) == 0, srv.log_tail()
         long.join(HANG_TIMEOUT_S)
-        # the stream ends with an error event saying why, never silently truncated
+        # the stream ends with finish_reason "abort", then an error event saying why: never
+        # silently truncated
+        assert long.finish_reason == "abort"
         assert isinstance(long.error, openai.APIError), long.error
         assert "shut down before the request finished" in str(long.error)
-        assert long.finish_reason is None
         assert "aborting 1 running requests" in srv.log_tail(20000)
     finally:
         srv.stop()

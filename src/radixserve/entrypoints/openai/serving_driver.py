@@ -304,6 +304,14 @@ async def run_requests(raw: Request, state: ServingState, fmt: ResponseFormatter
             if include_usage:
                 yield sse(fmt.chunk([], usage=usage_dict(states, fmt.n)))
         except OpenAIError as e:
+            if e.status_code == 503:
+                # the server shut down (or the engine died) under the stream: each choice
+                # still running ends with finish_reason "abort", then the event says why
+                for s in states:
+                    if s.finish_reason is None:
+                        for part in deltas(RequestDelta(s.request_id, s, "", [],
+                                                        finish_reason=FINISH_ABORT)):
+                            yield sse(fmt.chunk([part], **usage()))
             yield sse(e.to_dict())
         finally:
             finish()
