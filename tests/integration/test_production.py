@@ -304,7 +304,8 @@ def test_shutdown_timeout_aborts_what_still_runs(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(300)
 def test_grpc_worker_ids_logs_and_drain(tmp_path: Path) -> None:
-    w = GrpcWorker([*NULL_ARGS, "--shutdown-timeout", "120"], tmp_path)
+    w = GrpcWorker([*NULL_ARGS, "--shutdown-timeout", "120", "--log-format", "json"],
+                   tmp_path)
     try:
         w.wait_ready(timeout_s=180)
         stub = w.stub()
@@ -319,10 +320,14 @@ def test_grpc_worker_ids_logs_and_drain(tmp_path: Path) -> None:
         done = [r for r in gen("g1", 4, n=2) if r.WhichOneof("response") == "complete"]
         assert len(done) == 2
         # the gateway's id names the engine requests (engine_types.fan_out) in the log
-        lines = wait_until(lambda: [ln for ln in w.log_path.read_text().splitlines()
-                                    if "radixserve.requests" in ln], "gRPC request lines")
-        assert any("finished request g1-0:" in ln for ln in lines)
-        assert any("finished request g1-1:" in ln and "output_tokens=4" in ln for ln in lines)
+        recs = wait_until(lambda: [json.loads(ln) for ln in w.log_path.read_text().splitlines()
+                                   if '"radixserve.requests"' in ln], "gRPC request lines")
+        assert {r["request_id"] for r in recs} == {"g1-0", "g1-1"}
+        assert all(r["output_tokens"] == 4 and r["finish_reason"] == "length" for r in recs)
+        # JSON lines only: the worker's, its engine core's and its side port's uvicorn
+        lines = [ln for ln in w.log_path.read_text().splitlines() if ln.strip()]
+        assert all(ln.startswith("{") for ln in lines), [ln for ln in lines
+                                                         if not ln.startswith("{")][:3]
         # a stream runs when SIGTERM comes: it finishes, new calls are refused meanwhile
         call = gen("long", 1500, stream=True)
         it = iter(call)

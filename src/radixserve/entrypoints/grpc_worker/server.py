@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 from collections.abc import Generator
 from typing import Any
@@ -35,6 +36,7 @@ from radixserve.entrypoints.worker_facts import ModelFacts
 from radixserve.frontend.async_client import AsyncEngineClient
 from radixserve.frontend.generation_config import log_sampling_defaults, sampling_defaults
 from radixserve.frontend.tokenizer import FrontendTokenizer
+from radixserve.logs import LOG_FORMAT_ENV
 from radixserve.metrics import ServerMetrics
 
 log = logging.getLogger("radixserve.grpc")
@@ -90,8 +92,11 @@ class _SideServer:
             body, content_type = m.render()
             return Response(body, media_type=content_type)
 
+        # with --log-format json, uvicorn's loggers go through the root handler too
+        json_logs = os.environ.get(LOG_FORMAT_ENV) == "json"
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                access_log=False, lifespan="off")
+                                access_log=False, lifespan="off",
+                                **({"log_config": None} if json_logs else {}))
 
         class _NoSignals(uvicorn.Server):
             @contextlib.contextmanager
