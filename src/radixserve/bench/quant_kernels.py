@@ -36,26 +36,27 @@ def _random_blocks(ggml_type: int, n: int, k: int, gen: torch.Generator) -> torc
     return w
 
 
-def _time(fn, min_time: float) -> float:
+def _time(fn, min_time: float, clock=time.perf_counter) -> float:
     """Seconds per call: warm up, then the fastest of 5 batches of about min_time / 5 (the
     least disturbed by other processes)."""
     fn()
-    t0 = time.perf_counter()
+    t0 = clock()
     fn()
-    one = max(time.perf_counter() - t0, 1e-7)
+    one = max(clock() - t0, 1e-7)
     reps = max(1, int(min_time / 5 / one))
     runs = []
     for _ in range(5):
-        t0 = time.perf_counter()
+        t0 = clock()
         for _ in range(reps):
             fn()
-        runs.append((time.perf_counter() - t0) / reps)
+        runs.append((clock() - t0) / reps)
     return min(runs)
 
 
 def run_quant_bench(n: int = 8960, k: int = 1536, ms: tuple[int, ...] = (1, 4, 16, 64),
                     types: tuple[str, ...] = ("Q4_0", "Q4_K"), min_time: float = 0.5,
-                    cold_bytes: int = 96 << 20, threads: int | None = None) -> dict:
+                    cold_bytes: int = 96 << 20, threads: int | None = None,
+                    cpu_time: bool = False, yardsticks: bool = True) -> dict:
     """Time y[M, n] = x[M, k] @ W^T for each type and M, with the yardsticks.
 
     Args:
@@ -66,6 +67,9 @@ def run_quant_bench(n: int = 8960, k: int = 1536, ms: tuple[int, ...] = (1, 4, 1
         cold_bytes: weight copies rotated per configuration cover at least this many bytes
             (0: one copy, cache-warm).
         threads: torch threads (default: as set).
+        cpu_time: time with the process's CPU time instead of the wall clock (with
+            ``threads=1``: a figure that other processes sharing the cores do not inflate).
+        yardsticks: also time torch's int4 GEMM and float32 ``F.linear``.
 
     Returns:
         {"shape": [n, k], "threads", "isa", "rows": [{"kernel", "m", "us", "weight_bytes",
@@ -79,6 +83,7 @@ def run_quant_bench(n: int = 8960, k: int = 1536, ms: tuple[int, ...] = (1, 4, 1
         torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(0)
     rows = []
+    clock = time.process_time if cpu_time else time.perf_counter
 
     def rotate(make, nbytes):
         copies = [make() for _ in range(max(1, -(-cold_bytes // max(nbytes, 1))))]
@@ -101,10 +106,13 @@ def run_quant_bench(n: int = 8960, k: int = 1536, ms: tuple[int, ...] = (1, 4, 1
                 w = nxt()
                 q.linear_unchecked(t, w.data_ptr(), n, k, x.data_ptr(), x.dtype, m,
                                    out.data_ptr(), out.dtype, n)
-            s = _time(call, min_time)
+            s = _time(call, min_time, clock)
             rows.append({"kernel": name, "m": m, "us": s * 1e6, "weight_bytes": nbytes,
                          "gb_s": nbytes / s / 1e9})
 
+    if not yardsticks:
+        return {"shape": [n, k], "threads": torch.get_num_threads(), "isa": q.isa,
+                "clock": "process" if cpu_time else "wall", "rows": rows}
     # torch's int4 weight-only GEMM (group 32, scales and zeros) with bfloat16 activations,
     # its vectorized path (float32 activations take a scalar path, ~10x slower)
     def make_int4():
@@ -120,7 +128,7 @@ def run_quant_bench(n: int = 8960, k: int = 1536, ms: tuple[int, ...] = (1, 4, 1
         def call4(x=x):
             packed, sz = nxt4()
             torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, sz)
-        s = _time(call4, min_time)
+        s = _time(call4, min_time, clock)
         rows.append({"kernel": "torch int4pack g32 bf16", "m": m, "us": s * 1e6,
                      "weight_bytes": nbytes, "gb_s": nbytes / s / 1e9})
 
@@ -128,10 +136,11 @@ def run_quant_bench(n: int = 8960, k: int = 1536, ms: tuple[int, ...] = (1, 4, 1
     nxtf = rotate(lambda: torch.randn(n, k, generator=gen), nbytes)
     for m in ms:
         x = torch.randn(m, k, generator=gen)
-        s = _time(lambda x=x: F.linear(x, nxtf()), min_time)
+        s = _time(lambda x=x: F.linear(x, nxtf()), min_time, clock)
         rows.append({"kernel": "F.linear float32", "m": m, "us": s * 1e6,
                      "weight_bytes": nbytes, "gb_s": nbytes / s / 1e9})
-    return {"shape": [n, k], "threads": torch.get_num_threads(), "isa": q.isa, "rows": rows}
+    return {"shape": [n, k], "threads": torch.get_num_threads(), "isa": q.isa,
+            "clock": "process" if cpu_time else "wall", "rows": rows}
 
 
 if __name__ == "__main__":
