@@ -188,3 +188,14 @@ def test_bad_inputs_raise(qk):
         qk.dequantize_rows(t, w, torch.tensor([0]), torch.empty(1, 256))
     with pytest.raises(ValueError, match="not supported"):
         block_info(0)
+
+
+def test_empty_batch_and_single_column(qk):
+    t = int(QT.Q8_0)
+    w = torch.from_numpy(make_weight(t, 5, 64))
+    qk.linear(t, w, torch.empty(0, 64), torch.empty(0, 5))  # nothing to do
+    x = torch.randn(3, 64)
+    full = run(qk, t, w.numpy(), x)
+    col = torch.full((3, 7), 2.0)
+    qk.linear(t, w[2:3].contiguous(), x, col[:, 4:5])  # N = 1: a strided column
+    assert torch.equal(col[:, 4], full[:, 2]) and torch.all(col[:, :4] == 2.0)
