@@ -1,6 +1,10 @@
 """The GGUF-quantized linear and embedding kernels (``kernels/quant.py``,
 ``csrc/quant_kernels.c``) against gguf-py's block formats, for every supported type."""
 
+import ctypes
+import shutil
+import subprocess
+
 import numpy as np
 import pytest
 import torch
@@ -8,8 +12,8 @@ import torch.nn.functional as F
 from gguf.constants import GGMLQuantizationType as QT
 from gguf.quants import dequantize, quantize
 
-from radixserve.model_executor.kernels.cpu import CpuKernels, build
-from radixserve.model_executor.kernels.quant import SUPPORTED_TYPES, block_info
+from radixserve.model_executor.kernels.cpu import CFLAGS, SOURCES, CpuKernels, build
+from radixserve.model_executor.kernels.quant import SUPPORTED_TYPES, QuantKernels, block_info
 
 TYPES = [int(QT.Q4_0), int(QT.Q4_1), int(QT.Q8_0), int(QT.Q4_K), int(QT.Q5_K), int(QT.Q6_K)]
 NAMES = {t: SUPPORTED_TYPES[t] for t in TYPES}
@@ -199,3 +203,21 @@ def test_empty_batch_and_single_column(qk):
     col = torch.full((3, 7), 2.0)
     qk.linear(t, w[2:3].contiguous(), x, col[:, 4:5])  # N = 1: a strided column
     assert torch.equal(col[:, 4], full[:, 2]) and torch.all(col[:, :4] == 2.0)
+
+
+def test_plain_x86_64_build_gives_the_same_bits(qk, tmp_path):
+    """The portable C built for baseline x86-64 (no AVX2, FMA or F16C: libm's fmaf, scalar
+    rounding) against this build's default path: the same bits for every type."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None or "x86" not in subprocess.run([cc, "-dumpmachine"], capture_output=True,
+                                                 text=True).stdout:
+        pytest.skip("needs an x86-64 C compiler")
+    so = tmp_path / "quant_x86_64.so"
+    subprocess.run([cc, *CFLAGS, "-march=x86-64", "-o", str(so), str(SOURCES[1]), "-lm"],
+                   check=True, capture_output=True)
+    plain = QuantKernels(ctypes.CDLL(str(so)))
+    assert plain.isa == "portable"
+    x = torch.randn(6, 512, generator=torch.Generator().manual_seed(12))
+    for t in TYPES:
+        w = make_weight(t, 9, 512, seed=t)
+        assert torch.equal(run(plain, t, w, x), run(qk, t, w, x)), NAMES[t]
