@@ -12,12 +12,15 @@ per machine and model: later starts read the cached verdict.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
 import math
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -107,21 +110,22 @@ def choose_linear_path(weights: list[torch.Tensor], batch_hint: int,
         cache_key: identifies the model's shapes and dtype.
     """
     path = _cache_file("linear", cache_key, str(batch_hint))
-    cached = _read(path, "path", ("packed", "dense"))
-    if cached is not None:
-        return LinearChoice(cached["path"], f"measured before on this machine ({path.name}): "
-                            + cached["reason"], cached["seconds"], cached=True)
-    secs = measure(weights, batch_hint)
-    if secs is None:
-        return LinearChoice("dense", "oneDNN packing unavailable in this torch build", {})
-    speedup = packed_speedup(secs)
-    best = "packed" if speedup > 1.0 else "dense"
-    ms = " ".join(f"M={m}: {p * 1e3:.2f}/{d * 1e3:.2f}"
-                  for m, p, d in zip(MEASURE_M, secs["packed"], secs["dense"], strict=True))
-    reason = (f"measured on this model's shapes, packed/dense ms per layer + LM head {ms}; "
-              f"packed {speedup:.2f}x")
-    _write(path, {"path": best, "reason": reason, "seconds": secs})
-    return LinearChoice(best, reason, secs)
+    with _exclusive(path):
+        cached = _read(path, "path", ("packed", "dense"))
+        if cached is not None:
+            return LinearChoice(cached["path"], f"measured before on this machine ({path.name}): "
+                                + cached["reason"], cached["seconds"], cached=True)
+        secs = measure(weights, batch_hint)
+        if secs is None:
+            return LinearChoice("dense", "oneDNN packing unavailable in this torch build", {})
+        speedup = packed_speedup(secs)
+        best = "packed" if speedup > 1.0 else "dense"
+        ms = " ".join(f"M={m}: {p * 1e3:.2f}/{d * 1e3:.2f}"
+                      for m, p, d in zip(MEASURE_M, secs["packed"], secs["dense"], strict=True))
+        reason = (f"measured on this model's shapes, packed/dense ms per layer + LM head {ms}; "
+                  f"packed {speedup:.2f}x")
+        _write(path, {"path": best, "reason": reason, "seconds": secs})
+        return LinearChoice(best, reason, secs)
 
 
 def _cache_file(kind: str, *parts: str) -> Path:
@@ -129,6 +133,24 @@ def _cache_file(kind: str, *parts: str) -> Path:
     key = hashlib.sha256("\n".join([*parts, torch.__version__, cpu_signature()]).encode()
                          ).hexdigest()[:16]
     return cache_dir("path_choice") / f"{kind}-{key}.json"
+
+
+@contextmanager
+def _exclusive(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock beside ``path`` while a verdict is read or measured, so processes
+    starting together on one machine (a fleet's workers, a prefill and a decode instance) take
+    one measurement and agree on it instead of each measuring and picking by noise."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path.with_suffix(".lock"), os.O_CREAT | os.O_RDWR, 0o644)
+    except OSError:  # a read-only cache: measure unlocked
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _write(path: Path, verdict: dict) -> None:
@@ -271,21 +293,22 @@ def choose_kernel_rows(kernels: CpuKernels, dtype: torch.dtype,
         cache_key: identifies the model's shapes and dtype.
     """
     path = _cache_file("kernel-rows", cache_key, str(batch_hint), kernels.build_id)
-    d = _read(path, "max_rows", KERNEL_ROWS)
-    if d is not None:
-        return KernelRowsChoice(d["max_rows"], f"measured before on this machine "
-                                f"({path.name}): " + d["reason"], d["seconds"], cached=True)
-    secs = measure_kernel_rows(kernels, dtype, shapes, batch_hint, k_blocks)
-    if secs is None:
-        return None
-    cap = kernel_max_rows(secs)
-    ms = " ".join(f"{r}: {a * 1e3:.2f}/{b * 1e3:.2f}"
-                  for r, a, b in zip(KERNEL_ROWS, secs["radixserve"], secs["onednn"],
-                                     strict=False))
-    reason = (f"up to {cap} rows, measured on this model's shapes, radixserve/oneDNN ms per "
-              f"layer at rows {ms}")
-    _write(path, {"max_rows": cap, "reason": reason, "seconds": secs})
-    return KernelRowsChoice(cap, reason, secs)
+    with _exclusive(path):
+        d = _read(path, "max_rows", KERNEL_ROWS)
+        if d is not None:
+            return KernelRowsChoice(d["max_rows"], f"measured before on this machine "
+                                    f"({path.name}): " + d["reason"], d["seconds"], cached=True)
+        secs = measure_kernel_rows(kernels, dtype, shapes, batch_hint, k_blocks)
+        if secs is None:
+            return None
+        cap = kernel_max_rows(secs)
+        ms = " ".join(f"{r}: {a * 1e3:.2f}/{b * 1e3:.2f}"
+                      for r, a, b in zip(KERNEL_ROWS, secs["radixserve"], secs["onednn"],
+                                         strict=False))
+        reason = (f"up to {cap} rows, measured on this model's shapes, radixserve/oneDNN ms per "
+                  f"layer at rows {ms}")
+        _write(path, {"max_rows": cap, "reason": reason, "seconds": secs})
+        return KernelRowsChoice(cap, reason, secs)
 
 
 #: token counts a GGUF's two forms are timed at (decode sizes, and a prefill chunk at half
@@ -356,18 +379,19 @@ def choose_gguf_form(blocks: Callable[[], list[tuple[int, torch.Tensor, torch.Te
         cache_key: identifies the file's shapes and types, the dtype and the kernels' build.
     """
     path = _cache_file("gguf-form", cache_key, str(batch_hint))
-    d = _read(path, "form", ("gguf", "none"))
-    if d is not None:
-        return GgufFormChoice(d["form"], f"measured before on this machine ({path.name}): "
-                              + d["reason"], d["seconds"], cached=True)
-    secs = measure_gguf_forms(blocks(), quant, dtype, batch_hint)
-    logs = [_WEIGHTS[m] * math.log(d / q)
-            for m, q, d in zip(FORM_M, secs["gguf"], secs["none"], strict=True)]
-    speedup = math.exp(sum(logs) / sum(_WEIGHTS[m] for m in FORM_M))
-    form = "gguf" if speedup > 1.0 else "none"
-    ms = " ".join(f"M={m}: {q * 1e3:.2f}/{d * 1e3:.2f}"
-                  for m, q, d in zip(FORM_M, secs["gguf"], secs["none"], strict=True))
-    reason = (f"measured on a layer and the LM head, blocks/dequantized ms {ms}; blocks "
-              f"{speedup:.2f}x")
-    _write(path, {"form": form, "reason": reason, "seconds": secs})
-    return GgufFormChoice(form, reason, secs)
+    with _exclusive(path):
+        d = _read(path, "form", ("gguf", "none"))
+        if d is not None:
+            return GgufFormChoice(d["form"], f"measured before on this machine ({path.name}): "
+                                  + d["reason"], d["seconds"], cached=True)
+        secs = measure_gguf_forms(blocks(), quant, dtype, batch_hint)
+        logs = [_WEIGHTS[m] * math.log(d / q)
+                for m, q, d in zip(FORM_M, secs["gguf"], secs["none"], strict=True)]
+        speedup = math.exp(sum(logs) / sum(_WEIGHTS[m] for m in FORM_M))
+        form = "gguf" if speedup > 1.0 else "none"
+        ms = " ".join(f"M={m}: {q * 1e3:.2f}/{d * 1e3:.2f}"
+                      for m, q, d in zip(FORM_M, secs["gguf"], secs["none"], strict=True))
+        reason = (f"measured on a layer and the LM head, blocks/dequantized ms {ms}; blocks "
+                  f"{speedup:.2f}x")
+        _write(path, {"form": form, "reason": reason, "seconds": secs})
+        return GgufFormChoice(form, reason, secs)

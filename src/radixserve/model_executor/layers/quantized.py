@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
-from radixserve.model_executor.kernels.quant import QuantKernels
+from radixserve.model_executor.kernels.quant import QuantKernels, block_info, row_bytes
 
 #: ggml's Q8_0: blocks of 32 int8 values and one float16 scale (34 bytes); ``--quantization
 #: int8`` stores linears in it
@@ -67,6 +67,13 @@ class QuantizedLinear:
             if s.ggml_type is None and s.data.shape[1] != k:
                 raise ValueError(f"dense segment [{s.lo}, {s.hi}) has {s.data.shape[1]} "
                                  f"columns, expected {k}")
+            if s.ggml_type is not None and (
+                    s.data.dtype != torch.uint8 or not s.data.is_contiguous()
+                    or k % block_info(s.ggml_type)[0]
+                    or s.data.shape[1] != row_bytes(s.ggml_type, k)):
+                raise ValueError(f"segment [{s.lo}, {s.hi}) holds {tuple(s.data.shape)} "
+                                 f"{s.data.dtype}, not contiguous uint8 rows of "
+                                 f"{GGMLQuantizationType(s.ggml_type).name} blocks for K={k}")
             at = s.hi
         if at != n:
             raise ValueError(f"segments cover [0, {at}), expected [0, {n})")
@@ -89,14 +96,27 @@ class QuantizedLinear:
         return sum(s.data.numel() * s.data.element_size() for s in self.segments)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] float32/bfloat16 -> [M, N] of x's dtype.
+
+        Raises:
+            ValueError: x of another dtype, device or width.
+        """
+        if (x.dim() != 2 or x.shape[1] != self.k or x.device.type != "cpu"
+                or x.dtype not in (torch.float32, torch.bfloat16)):
+            raise ValueError(f"quantized linear needs CPU float32/bfloat16 [M, {self.k}], got "
+                             f"{x.dtype} {tuple(x.shape)} on {x.device}")
         x = x.contiguous()
-        out = torch.empty(x.shape[0], self.n, dtype=x.dtype)
+        m = x.shape[0]
+        out = torch.empty(m, self.n, dtype=x.dtype)
+        size = out.element_size()
         for s in self.segments:
-            view = out[:, s.lo:s.hi]
             if s.ggml_type is None:
-                view.copy_(F.linear(x, s.data))
+                out[:, s.lo:s.hi] = F.linear(x, s.data)
             else:
-                self.quant.linear(s.ggml_type, s.data, x, view)
+                # checked once at construction: segment shapes, the blocks' row bytes
+                self.quant.linear_unchecked(s.ggml_type, s.data.data_ptr(), s.hi - s.lo,
+                                            self.k, x.data_ptr(), x.dtype, m,
+                                            out.data_ptr() + s.lo * size, out.dtype, self.n)
         if self.bias is not None:
             out += self.bias
         return out
