@@ -45,10 +45,10 @@
  * Measured (bench/quant_kernels.py's shapes; 2-core Zen 3 VM, AVX2 path, 2 threads, W [8960,
  * 1536] streamed from DRAM, best of 24 calls in a quiet moment), microseconds per call:
  *            M=1    M=4    M=16   M=64
- *   Q4_0     834   1272    5663  16713   (M=1: 9.3 GB/s of weight bytes; compute-bound)
- *   Q4_K     457   1116    4444  16164   (M=1: 16.9 GB/s, the DRAM rate F.linear reaches)
- *   torch int4pack g32 (bf16 x): 1098 / 2353 / 8531 / 28621; F.linear float32: 3474 / 10115 /
- *   11205 / 19900.
+ *   Q4_0     553   1084    5256  17800   (M=1: 14.0 GB/s of weight bytes)
+ *   Q4_K     501   1179    4458  17351   (M=1: 15.5 GB/s; F.linear streams 16.7 GB/s)
+ *   torch int4pack g32 (bf16 x): 1067 / 2108 / 5920 / 33134; F.linear float32: 3306 / 11114 /
+ *   12320 / 25797.
  *
  * Error codes: 1 bad type or sizes; 2 an id out of range (dequantize_rows, nothing written);
  * 3 out of memory.
