@@ -40,7 +40,9 @@
  *     sum), + accm (Q4_1), - ((accm0 + accm2) + (accm1 + accm3)) (K-quants).
  * The portable C path (`*_ref`) performs exactly these operations, so it gives the AVX2 path's
  * bits (tests compare them); an AVX-512 VNNI / AMX-INT8 variant would be one more tile
- * function per type with the same lane contract. Threads split the N output rows, never K.
+ * function per type (`qtype_t.fast`) with the same lane contract (VNNI's vpdpbusd sums 4
+ * consecutive u8 x s8 products into an int32: a lane here). Threads split the N output rows,
+ * never K.
  *
  * Measured (bench/quant_kernels.py's shapes; 2-core Zen 3 VM, AVX2 path, 2 threads, W [8960,
  * 1536] streamed from DRAM, best of 24 calls in a quiet moment), microseconds per call:
