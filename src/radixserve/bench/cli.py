@@ -11,6 +11,8 @@ import math
 import sys
 from typing import Any
 
+from radixserve.config import QUANTIZATIONS
+
 
 def _write(results: dict[str, Any], path: str | None, quiet: bool = False) -> None:
     text = json.dumps(results, indent=2)
@@ -211,7 +213,8 @@ def cmd_compare(ns: argparse.Namespace) -> int:
     doc = compare.run(engines, ns.num_prompts, ns.input_len, ns.output_len, ns.dtype,
                       ns.concurrency, ns.prompts_per_level, ns.model, ns.peers_venv,
                       ns.threads, not ns.skip_offline, not ns.skip_serve, ns.workdir, ns.seed,
-                      progress=not ns.disable_tqdm, llama_gguf=ns.llama_gguf)
+                      progress=not ns.disable_tqdm, llama_gguf=ns.llama_gguf,
+                      quantization=ns.quantization)
     print(compare.format_table(doc))
     _write(doc, ns.json, quiet=True)
     if ns.plot:
@@ -383,6 +386,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--llama-gguf", default=None, metavar="FILE",
                    help="the GGUF llama.cpp serves (default: MODEL when it is a GGUF), e.g. a "
                         "BF16 GGUF of the Hugging Face folder MODEL")
+    c.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                   help="radixserve's --quantization (default: its own choice; for a GGUF "
+                        "measured on this machine)")
     c.add_argument("--skip-offline", action="store_true")
     c.add_argument("--skip-serve", action="store_true")
     c.add_argument("--workdir", default=None, help="server logs and scratch files")

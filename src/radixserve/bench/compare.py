@@ -298,12 +298,15 @@ def _tail(path: Path, n: int = 5) -> str:
 
 
 def server_command(engine: str, port: int, model_dir: str, gguf: str | None, dtype: str,
-                   threads: int, peers_python: str | None, max_model_len: int
-                   ) -> tuple[list[str], dict[str, str]]:
-    """Command and extra environment that start ``engine``'s OpenAI server."""
+                   threads: int, peers_python: str | None, max_model_len: int,
+                   quantization: str | None = None) -> tuple[list[str], dict[str, str]]:
+    """Command and extra environment that start ``engine``'s OpenAI server; ``quantization``:
+    radixserve's ``--quantization`` (None: its default)."""
     if engine == "radixserve":
         cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--host", "127.0.0.1",
                "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len)]
+        if quantization is not None:
+            cmd += ["--quantization", quantization]
         if gguf or model_dir:
             cmd.insert(4, gguf or model_dir)
         return cmd, {}
@@ -443,7 +446,8 @@ def run_serve(engines: list[str], status: dict[str, dict[str, Any]],
               model_dir: str, gguf: str | None, dtype: str, threads: int,
               peers_python: str | None, max_model_len: int, workdir: Path,
               api: str = "completions", progress: bool = True,
-              llama_gguf: str | None = None) -> dict[str, Any]:
+              llama_gguf: str | None = None, quantization: str | None = None
+              ) -> dict[str, Any]:
     """Every engine's server under the same load levels. ``llama_gguf``: the GGUF llama.cpp
     serves (default ``gguf``, the model itself when it is one)."""
     out: dict[str, Any] = {}
@@ -473,7 +477,7 @@ def run_serve(engines: list[str], status: dict[str, dict[str, Any]],
         try:
             cmd, env = server_command(eng, port, model_dir,
                                       llama_gguf if eng == "llama.cpp" else gguf, dtype,
-                                      threads, peers_python, max_model_len)
+                                      threads, peers_python, max_model_len, quantization)
             srv = Server(eng, cmd, port, log, env)
         except Exception as e:  # noqa: BLE001
             out[eng] = {"status": "failed", "reason": f"server did not start: {e}; "
@@ -558,7 +562,7 @@ def format_table(doc: dict[str, Any]) -> str:
                          + (f"{rss / 2**30:.2f} GiB" if rss else "?"))
     fl = doc.get("decode_floor", {})
     if fl.get("floor_ms"):
-        lines.append(f"decode floor: {fl['weight_bytes'] / 1e9:.2f} GB of {fl['dtype']} weights "
+        lines.append(f"decode floor: {fl['weight_bytes'] / 1e9:.2f} GB ({fl['dtype']}) "
                      f"at {fl['read_bandwidth']['gb_per_s']:.1f} GB/s read = "
                      f"{fl['floor_ms']:.1f} ms; single-stream TPOT / floor: "
                      + ", ".join(f"{e} {x:.2f}x" for e, x in fl["tpot_x_floor"].items()))
@@ -568,10 +572,12 @@ def format_table(doc: dict[str, Any]) -> str:
 def run(engines: list[str], num_prompts: int, input_len: int, output_len: int, dtype: str,
         levels: list[int], prompts_per_level: int, model: str | None, peers_venv: str,
         threads: int, do_offline: bool, do_serve: bool, workdir: str | None,
-        seed: int = 0, progress: bool = True, llama_gguf: str | None = None) -> dict[str, Any]:
+        seed: int = 0, progress: bool = True, llama_gguf: str | None = None,
+        quantization: str | None = None) -> dict[str, Any]:
     """The whole comparison; returns the JSON document. ``llama_gguf``: the GGUF file the
     llama.cpp peer serves (default: MODEL itself when it is a GGUF), e.g. a BF16 GGUF of the
-    Hugging Face folder MODEL, so that both run the same weights."""
+    Hugging Face folder MODEL, so that both run the same weights. ``quantization``:
+    radixserve's ``--quantization`` (None: its default, measured for a GGUF)."""
     from radixserve.bench.datasets import random_text_prompts
     from radixserve.bench.overhead import machine_info
     from radixserve.model_executor.device_policy import resolve_device, resolve_dtype
@@ -594,7 +600,8 @@ def run(engines: list[str], num_prompts: int, input_len: int, output_len: int, d
         llama_gguf = str(lg.resolve())
     # the peers that load only safetensors folders (vLLM, transformers) get a GGUF's weights
     # dequantized once into a cached folder; radixserve reads the GGUF itself
-    model_dir = str(files.folder if files.gguf is None
+    dense_peers = any(e in ("vllm", "transformers") for e in engines)
+    model_dir = str(files.folder if files.gguf is None or not dense_peers
                     else export_hf_weights(files.gguf, "float32"))
     tok = load_tokenizer(files.folder)
     n = max(num_prompts, sum(max(prompts_per_level, c) for c in levels))
@@ -609,13 +616,15 @@ def run(engines: list[str], num_prompts: int, input_len: int, output_len: int, d
                    "output_len": output_len, "dtype": dtype, "concurrency": levels,
                    "prompts_per_level": prompts_per_level, "model": files.name,
                    "model_dir": model_dir, "gguf": gguf, "llama_gguf": llama_gguf or gguf,
-                   "threads": threads,
+                   "threads": threads, "quantization": quantization,
                    "ignore_eos": True, "temperature": 0.0, "workdir": str(wd)},
         "machine": machine_info(), "peers": status}
     import torch
 
     torch.set_num_threads(threads)
     engine_kwargs = {"model": model, "dtype": dtype, "num_threads": threads}
+    if quantization is not None:
+        engine_kwargs["quantization"] = quantization
     if do_offline:
         doc["offline"] = run_offline(engines, status, prompts[:num_prompts], model, model_dir,
                                      dtype, threads, peers_python, max_model_len, wd,
@@ -623,7 +632,8 @@ def run(engines: list[str], num_prompts: int, input_len: int, output_len: int, d
     if do_serve:
         doc["serve"] = run_serve(engines, status, prompts, levels, prompts_per_level, model_dir,
                                  gguf, dtype, threads, peers_python, max_model_len, wd,
-                                 progress=progress, llama_gguf=llama_gguf)
+                                 progress=progress, llama_gguf=llama_gguf,
+                                 quantization=quantization)
     doc["ratios"] = ratios(doc)
     doc["decode_floor"] = decode_floor(doc, files, dtype, threads)
     return doc
@@ -644,10 +654,14 @@ def decode_floor(doc: dict[str, Any], files: Any, dtype: str, threads: int) -> d
         return {"error": str(e)}
     import torch
 
-    wbytes = weight_bytes(args, getattr(torch, dtype))
+    # a GGUF's engines read its blocks (radixserve in its "gguf" form, llama.cpp always):
+    # the bytes of the file; a folder's, the weights in the serving dtype
+    gguf = doc.get("config", {}).get("gguf")
+    wbytes = (Path(gguf).stat().st_size if gguf
+              else weight_bytes(args, getattr(torch, dtype)))
     bw = measure_read_bandwidth(threads=threads)
     floor = decode_floor_ms(wbytes, bw.gb_per_s)
-    out: dict[str, Any] = {"weight_bytes": wbytes, "dtype": dtype,
+    out: dict[str, Any] = {"weight_bytes": wbytes, "dtype": "gguf file" if gguf else dtype,
                            "read_bandwidth": bw.as_dict(), "floor_ms": floor, "tpot_x_floor": {}}
     for eng, v in doc.get("serve", {}).items():
         runs = sorted(v.get("runs") or [], key=lambda x: x["max_concurrency"])

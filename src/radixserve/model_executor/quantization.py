@@ -87,15 +87,30 @@ def served_weight_bytes(a: ModelArgs, dtype: torch.dtype, quantization: str | No
     return weight_bytes(a, dtype)
 
 
+#: dequantized weights above this many bytes are not measured against the blocks: they no
+#: longer sit in any CPU's cache, so a decode step reads them from memory and more bytes can
+#: only be slower; and the measurement's dense copy of a layer and the LM head would cost up to
+#: a GiB of transient memory at a 7B model's shapes
+MEASURE_MAX_BYTES = 2 << 30
+
+
 def measured_gguf_form(gguf: Path, a: ModelArgs, dtype: torch.dtype, batch_hint: int,
                        kernels: CpuKernels) -> tuple[str | None, str]:
     """For a GGUF left to ``--quantization`` auto: "gguf" or None (dequantized), whichever
     ran a layer's projections and the LM head faster on this machine (``choose_gguf_form``:
-    measured once, cached), and why."""
+    measured once, cached), and why; "gguf" unmeasured where the dequantized weights exceed
+    ``MEASURE_MAX_BYTES``."""
     from radixserve.model_executor.kernels.quant import SUPPORTED_TYPES, block_info
     from radixserve.model_executor.loader.gguf_weights import iter_gguf_weights
     from radixserve.model_executor.path_choice import choose_gguf_form
 
+    dense = weight_bytes(a, dtype)
+    if dense > MEASURE_MAX_BYTES:
+        ratio = dense / gguf.stat().st_size
+        return "gguf", (f"the GGUF served in its blocks: dequantized to {dtype} its weights "
+                        f"would take {dense / 2**30:.1f} GiB, {ratio:.1f}x the bytes every "
+                        "decode step reads (not measured above "
+                        f"{MEASURE_MAX_BYTES / 2**30:.0f} GiB)")
     weights = dict(iter_gguf_weights(gguf, a.num_heads, a.num_kv_heads))
     names = [f"model.layers.0.{n}.weight" for n in (
         "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
