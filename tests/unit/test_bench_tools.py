@@ -212,3 +212,20 @@ def test_decode_floor():
     assert bw.gb_per_s > 0.1 and len(bw.runs_gb_per_s) == 2
     with pytest.raises(ValueError):
         measure_read_bandwidth(buffer_bytes=1 << 20)
+
+
+def test_bench_quant_kernels_cli(tmp_path, capsys):
+    """``radixserve bench quant-kernels`` times each type at each M and writes the rows."""
+    import json
+
+    from radixserve.cli import main
+
+    out = tmp_path / "q.json"
+    assert main(["bench", "quant-kernels", "--n", "64", "--k", "256", "--m", "1,3",
+                 "--types", "Q4_0,Q6_K", "--min-time", "0.01", "--no-yardsticks",
+                 "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    got = {(r["kernel"], r["m"]) for r in doc["rows"]}
+    assert got == {("Q4_0", 1), ("Q4_0", 3), ("Q6_K", 1), ("Q6_K", 3)}
+    assert all(r["us"] > 0 and r["gb_s"] > 0 for r in doc["rows"])
+    assert "GB/s of weight bytes" in capsys.readouterr().out

@@ -276,6 +276,23 @@ def cmd_make_model(ns: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------- quant-kernels
+def cmd_quant_kernels(ns: argparse.Namespace) -> int:
+    from radixserve.bench.quant_kernels import run_quant_bench
+
+    try:
+        res = run_quant_bench(ns.n, ns.k, tuple(ns.m), tuple(ns.types), ns.min_time,
+                              threads=ns.threads, yardsticks=not ns.no_yardsticks)
+    except (ValueError, RuntimeError) as e:
+        return _err(str(e))
+    print(f"y[M, {ns.n}] = x[M, {ns.k}] @ W^T, {res['threads']} threads, kernels {res['isa']}: "
+          "microseconds per call (GB/s of weight bytes)")
+    for r in res["rows"]:
+        print(f"  {r['kernel']:<28} M={r['m']:<4} {r['us']:>10.1f} us  ({r['gb_s']:.1f} GB/s)")
+    _write(res, ns.json, quiet=True)
+    return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``bench`` and its subcommands to the top-level parser."""
     from radixserve.entrypoints.engine_args import add_engine_args
@@ -465,3 +482,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="venv with llama-cpp-python, for the K-quant GGUF types "
                         "(default: .venv-peers)")
     m.set_defaults(func=cmd_make_model)
+
+    q = bsub.add_parser("quant-kernels",
+                        help="the GGUF-quantized linear kernels against torch's int4 GEMM and "
+                             "float32 F.linear, weights streamed from memory")
+    q.add_argument("--n", type=int, default=8960, help="output features")
+    q.add_argument("--k", type=int, default=1536, help="input features (K-quants: x256)")
+    q.add_argument("--m", type=_ints, default=[1, 4, 16, 64], help="activation rows")
+    q.add_argument("--types", type=lambda t: t.split(","), default=["Q4_0", "Q4_K"],
+                   help="ggml types, comma-separated (Q4_0,Q4_1,Q8_0,Q4_K,Q5_K,Q6_K)")
+    q.add_argument("--min-time", type=float, default=0.5, help="seconds per configuration")
+    q.add_argument("--threads", type=int, default=None)
+    q.add_argument("--no-yardsticks", action="store_true",
+                   help="skip torch's int4 GEMM and float32 F.linear")
+    q.add_argument("--json", default=None)
+    q.set_defaults(func=cmd_quant_kernels)
