@@ -225,3 +225,41 @@ def test_auto_form_is_measured_then_cached(mixed_gguf, tmp_path, monkeypatch):
                                       shadow_rate=0.5))
     assert shadow.paths.paths["quantization"] == "none"
     assert "shadow" in shadow.paths.reasons["quantization"]
+
+
+def test_bad_quantized_gguf_fails_at_start_naming_the_tensor(mixed_gguf, tmp_path):
+    """A truncated file or a tensor whose shape does not fit the config stops the engine at
+    start-up, naming the tensor and its type; nothing is served."""
+    from radixserve.config import EngineConfig
+    from radixserve.model_executor.runner import ModelRunner
+
+    data = mixed_gguf.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:len(data) // 2])  # through the blocks of a middle layer
+    with pytest.raises(ValueError, match=r"tensor '[^']+' \((Q\d_K|Q\d_\d)\b.*truncated"):
+        ModelRunner(EngineConfig(model=str(cut), quantization="gguf", num_pages=8))
+    # the config says 5 layers' worth of feed-forward: the file's ffn_up rows no longer fit
+    import gguf
+
+    reader = gguf.GGUFReader(str(mixed_gguf))
+    w = gguf.GGUFWriter(str(tmp_path / "wide.gguf"), "llama")
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = field.contents()
+        if key == "llama.feed_forward_length":
+            value = 768
+        vtype = field.types[0]
+        if vtype == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(key, value, vtype, sub_type=field.types[-1])
+        else:
+            w.add_key_value(key, value, vtype)
+    for t in reader.tensors:
+        w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=r"blk\.0\.ffn_\w+\.weight \(Q4_[01]\).*shape"):
+        ModelRunner(EngineConfig(model=str(tmp_path / "wide.gguf"), quantization="gguf",
+                                 num_pages=8))
