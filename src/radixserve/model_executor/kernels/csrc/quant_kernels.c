@@ -461,11 +461,14 @@ AI void q32_tile_avx2(const uint8_t *w, int64_t ws, const uint8_t *xq, int64_t x
             y[c * R + r] = type == 2 ? hsum8_avx(acc[c][r]) + accm[c][r] : hsum8_avx(acc[c][r]);
 }
 
-/* Q4_K (hbit = 0) and Q5_K (hbit = 1), one weight row */
+/* Q4_K (hbit = 0) and Q5_K (hbit = 1), one weight row x R activation rows. The scales and mins
+ * are unpacked in general registers; each 64-value pair of sub-blocks is decoded once and its
+ * two 16-bit-scale products added into each row's integer lanes, converted to float once per
+ * super-block (the lane contract). */
 AI void qk45_tile_avx2(const uint8_t *w, const uint8_t *xq, int64_t xs, int64_t nb, float *y,
                        const int R, const int hbit) {
     const int bb = hbit ? 176 : 144;
-    const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), b4 = _mm256_set1_epi8(0x10);
     __m256 acc[TILE_M];
     __m128 accm[TILE_M];
     for (int r = 0; r < R; ++r) {
@@ -476,40 +479,49 @@ AI void qk45_tile_avx2(const uint8_t *w, const uint8_t *xq, int64_t xs, int64_t 
         const uint8_t *blk = w + b * bb;
         for (int o = 0; o < bb; o += 64) _mm_prefetch((const char *)(blk + QPF + o), _MM_HINT_T0);
         const uint8_t *qs = blk + (hbit ? 48 : 16);
-        uint8_t scm[16]; /* 8 scales, then 8 mins */
-        k4_scale_min(blk + 4, scm, scm + 8);
-        const __m256i sm16 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)scm));
+        uint32_t a0, a1, a2;
+        memcpy(&a0, blk + 4, 4);
+        memcpy(&a1, blk + 8, 4);
+        memcpy(&a2, blk + 12, 4);
+        const uint64_t sc = (a0 & 0x3F3F3F3Fu)
+                            | (uint64_t)((a2 & 0x0F0F0F0Fu) | (((a0 >> 6) & 0x03030303u) << 4)) << 32;
+        const uint64_t mn = (a1 & 0x3F3F3F3Fu)
+                            | (uint64_t)(((a2 >> 4) & 0x0F0F0F0Fu) | (((a1 >> 6) & 0x03030303u) << 4)) << 32;
+        const __m256i sm16 = _mm256_cvtepu8_epi16(_mm_set_epi64x((long long)mn, (long long)sc));
         const __m256i sc16 = _mm256_permute2x128_si256(sm16, sm16, 0x00);
         const __m128i mins = _mm256_extracti128_si256(sm16, 1);
-        __m256i wv[8], sv[8];
-        __m256i hb = hbit ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
+        const __m256i hb = hbit ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
+        __m256i isum[TILE_M];
+        for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
         for (int j = 0; j < 4; ++j) {
             const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
-            wv[2 * j] = _mm256_and_si256(q, m4);
-            wv[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-        }
-        if (hbit) {
-            for (int s = 0; s < 8; ++s) {
-                const __m256i bit = _mm256_and_si256(hb, one);
-                wv[s] = _mm256_or_si256(wv[s], _mm256_slli_epi16(bit, 4));
-                hb = _mm256_srli_epi16(hb, 1);
+            __m256i w0 = _mm256_and_si256(q, m4);
+            __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+            if (hbit) { /* bit s of hb to bit 4: sub-blocks 2j, 2j + 1 (shifts stay in bytes) */
+                const int s0 = 2 * j, s1 = 2 * j + 1;
+                const __m256i h0 = s0 <= 4 ? _mm256_slli_epi16(hb, 4 - s0) : _mm256_srli_epi16(hb, s0 - 4);
+                const __m256i h1 = s1 <= 4 ? _mm256_slli_epi16(hb, 4 - s1) : _mm256_srli_epi16(hb, s1 - 4);
+                w0 = _mm256_or_si256(w0, _mm256_and_si256(h0, b4));
+                w1 = _mm256_or_si256(w1, _mm256_and_si256(h1, b4));
+            }
+            const __m256i v0 = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)(0x0100 + 0x0404 * j)));
+            const __m256i v1 = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)(0x0302 + 0x0404 * j)));
+            for (int r = 0; r < R; ++r) {
+                const int8_t *xr = ((const xqk_t *)(xq + r * xs) + b)->q + 64 * j;
+                const __m256i p0 = _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(w0, _mm256_loadu_si256((const __m256i *)xr)), v0);
+                const __m256i p1 = _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(w1, _mm256_loadu_si256((const __m256i *)(xr + 32))), v1);
+                isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(p0, p1));
             }
         }
-        for (int s = 0; s < 8; ++s) /* scale s in every 16-bit lane */
-            sv[s] = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)(0x0100 + 0x0202 * s)));
         const __m256 d = _mm256_set1_ps(f16(blk));
         const __m128 dmin = _mm_set1_ps(f16(blk + 2));
         for (int r = 0; r < R; ++r) {
             const xqk_t *x = (const xqk_t *)(xq + r * xs) + b;
-            __m256i isum = _mm256_setzero_si256();
-            for (int s = 0; s < 8; ++s) {
-                const __m256i xv = _mm256_loadu_si256((const __m256i *)(x->q + 32 * s));
-                isum = _mm256_add_epi32(isum,
-                                        _mm256_madd_epi16(_mm256_maddubs_epi16(wv[s], xv), sv[s]));
-            }
             const __m128i im = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i *)x->bs32));
             const __m256 s1 = _mm256_mul_ps(d, _mm256_broadcast_ss(&x->d));
-            acc[r] = _mm256_fmadd_ps(s1, _mm256_cvtepi32_ps(isum), acc[r]);
+            acc[r] = _mm256_fmadd_ps(s1, _mm256_cvtepi32_ps(isum[r]), acc[r]);
             const __m128 s2 = _mm_mul_ps(dmin, _mm_broadcast_ss(&x->d));
             accm[r] = _mm_fmadd_ps(s2, _mm_cvtepi32_ps(im), accm[r]);
         }
@@ -517,84 +529,85 @@ AI void qk45_tile_avx2(const uint8_t *w, const uint8_t *xq, int64_t xs, int64_t 
     for (int r = 0; r < R; ++r) y[r] = hsum8_avx(acc[r]) - hsum4_avx(accm[r]);
 }
 
+/* Q6_K, one weight row x R activation rows: each 32-value group decoded once (low nibble |
+ * two high bits << 4), its two 16-value scales widened from one byte shuffle */
 AI void q6k_tile_avx2(const uint8_t *w, const uint8_t *xq, int64_t xs, int64_t nb, float *y,
                       const int R) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
     __m256 acc[TILE_M];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t *blk = w + b * 210;
         for (int o = 0; o < 210; o += 64) _mm_prefetch((const char *)(blk + QPF + o), _MM_HINT_T0);
-        const int8_t *sc = (const int8_t *)(blk + 192);
-        __m256i wv[8], sv[8];
+        const __m128i sc8 = _mm_loadu_si128((const __m128i *)(blk + 192));
+        __m256i isum[TILE_M];
+        for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
         for (int h = 0; h < 2; ++h) {
             const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
             const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
             const __m256i hh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
-            const __m256i lo[4] = {_mm256_and_si256(l0, m4), _mm256_and_si256(l1, m4),
-                                   _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
-                                   _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4)};
             for (int c = 0; c < 4; ++c) {
-                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(hh, 2 * c), m3);
-                wv[4 * h + c] = _mm256_or_si256(lo[c], _mm256_slli_epi16(hi, 4));
+                const __m256i l = c & 1 ? l1 : l0;
+                const __m256i lo = _mm256_and_si256(c & 2 ? _mm256_srli_epi16(l, 4) : l, m4);
+                const __m256i hs = c == 0 ? _mm256_slli_epi16(hh, 4)
+                                 : c == 1 ? _mm256_slli_epi16(hh, 2)
+                                 : c == 2 ? hh : _mm256_srli_epi16(hh, 2);
+                const __m256i wv = _mm256_or_si256(lo, _mm256_and_si256(hs, m30));
+                const int g = 4 * h + c;
+                const __m256i sv = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(
+                    sc8, _mm_set_epi64x(0x0101010101010101ll * (2 * g + 1),
+                                        0x0101010101010101ll * (2 * g))));
+                for (int r = 0; r < R; ++r) {
+                    const int8_t *xr = ((const xqk_t *)(xq + r * xs) + b)->q + 32 * g;
+                    isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(wv, _mm256_loadu_si256((const __m256i *)xr)), sv));
+                }
             }
         }
-        for (int g = 0; g < 8; ++g)
-            sv[g] = _mm256_setr_m128i(_mm_set1_epi16(sc[2 * g]), _mm_set1_epi16(sc[2 * g + 1]));
-        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+        const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
         const __m256 d = _mm256_set1_ps(f16(blk + 208));
         for (int r = 0; r < R; ++r) {
             const xqk_t *x = (const xqk_t *)(xq + r * xs) + b;
-            __m256i isum = _mm256_setzero_si256();
-            for (int g = 0; g < 8; ++g) {
-                const __m256i xv = _mm256_loadu_si256((const __m256i *)(x->q + 32 * g));
-                isum = _mm256_add_epi32(isum,
-                                        _mm256_madd_epi16(_mm256_maddubs_epi16(wv[g], xv), sv[g]));
-            }
             const __m256i off = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)x->bs16));
-            isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(off, 5));
+            const __m256i is = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(off, 5));
             const __m256 s1 = _mm256_mul_ps(d, _mm256_broadcast_ss(&x->d));
-            acc[r] = _mm256_fmadd_ps(s1, _mm256_cvtepi32_ps(isum), acc[r]);
+            acc[r] = _mm256_fmadd_ps(s1, _mm256_cvtepi32_ps(is), acc[r]);
         }
     }
     for (int r = 0; r < R; ++r) y[r] = hsum8_avx(acc[r]);
 }
 
-/* one tile function per type: the R (and, at R = 1, C) counts as compile-time constants */
+/* one tile function per type: the R (and, at R = 1, C) counts as compile-time constants; the
+ * loop over the C weight rows of a group inside each specialization (constants stay put) */
 #define BY_ROWS(call)                                                                        \
     switch (R) {                                                                             \
-    case 4: call(4); break;                                                                  \
-    case 3: call(3); break;                                                                  \
-    case 2: call(2); break;                                                                  \
-    default: call(1); break;                                                                 \
+    case 4: for (int c = 0; c < C; ++c) call(4); break;                                      \
+    case 3: for (int c = 0; c < C; ++c) call(3); break;                                      \
+    case 2: for (int c = 0; c < C; ++c) call(2); break;                                      \
+    default: for (int c = 0; c < C; ++c) call(1); break;                                     \
     }
 #define Q32_TILE(name, TYPE)                                                                 \
     static void name(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,     \
                      int64_t nb, int R, float *y) {                                          \
         const int type = TYPE;                                                               \
-        if (R == 1 && C == TILE_N) {                                                         \
-            q32_tile_avx2(w, ws, xq, xs, nb, y, TILE_N, 1, type);                            \
+        if (R == 1) {                                                                        \
+            int c = 0;                                                                       \
+            for (; c + TILE_N <= C; c += TILE_N)                                             \
+                q32_tile_avx2(w + c * ws, ws, xq, xs, nb, y + c, TILE_N, 1, type);           \
+            for (; c < C; ++c) q32_tile_avx2(w + c * ws, ws, xq, xs, nb, y + c, 1, 1, type); \
             return;                                                                          \
         }                                                                                    \
-        for (int c = 0; c < C; ++c) {                                                        \
-            const uint8_t *wc = w + c * ws;                                                  \
-            float *yc = y + c * R;                                                           \
-            BY_ROWS(Q32_ROWS)                                                                \
-        }                                                                                    \
+        BY_ROWS(Q32_ROWS)                                                                    \
     }
-#define Q32_ROWS(r) q32_tile_avx2(wc, ws, xq, xs, nb, yc, 1, r, type)
+#define Q32_ROWS(r) q32_tile_avx2(w + c * ws, ws, xq, xs, nb, y + c * R, 1, r, type)
 #define ROW_TILE(name, call)                                                                 \
     static void name(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,     \
                      int64_t nb, int R, float *y) {                                          \
-        for (int c = 0; c < C; ++c) {                                                        \
-            const uint8_t *wc = w + c * ws;                                                  \
-            float *yc = y + c * R;                                                           \
-            BY_ROWS(call)                                                                    \
-        }                                                                                    \
+        BY_ROWS(call)                                                                        \
     }
-#define Q4_K_T(r) qk45_tile_avx2(wc, xq, xs, nb, yc, r, 0)
-#define Q5_K_T(r) qk45_tile_avx2(wc, xq, xs, nb, yc, r, 1)
-#define Q6_K_T(r) q6k_tile_avx2(wc, xq, xs, nb, yc, r)
+#define Q4_K_T(r) qk45_tile_avx2(w + c * ws, xq, xs, nb, y + c * R, r, 0)
+#define Q5_K_T(r) qk45_tile_avx2(w + c * ws, xq, xs, nb, y + c * R, r, 1)
+#define Q6_K_T(r) q6k_tile_avx2(w + c * ws, xq, xs, nb, y + c * R, r)
 Q32_TILE(q4_0_avx2, 0)
 Q32_TILE(q8_0_avx2, 1)
 Q32_TILE(q4_1_avx2, 2)
@@ -666,20 +679,16 @@ int rs_quant_linear(int wtype, const uint8_t *w, int64_t N, int64_t K, int xdt, 
         const int64_t j0 = gi * jb, j1 = j0 + jb < N ? j0 + jb : N;
         for (int64_t i0 = 0; i0 < M; i0 += TILE_M) {
             const int R = (int)(M - i0 < TILE_M ? M - i0 : TILE_M);
-            for (int64_t j = j0; j < j1;) {
-                /* one activation row: TILE_N weight rows at once (independent chains) */
-                const int C = R == 1 && j1 - j >= TILE_N ? TILE_N : 1;
-                float y[TILE_N * TILE_M];
-                tile(w + j * row_bytes, row_bytes, C, xq + i0 * xs, xs, nb, R, y);
-                for (int c = 0; c < C; ++c)
-                    for (int r = 0; r < R; ++r) {
-                        const int64_t o = (i0 + r) * ldo + j + c;
-                        if (odt == 0)
-                            ((float *)out)[o] = y[c * R + r];
-                        else
-                            ((uint16_t *)out)[o] = f32_bf16(y[c * R + r]);
-                    }
-                j += C;
+            /* the whole group in one call: y[c * R + r] */
+            const int C = (int)(j1 - j0);
+            float y[256 * TILE_M];
+            tile(w + j0 * row_bytes, row_bytes, C, xq + i0 * xs, xs, nb, R, y);
+            for (int r = 0; r < R; ++r) {
+                const int64_t o = (i0 + r) * ldo + j0;
+                if (odt == 0)
+                    for (int c = 0; c < C; ++c) ((float *)out)[o + c] = y[c * R + r];
+                else
+                    for (int c = 0; c < C; ++c) ((uint16_t *)out)[o + c] = f32_bf16(y[c * R + r]);
             }
         }
     }
