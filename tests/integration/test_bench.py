@@ -117,7 +117,7 @@ def test_bench_prefix_ttft(tmp_path: Path) -> None:
 
 
 def test_torch_compile_ab_script_compares_paths_on_the_same_keys() -> None:
-    """``benchmarks/torch_compile_ab.py`` (docs/benchmarks.md, session 12) at a tiny size,
+    """``benchmarks/torch_compile_ab.py`` (docs/benchmarks.md, "Findings") at a tiny size,
     without its compiled paths (tens of seconds of Inductor): the reference and radixserve's
     path decode over the same prefilled K/V, so in float32 their logits agree closely (a page
     table or slot mapping pointing elsewhere would not)."""

@@ -8,7 +8,7 @@ pages at consecutive ids the reads are one ascending stream the hardware prefetc
 pages scattered over the pool every page (6 KiB of K per layer for SmolLM2 in bf16) starts with
 cache misses. ``benchmarks/decode_kernel_ab.py`` measured 0.23 ms per layer with pages in order
 against 0.37 ms scattered (batch 64, 128 keys); ``radixserve bench offline`` went from
-1,263-1,292 to 1,350-1,376 output tok/s with runs (Zen 5, bf16; docs/benchmarks.md, session 10).
+1,263-1,292 to 1,350-1,376 output tok/s with runs (Zen 5, bf16; docs/benchmarks.md, "Findings").
 So a request's first pages open a run where ``room`` pages are free (its expected length), and
 its later pages continue the run while the next ids are free. New runs are placed next-fit from
 a cursor that moves past each run's room, so requests admitted together grow without running

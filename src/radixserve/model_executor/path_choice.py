@@ -179,9 +179,9 @@ def _read(path: Path, field: str, allowed: tuple) -> dict | None:
 #: row counts at which radixserve's packed linear kernel and oneDNN's GEMM are timed, in
 #: order; the kernel's cap is the last of them before the first at which it is slower. Up to
 #: 16 rows a decode step reads the weights from DRAM and the kernel measured ahead on every
-#: machine (docs/benchmarks.md, sessions 9-11); the crossover lies above and moves with the
+#: machine (CHANGELOG.md, 2026-11-23 and 2026-11-24); the crossover lies above and moves with the
 #: machine and the kernel: 256 rows for float32 held to AVX2, none up to 512 with AVX-512, on
-#: the Zen 5 VM (session 11).
+#: the Zen 5 VM (CHANGELOG.md, 2026-11-24).
 KERNEL_ROWS = (16, 32, 64, 128, 256, MAX_ROWS)
 
 

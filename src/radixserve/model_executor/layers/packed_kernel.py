@@ -7,7 +7,7 @@ rows through the GEMM instead), and at decode batch sizes its GEMM stalls on eac
 it streams in. The C kernels (``rs_linear_bf16_packed``, ``rs_linear_f32_packed``) read
 oneDNN's own packed buffer, no second copy of the weights, tile rows x 64 outputs in registers
 and prefetch each thread's next weight block while they compute (bf16: a GEMV for one row).
-Over SmolLM2's 30 layers on the Zen 5 VM (docs/benchmarks.md session 10): bf16 at 64 rows 19.8
+Over SmolLM2's 30 layers on the Zen 5 VM (CHANGELOG.md, 2026-11-24): bf16 at 64 rows 19.8
 → 15.2 ms, float32 at 64 rows 36.7 → 30.2 ms, float32 with oneDNN and the kernel both held to
 AVX2 63.1 → 60.3 ms. Above ``max_rows`` (long prefill chunks) oneDNN's GEMM runs, with the
 same bits: it ties or wins there.
@@ -38,7 +38,7 @@ BLOCK_N = 64
 #: the most rows per call the kernel takes where the engine has not measured it
 #: (``path_choice.choose_kernel_rows`` does at start-up), per dtype and float32 build: up to
 #: these it measured at or above oneDNN's GEMM on every SmolLM2 shape (Zen 5; the AVX2 build
-#: against oneDNN capped at AVX2; docs/benchmarks.md session 10); longer calls stay with
+#: against oneDNN capped at AVX2; CHANGELOG.md, 2026-11-24); longer calls stay with
 #: oneDNN (same bits either way)
 MAX_ROWS = 512
 MAX_ROWS_F32_AVX2 = 64
