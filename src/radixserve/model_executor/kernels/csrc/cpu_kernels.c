@@ -285,7 +285,7 @@ static inline void axpy(float *acc, float p, const float *v, int64_t D) {
     } while (0)
 /* 16 lanes only where one register holds them: GCC lowers a 64-byte vector on an AVX2 target
  * through the stack (scalar stores, then vector reloads), which made the float32 decode
- * attention 3x slower than 8 lanes (-march=haswell on Zen 5, docs/benchmarks.md session 11) */
+ * attention 3x slower than 8 lanes (-march=haswell on Zen 5, CHANGELOG.md, 2026-11-24) */
 #if defined(__AVX512F__)
 #define PV_ROWS_64(LOAD) PV16_ROWS_BODY(4)
 #define PV_ROWS_128(LOAD) PV16_ROWS_BODY(8)
@@ -487,7 +487,7 @@ int rs_paged_decode_attention(int dtype, const void *q, int64_t q_stride_b, int6
              * this task's softmax rows: its pages lie scattered in the pool, and requests made
              * ahead keep more of them in flight than the in-loop prefetch does. Requested all
              * at once, they filled the miss queue while this task waited (spread: bf16
-             * 1.06-1.09x per layer, docs/benchmarks.md session 11). */
+             * 1.06-1.09x per layer, CHANGELOG.md, 2026-11-24). */
             burst_t burst = {0};
             if (fast && task + num_threads < B * tasks_per_seq) {
                 const int64_t nt = task + num_threads, nb = nt / tasks_per_seq;
@@ -1045,13 +1045,13 @@ static int gemv_bf16_packed(const uint16_t *x, const uint16_t *w, uint16_t *y, i
  * streams each weight block from DRAM while it computes on it (~680 GFLOP/s over SmolLM2's 30
  * layers at M = 64 on a 2-core Zen 5); here each thread prefetches its next 64-output block
  * while it computes the current one over all rows, which then come from L2 (~860 GFLOP/s; at
- * or above oneDNN for M = 2..512, docs/benchmarks.md session 10).
+ * or above oneDNN for M = 2..512, CHANGELOG.md, 2026-11-24).
  *   x: M x K bf16 (row stride K); y: M x N bf16 (row stride N); N % 64 == 0, K, kblk even.
  * Returns 0; 1 on bad sizes; 5 where the build lacks AVX512-BF16 (the caller keeps oneDNN). */
 /* The GEMMs' split of work among threads: their panels (64 or 16 outputs) times row tiles,
  * panel-major, cut into equal contiguous shares [*w0, *w1), so a share may end inside a panel
  * and leave its other row tiles to the next thread. Split by panel alone, the 576-output
- * projections' 9 blocks went 5 and 4 on two threads (~10% of those calls lost; session 11).
+ * projections' 9 blocks went 5 and 4 on two threads (~10% of those calls lost; CHANGELOG.md, 2026-11-24).
  * A row's arithmetic does not depend on its tile, so the results do not depend on the split.
  * Call inside the parallel region. */
 static inline void thread_share(int64_t work, int64_t *w0, int64_t *w1) {
