@@ -147,11 +147,13 @@ static inline float hsum8_ref(const float *a) {
 
 /* ---- activation quantization (shared by every path) ---------------------------------- */
 
+/* four consecutive 32-value blocks of an activation row (a row is ceil(nb / 4) groups, the
+ * blocks past nb all zero) */
 typedef struct {
-    int8_t q[32];
-    int16_t c8[16]; /* -8 * (q[2i] + q[2i + 1]): Q4_0's offset, added to maddubs' pairs */
-    float d;
-    float s; /* d * sum(q) (Q4_1's min term) */
+    int8_t q[4][32];
+    float d[4];
+    float s[4];    /* d * sum(q) (Q4_1's min term) */
+    int32_t c[8];  /* -8 * sum(q[k][0..15]) for block k, then -8 * sum(q[k][16..31]) (Q4_0's offset) */
 } xq32_t;
 
 typedef struct {
@@ -202,17 +204,23 @@ static inline const float *x_block(int xdt, const void *x, int64_t off, int bs, 
 
 static void quantize_row_32(int xdt, const void *x, int64_t off, int64_t nb, xq32_t *out) {
     float tmp[32];
+    if (nb % 4) memset(out + nb / 4, 0, sizeof *out);
     for (int64_t b = 0; b < nb; ++b) {
+        xq32_t *g = out + b / 4;
+        const int k = (int)(b % 4);
         const float *v = x_block(xdt, x, off + b * 32, 32, tmp);
         const float amax = absmax(v, 32);
         const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-        round_block(v, 32, id, out[b].q);
-        int sum = 0;
-        for (int i = 0; i < 32; ++i) sum += out[b].q[i];
-        for (int i = 0; i < 16; ++i)
-            out[b].c8[i] = (int16_t)(-8 * (out[b].q[2 * i] + out[b].q[2 * i + 1]));
-        out[b].d = amax / 127.0f;
-        out[b].s = out[b].d * (float)sum;
+        round_block(v, 32, id, g->q[k]);
+        int lo = 0, hi = 0;
+        for (int i = 0; i < 16; ++i) {
+            lo += g->q[k][i];
+            hi += g->q[k][16 + i];
+        }
+        g->d[k] = amax / 127.0f;
+        g->s[k] = g->d[k] * (float)(lo + hi);
+        g->c[k] = -8 * lo;
+        g->c[4 + k] = -8 * hi;
     }
 }
 
@@ -249,62 +257,57 @@ static inline void lanes_fma(float *acc, float s, const int32_t *lane, int n) {
     for (int l = 0; l < n; ++l) acc[l] = fmaf(s, (float)lane[l], acc[l]);
 }
 
-static void q4_0_ref(const uint8_t *w0, int64_t ws, int C, const uint8_t *xq, int64_t xs,
-                     int64_t nb, int R, float *y) {
+/* Q4_0 (type 0), Q8_0 (type 1), Q4_1 (type 2): per block b, lanes lo (values 0..15) and hi
+ * (16..31) into float accumulators b % 4 and 4 + b % 4 */
+static inline void q32_ref(const uint8_t *w0, int64_t ws, int C, const uint8_t *xq, int64_t xs,
+                           int64_t nb, int R, float *y, int type) {
+    const int bb = type == 0 ? 18 : type == 1 ? 34 : 20;
     for (int c = 0; c < C; ++c)
     for (int r = 0; r < R; ++r) {
         const uint8_t *w = w0 + c * ws;
         const xq32_t *x = (const xq32_t *)(xq + r * xs);
-        float acc[8] = {0};
+        float acc[8] = {0}, accm[4] = {0};
         for (int64_t b = 0; b < nb; ++b) {
-            const uint8_t *blk = w + b * 18;
-            int32_t lane[8] = {0};
+            const uint8_t *blk = w + b * bb;
+            const xq32_t *g = x + b / 4;
+            const int k = (int)(b % 4);
+            int32_t lane[2] = {0, 0};
             for (int e = 0; e < 32; ++e) {
-                int q = (e < 16 ? (blk[2 + e] & 15) : (blk[2 + e - 16] >> 4)) - 8;
-                lane[e / 4] += q * x[b].q[e];
+                int q;
+                if (type == 1)
+                    q = (int8_t)blk[2 + e];
+                else {
+                    const uint8_t byte = blk[(type == 0 ? 2 : 4) + e % 16];
+                    q = e < 16 ? byte & 15 : byte >> 4;
+                }
+                lane[e / 16] += q * g->q[k][e];
             }
-            lanes_fma(acc, fp16_to_f32(blk) * x[b].d, lane, 8);
+            if (type == 0) {
+                lane[0] += g->c[k];
+                lane[1] += g->c[4 + k];
+            }
+            const float s = fp16_to_f32(blk) * g->d[k];
+            acc[k] = fmaf(s, (float)lane[0], acc[k]);
+            acc[4 + k] = fmaf(s, (float)lane[1], acc[4 + k]);
+            if (type == 2) accm[k] = fmaf(fp16_to_f32(blk + 2), g->s[k], accm[k]);
         }
-        y[c * R + r] = hsum8_ref(acc);
+        y[c * R + r] = type == 2 ? hsum8_ref(acc) + hsum4_ref(accm) : hsum8_ref(acc);
     }
 }
 
-static void q4_1_ref(const uint8_t *w0, int64_t ws, int C, const uint8_t *xq, int64_t xs,
+static void q4_0_ref(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
                      int64_t nb, int R, float *y) {
-    for (int c = 0; c < C; ++c)
-    for (int r = 0; r < R; ++r) {
-        const uint8_t *w = w0 + c * ws;
-        const xq32_t *x = (const xq32_t *)(xq + r * xs);
-        float acc[8] = {0}, accm = 0.0f;
-        for (int64_t b = 0; b < nb; ++b) {
-            const uint8_t *blk = w + b * 20;
-            int32_t lane[8] = {0};
-            for (int e = 0; e < 32; ++e) {
-                int q = e < 16 ? (blk[4 + e] & 15) : (blk[4 + e - 16] >> 4);
-                lane[e / 4] += q * x[b].q[e];
-            }
-            lanes_fma(acc, fp16_to_f32(blk) * x[b].d, lane, 8);
-            accm = fmaf(fp16_to_f32(blk + 2), x[b].s, accm);
-        }
-        y[c * R + r] = hsum8_ref(acc) + accm;
-    }
+    q32_ref(w, ws, C, xq, xs, nb, R, y, 0);
 }
 
-static void q8_0_ref(const uint8_t *w0, int64_t ws, int C, const uint8_t *xq, int64_t xs,
+static void q8_0_ref(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
                      int64_t nb, int R, float *y) {
-    for (int c = 0; c < C; ++c)
-    for (int r = 0; r < R; ++r) {
-        const uint8_t *w = w0 + c * ws;
-        const xq32_t *x = (const xq32_t *)(xq + r * xs);
-        float acc[8] = {0};
-        for (int64_t b = 0; b < nb; ++b) {
-            const uint8_t *blk = w + b * 34;
-            int32_t lane[8] = {0};
-            for (int e = 0; e < 32; ++e) lane[e / 4] += (int8_t)blk[2 + e] * x[b].q[e];
-            lanes_fma(acc, fp16_to_f32(blk) * x[b].d, lane, 8);
-        }
-        y[c * R + r] = hsum8_ref(acc);
-    }
+    q32_ref(w, ws, C, xq, xs, nb, R, y, 1);
+}
+
+static void q4_1_ref(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
+                     int64_t nb, int R, float *y) {
+    q32_ref(w, ws, C, xq, xs, nb, R, y, 2);
 }
 
 /* Q4_K (hbit = 0) and Q5_K (hbit = 1) */
@@ -406,59 +409,74 @@ AI float f16(const uint8_t *p) {
 #define QPF 4096
 #endif
 
-/* Q4_0 (type 0: unsigned nibbles, the -8 added to maddubs' pairs from the activation side),
- * Q8_0 (type 1: signed, abs/sign trick), Q4_1 (type 2: unsigned, min term) for C weight rows x
- * R activation rows (C * R <= 4) */
-AI void q32_tile_avx2(const uint8_t *w, int64_t ws, const uint8_t *xq, int64_t xs, int64_t nb,
-                      float *y, const int C, const int R, const int type) {
+/* Q4_0 (type 0: unsigned nibbles, the -8 added to the lanes in integers), Q8_0 (type 1:
+ * signed, abs/sign trick), Q4_1 (type 2: unsigned, min term): one weight row x R activation
+ * rows, four blocks at a time. Each block's maddubs + madd leave 8 int32; a horizontal-add
+ * tree over the four blocks gives [lo(b0..b3) | hi(b0..b3)], converted and accumulated with
+ * one FMA per 4 blocks and row (lane k: block 4g + k's first 16 values; 4 + k: its last 16).
+ * nv < 4 (the row's last group): the missing blocks count as zeros (scale 0, lanes 0). */
+AI void q32_group_avx2(const uint8_t *w, const uint8_t *xq, int64_t xs, int64_t g, int nv,
+                       __m256 *acc, __m128 *accm, const int R, const int type) {
     const int bb = type == 0 ? 18 : type == 1 ? 34 : 20;
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[TILE_N][TILE_M];
-    float accm[TILE_N][TILE_M];
-    for (int c = 0; c < C; ++c)
-        for (int r = 0; r < R; ++r) {
-            acc[c][r] = _mm256_setzero_ps();
-            accm[c][r] = 0.0f;
-        }
-    for (int64_t b = 0; b < nb; ++b) {
-        /* the C weight scales, gathered in a general register and widened together */
-        uint64_t h4 = 0;
-        for (int c = 0; c < C; ++c) {
+    const uint8_t *blk = w + g * 4 * bb;
+    _mm_prefetch((const char *)(blk + QPF), _MM_HINT_T0);
+    _mm_prefetch((const char *)(blk + QPF + 64), _MM_HINT_T0);
+    if (type == 1) _mm_prefetch((const char *)(blk + QPF + 128), _MM_HINT_T0);
+    __m256i wq[4], aw[4];
+    uint64_t hd = 0, hm = 0;
+    for (int k = 0; k < 4; ++k) {
+        if (k < nv) {
+            const uint8_t *p = blk + k * bb;
             uint16_t h;
-            memcpy(&h, w + c * ws + b * bb, 2);
-            h4 |= (uint64_t)h << (16 * c);
-        }
-        const __m128 dws = _mm_cvtph_ps(_mm_cvtsi64_si128((long long)h4));
-        __m128 s4[TILE_M]; /* d_w(c) * d_x(r) for the C columns */
-        for (int r = 0; r < R; ++r)
-            s4[r] = _mm_mul_ps(dws, _mm_broadcast_ss(&((const xq32_t *)(xq + r * xs) + b)->d));
-        for (int c = 0; c < C; ++c) {
-            const uint8_t *blk = w + c * ws + b * bb;
-            _mm_prefetch((const char *)(blk + QPF), _MM_HINT_T0);
-            __m256i wq, aw;
+            memcpy(&h, p, 2);
+            hd |= (uint64_t)h << (16 * k);
+            if (type == 2) {
+                memcpy(&h, p + 2, 2);
+                hm |= (uint64_t)h << (16 * k);
+            }
             if (type == 1) {
-                wq = _mm256_loadu_si256((const __m256i *)(blk + 2));
-                aw = _mm256_sign_epi8(wq, wq);
+                wq[k] = _mm256_loadu_si256((const __m256i *)(p + 2));
+                aw[k] = _mm256_sign_epi8(wq[k], wq[k]);
             } else {
-                wq = aw = nibbles32(blk + (type == 0 ? 2 : 4));
+                wq[k] = aw[k] = nibbles32(p + (type == 0 ? 2 : 4));
             }
-            for (int r = 0; r < R; ++r) {
-                const xq32_t *x = (const xq32_t *)(xq + r * xs) + b;
-                __m256i xv = _mm256_loadu_si256((const __m256i *)x->q);
-                if (type == 1) xv = _mm256_sign_epi8(xv, wq);
-                __m256i p = _mm256_maddubs_epi16(aw, xv);
-                if (type == 0) p = _mm256_add_epi16(p, _mm256_loadu_si256((const __m256i *)x->c8));
-                p = _mm256_madd_epi16(p, ones);
-                const __m256 s = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(s4[r]),
-                                                          _mm256_set1_epi32(c));
-                acc[c][r] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(p), acc[c][r]);
-                if (type == 2) accm[c][r] = fmaf(f16(blk + 2), x->s, accm[c][r]);
-            }
+        } else {
+            wq[k] = aw[k] = _mm256_setzero_si256();
         }
     }
-    for (int c = 0; c < C; ++c)
-        for (int r = 0; r < R; ++r)
-            y[c * R + r] = type == 2 ? hsum8_avx(acc[c][r]) + accm[c][r] : hsum8_avx(acc[c][r]);
+    const __m128 dw4 = _mm_cvtph_ps(_mm_cvtsi64_si128((long long)hd));
+    const __m256 dw8 = _mm256_insertf128_ps(_mm256_castps128_ps256(dw4), dw4, 1);
+    const __m128 mw4 = type == 2 ? _mm_cvtph_ps(_mm_cvtsi64_si128((long long)hm)) : dw4;
+    for (int r = 0; r < R; ++r) {
+        const xq32_t *x = (const xq32_t *)(xq + r * xs) + g;
+        __m256i p[4];
+        for (int k = 0; k < 4; ++k) {
+            __m256i xv = _mm256_loadu_si256((const __m256i *)x->q[k]);
+            if (type == 1) xv = _mm256_sign_epi8(xv, wq[k]);
+            p[k] = _mm256_madd_epi16(_mm256_maddubs_epi16(aw[k], xv), ones);
+        }
+        __m256i t = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+        if (type == 0) t = _mm256_add_epi32(t, _mm256_loadu_si256((const __m256i *)x->c));
+        const __m256 s = _mm256_mul_ps(dw8, _mm256_broadcast_ps((const __m128 *)x->d));
+        acc[r] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(t), acc[r]);
+        if (type == 2) accm[r] = _mm_fmadd_ps(mw4, _mm_loadu_ps(x->s), accm[r]);
+    }
+}
+
+AI void q32_tile_avx2(const uint8_t *w, const uint8_t *xq, int64_t xs, int64_t nb, float *y,
+                      const int R, const int type) {
+    __m256 acc[TILE_M];
+    __m128 accm[TILE_M];
+    for (int r = 0; r < R; ++r) {
+        acc[r] = _mm256_setzero_ps();
+        accm[r] = _mm_setzero_ps();
+    }
+    const int64_t full = nb / 4;
+    for (int64_t g = 0; g < full; ++g) q32_group_avx2(w, xq, xs, g, 4, acc, accm, R, type);
+    if (nb % 4) q32_group_avx2(w, xq, xs, full, (int)(nb % 4), acc, accm, R, type);
+    for (int r = 0; r < R; ++r)
+        y[r] = type == 2 ? hsum8_avx(acc[r]) + hsum4_avx(accm[r]) : hsum8_avx(acc[r]);
 }
 
 /* Q4_K (hbit = 0) and Q5_K (hbit = 1), one weight row x R activation rows. The scales and mins
@@ -586,20 +604,6 @@ AI void q6k_tile_avx2(const uint8_t *w, const uint8_t *xq, int64_t xs, int64_t n
     case 2: for (int c = 0; c < C; ++c) call(2); break;                                      \
     default: for (int c = 0; c < C; ++c) call(1); break;                                     \
     }
-#define Q32_TILE(name, TYPE)                                                                 \
-    static void name(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,     \
-                     int64_t nb, int R, float *y) {                                          \
-        const int type = TYPE;                                                               \
-        if (R == 1) {                                                                        \
-            int c = 0;                                                                       \
-            for (; c + TILE_N <= C; c += TILE_N)                                             \
-                q32_tile_avx2(w + c * ws, ws, xq, xs, nb, y + c, TILE_N, 1, type);           \
-            for (; c < C; ++c) q32_tile_avx2(w + c * ws, ws, xq, xs, nb, y + c, 1, 1, type); \
-            return;                                                                          \
-        }                                                                                    \
-        BY_ROWS(Q32_ROWS)                                                                    \
-    }
-#define Q32_ROWS(r) q32_tile_avx2(w + c * ws, ws, xq, xs, nb, y + c * R, 1, r, type)
 #define ROW_TILE(name, call)                                                                 \
     static void name(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,     \
                      int64_t nb, int R, float *y) {                                          \
@@ -608,9 +612,12 @@ AI void q6k_tile_avx2(const uint8_t *w, const uint8_t *xq, int64_t xs, int64_t n
 #define Q4_K_T(r) qk45_tile_avx2(w + c * ws, xq, xs, nb, y + c * R, r, 0)
 #define Q5_K_T(r) qk45_tile_avx2(w + c * ws, xq, xs, nb, y + c * R, r, 1)
 #define Q6_K_T(r) q6k_tile_avx2(w + c * ws, xq, xs, nb, y + c * R, r)
-Q32_TILE(q4_0_avx2, 0)
-Q32_TILE(q8_0_avx2, 1)
-Q32_TILE(q4_1_avx2, 2)
+#define Q4_0_T(r) q32_tile_avx2(w + c * ws, xq, xs, nb, y + c * R, r, 0)
+#define Q8_0_T(r) q32_tile_avx2(w + c * ws, xq, xs, nb, y + c * R, r, 1)
+#define Q4_1_T(r) q32_tile_avx2(w + c * ws, xq, xs, nb, y + c * R, r, 2)
+ROW_TILE(q4_0_avx2, Q4_0_T)
+ROW_TILE(q8_0_avx2, Q8_0_T)
+ROW_TILE(q4_1_avx2, Q4_1_T)
 ROW_TILE(q4_k_avx2, Q4_K_T)
 ROW_TILE(q5_k_avx2, Q5_K_T)
 ROW_TILE(q6_k_avx2, Q6_K_T)
@@ -655,7 +662,7 @@ int rs_quant_linear(int wtype, const uint8_t *w, int64_t N, int64_t K, int xdt, 
     if (M == 0 || N == 0) return 0;
     const tile_fn tile = (flags & 1) || !qt.fast ? qt.ref : qt.fast;
     const int64_t nb = K / qt.block, row_bytes = nb * qt.bytes;
-    const int64_t xs = nb * (qt.kquant ? (int64_t)sizeof(xqk_t) : (int64_t)sizeof(xq32_t));
+    const int64_t xs = qt.kquant ? nb * (int64_t)sizeof(xqk_t) : (nb + 3) / 4 * (int64_t)sizeof(xq32_t);
     uint8_t *xq = aligned_alloc(64, (size_t)((M * xs + 63) / 64 * 64));
     if (!xq) return 3;
     const int nt = num_threads > 0 ? num_threads : 1;
