@@ -409,6 +409,16 @@ AI float f16(const uint8_t *p) {
 #define QPF 4096
 #endif
 
+/* [sum of lanes 0..3 of p[k], k < 4 | sum of lanes 4..7 of p[k]]: a horizontal-add tree of
+ * unpacks and adds (single-uop shuffles; integer sums, exact in any order) */
+AI __m256i tree4(const __m256i *p) {
+    const __m256i a = _mm256_add_epi32(_mm256_unpacklo_epi32(p[0], p[1]),
+                                       _mm256_unpackhi_epi32(p[0], p[1]));
+    const __m256i b = _mm256_add_epi32(_mm256_unpacklo_epi32(p[2], p[3]),
+                                       _mm256_unpackhi_epi32(p[2], p[3]));
+    return _mm256_add_epi32(_mm256_unpacklo_epi64(a, b), _mm256_unpackhi_epi64(a, b));
+}
+
 /* Q4_0 (type 0: unsigned nibbles, the -8 added to the lanes in integers), Q8_0 (type 1:
  * signed, abs/sign trick), Q4_1 (type 2: unsigned, min term): one weight row x R activation
  * rows, four blocks at a time. Each block's maddubs + madd leave 8 int32; a horizontal-add
@@ -456,7 +466,7 @@ AI void q32_group_avx2(const uint8_t *w, const uint8_t *xq, int64_t xs, int64_t 
             if (type == 1) xv = _mm256_sign_epi8(xv, wq[k]);
             p[k] = _mm256_madd_epi16(_mm256_maddubs_epi16(aw[k], xv), ones);
         }
-        __m256i t = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+        __m256i t = tree4(p);
         if (type == 0) t = _mm256_add_epi32(t, _mm256_loadu_si256((const __m256i *)x->c));
         const __m256 s = _mm256_mul_ps(dw8, _mm256_broadcast_ps((const __m128 *)x->d));
         acc[r] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(t), acc[r]);
