@@ -419,6 +419,21 @@ AI __m256i tree4(const __m256i *p) {
     return _mm256_add_epi32(_mm256_unpacklo_epi64(a, b), _mm256_unpackhi_epi64(a, b));
 }
 
+/* tree4 from the four blocks' maddubs outputs of unsigned nibbles x int8 (each int16 at most
+ * 2 * 15 * 127 = 3810 in magnitude, so sums of four stay in int16): the first levels in int16,
+ * one madd for all four blocks */
+AI __m256i tree4_16(const __m256i *p) {
+    const __m256i a = _mm256_add_epi16(_mm256_unpacklo_epi16(p[0], p[1]),
+                                       _mm256_unpackhi_epi16(p[0], p[1]));
+    const __m256i b = _mm256_add_epi16(_mm256_unpacklo_epi16(p[2], p[3]),
+                                       _mm256_unpackhi_epi16(p[2], p[3]));
+    /* per 128 bits, int16: [p0, p1, p2, p3] of pairs (0 + 4) + (2 + 6), then of (1 + 5) + (3 + 7) */
+    const __m256i c = _mm256_add_epi16(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
+    const __m256i order = _mm256_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15,
+                                           0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15);
+    return _mm256_madd_epi16(_mm256_shuffle_epi8(c, order), _mm256_set1_epi16(1));
+}
+
 /* Q4_0 (type 0: unsigned nibbles, the -8 added to the lanes in integers), Q8_0 (type 1:
  * signed, abs/sign trick), Q4_1 (type 2: unsigned, min term): one weight row x R activation
  * rows, four blocks at a time. Each block's maddubs + madd leave 8 int32; a horizontal-add
@@ -464,9 +479,10 @@ AI void q32_group_avx2(const uint8_t *w, const uint8_t *xq, int64_t xs, int64_t 
         for (int k = 0; k < 4; ++k) {
             __m256i xv = _mm256_loadu_si256((const __m256i *)x->q[k]);
             if (type == 1) xv = _mm256_sign_epi8(xv, wq[k]);
-            p[k] = _mm256_madd_epi16(_mm256_maddubs_epi16(aw[k], xv), ones);
+            p[k] = _mm256_maddubs_epi16(aw[k], xv);
+            if (type == 1) p[k] = _mm256_madd_epi16(p[k], ones);
         }
-        __m256i t = tree4(p);
+        __m256i t = type == 1 ? tree4(p) : tree4_16(p);
         if (type == 0) t = _mm256_add_epi32(t, _mm256_loadu_si256((const __m256i *)x->c));
         const __m256 s = _mm256_mul_ps(dw8, _mm256_broadcast_ps((const __m128 *)x->d));
         acc[r] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(t), acc[r]);
