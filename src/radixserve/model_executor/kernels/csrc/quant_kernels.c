@@ -20,29 +20,36 @@
  *                 6-7) on top; v = d * scales[e / 16] * (q - 32).
  *
  * Activations are quantized once per call, per block, into a scratch buffer (llama.cpp's
- * scheme): for Q4_0/Q8_0 weights 32 values as int8 with a float scale (`xq32_t`, Q8_0-style);
- * for Q4_1 also s = d * sum(q) (Q8_1-style); for the K-quants 256 values with a float scale and
- * the sums of each 16 (and 32) values (`xqk_t`, Q8_K-style). Every scale is symmetric:
- * d = amax / 127, q = nearest-even(x * (127 / amax)) (0 for an all-zero block). The scale stays
- * float32 (llama.cpp rounds Q8_0/Q8_1's to fp16).
+ * scheme): for Q4_0/Q4_1/Q8_0 weights 32 values as int8 with a float scale, four blocks to a
+ * group (`xq32_t`: the four scales, s = d * sum(q) for Q4_1's min, -8 * the sums of each 16 q
+ * for Q4_0's offset, side by side); for the K-quants 256 values with a float scale and the sums
+ * of each 16 (and 32) values (`xqk_t`, Q8_K-style). Every scale is symmetric: d = amax / 127,
+ * q = nearest-even(x * (127 / amax)) (0 for an all-zero block). The scale stays float32
+ * (llama.cpp rounds Q8_0/Q8_1's to fp16).
  *
  * Dot products are exact integers per block; the float arithmetic is one fixed sequence per
  * output, whatever the tiling, the row count M or the instruction set:
- *   * the integer dot of a block is kept in 8 int32 "lanes": lane l holds the products of the
- *     values whose index within their 32-value group is 4l .. 4l + 3 (the lanes AVX2's
- *     maddubs + madd leave them in), with K-quants' sub-block scales applied in integers;
- *   * per block b: s = d_w * d_x; acc[l] = fma(s, (float)lane[l], acc[l]) for l < 8;
- *     Q4_1 also accm = fma(m_w, s_x, accm); Q4_K/Q5_K accm[k] = fma(dmin_w * d_x,
- *     (float)(m[2k] * bs32[2k] + m[2k+1] * bs32[2k+1]), accm[k]) for k < 4; Q6_K's -32 offset
- *     is subtracted from the lanes in integers (lane k: 32 * (sc[2k] bs16[2k] + sc[2k+1]
- *     bs16[2k+1]));
+ *   * Q4_0/Q4_1/Q8_0: block b's integer dot is kept as two int32 "lanes", lo (its values
+ *     0..15) and hi (16..31), Q4_0's -8 offset included; with k = b % 4 and s = d_w * d_x:
+ *     acc[k] = fma(s, (float)lo, acc[k]), acc[4 + k] = fma(s, (float)hi, acc[4 + k]) (AVX2:
+ *     four blocks' lanes gathered by an add tree into one vector, one convert + FMA per 4
+ *     blocks), Q4_1 also accm[k] = fma(m_w, s_x, accm[k]);
+ *   * K-quants: a super-block's integer dot is kept in 8 int32 lanes: lane l holds the
+ *     products of the values whose index within their 32-value group is 4l .. 4l + 3 (the
+ *     lanes AVX2's maddubs + madd leave them in), with the sub-block scales applied in
+ *     integers; per super-block b: s = d_w * d_x; acc[l] = fma(s, (float)lane[l], acc[l]) for
+ *     l < 8; Q4_K/Q5_K accm[k] = fma(dmin_w * d_x, (float)(m[2k] * bs32[2k] + m[2k+1] *
+ *     bs32[2k+1]), accm[k]) for k < 4; Q6_K's -32 offset is subtracted from the lanes in
+ *     integers (lane k: 32 * (sc[2k] bs16[2k] + sc[2k+1] bs16[2k+1]));
  *   * y = ((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 + acc7)) (the AVX2 horizontal
- *     sum), + accm (Q4_1), - ((accm0 + accm2) + (accm1 + accm3)) (K-quants).
+ *     sum), + ((accm0 + accm2) + (accm1 + accm3)) (Q4_1), - ((accm0 + accm2) + (accm1 +
+ *     accm3)) (K-quants).
  * The portable C path (`*_ref`) performs exactly these operations, so it gives the AVX2 path's
  * bits (tests compare them); an AVX-512 VNNI / AMX-INT8 variant would be one more tile
  * function per type (`qtype_t.fast`) with the same lane contract (VNNI's vpdpbusd sums 4
- * consecutive u8 x s8 products into an int32: a lane here). Threads split the N output rows,
- * never K.
+ * consecutive u8 x s8 products into an int32). Each weight block is decoded once per tile of
+ * up to TILE_M activation rows, its products added into each row's integer lanes. Threads
+ * split the N output rows, never K.
  *
  * Measured (bench/quant_kernels.py's shapes; 2-core Zen 3 VM, AVX2 path, 2 threads, W [8960,
  * 1536] streamed from DRAM, best of 24 calls in a quiet moment), microseconds per call:
@@ -69,7 +76,9 @@
 #define AI static inline __attribute__((always_inline))
 
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
+#ifndef TILE_M
 #define TILE_M 4
+#endif
 
 /* ---- scalar helpers ----------------------------------------------------------------- */
 
@@ -246,11 +255,10 @@ static void quantize_row_k(int xdt, const void *x, int64_t off, int64_t nb, xqk_
 /* ---- portable tiles: one output per activation row, the lane contract spelled out ------ */
 
 /* y[c * R + r] = output of weight row c (at w + c * ws) for activation row r (at xq + r * xs),
- * c < C, r < R; nb blocks per row. The driver asks for C = TILE_N weight rows at R = 1 (one
- * activation row: independent accumulator chains) and C = 1 otherwise. */
+ * c < C, r < R; nb blocks per row. The driver passes a whole group of weight rows (C <= 256)
+ * and a tile of R <= TILE_M activation rows. */
 typedef void (*tile_fn)(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
                         int64_t nb, int R, float *y);
-#define TILE_N 4
 
 /* acc[l] = fma(s, lane[l], acc[l]) */
 static inline void lanes_fma(float *acc, float s, const int32_t *lane, int n) {
@@ -700,10 +708,10 @@ int rs_quant_linear(int wtype, const uint8_t *w, int64_t N, int64_t K, int xdt, 
             quantize_row_32(xdt, x, i * K, nb, (xq32_t *)(xq + i * xs));
     }
     /* groups of weight rows (~64 KiB) stay in L2 while every tile of activation rows passes;
-     * a multiple of TILE_N, and at least one group per thread */
+     * a multiple of 4, and at least one group per thread */
     int64_t jb = (64 * 1024) / row_bytes, per_thread = (N + nt - 1) / nt;
     if (jb > per_thread) jb = per_thread;
-    jb = (jb + TILE_N - 1) / TILE_N * TILE_N;
+    jb = (jb + 3) / 4 * 4;
     if (jb > 256) jb = 256;
     const int64_t groups = (N + jb - 1) / jb;
 #pragma omp parallel for num_threads(nt) if (N * row_bytes * (M < 4 ? M : 4) >= 65536) \
