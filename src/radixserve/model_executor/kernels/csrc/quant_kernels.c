@@ -513,6 +513,15 @@ AI void q32_tile_avx2(const uint8_t *w, const uint8_t *xq, int64_t xs, int64_t n
         y[r] = type == 2 ? hsum8_avx(acc[r]) + hsum4_avx(accm[r]) : hsum8_avx(acc[r]);
 }
 
+/* pshufb selectors: 16-bit scale s of a [sc0 .. sc7] vector into every 16-bit lane */
+static const uint8_t k4_sel[8][32] __attribute__((aligned(32))) = {
+#define SEL(s) {2*s, 2*s+1, 2*s, 2*s+1, 2*s, 2*s+1, 2*s, 2*s+1, 2*s, 2*s+1, 2*s, 2*s+1, 2*s, 2*s+1, \
+                2*s, 2*s+1, 2*s, 2*s+1, 2*s, 2*s+1, 2*s, 2*s+1, 2*s, 2*s+1, 2*s, 2*s+1, 2*s, 2*s+1, \
+                2*s, 2*s+1, 2*s, 2*s+1}
+    SEL(0), SEL(1), SEL(2), SEL(3), SEL(4), SEL(5), SEL(6), SEL(7)
+#undef SEL
+};
+
 /* Q4_K (hbit = 0) and Q5_K (hbit = 1), one weight row x R activation rows. The scales and mins
  * are unpacked in general registers; each 64-value pair of sub-blocks is decoded once and its
  * two 16-bit-scale products added into each row's integer lanes, converted to float once per
@@ -545,19 +554,21 @@ AI void qk45_tile_avx2(const uint8_t *w, const uint8_t *xq, int64_t xs, int64_t 
         const __m256i hb = hbit ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
         __m256i isum[TILE_M];
         for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+        /* one 64-value pair of sub-blocks per (rolled) step: w0, w1, their scales and the R
+         * sums stay in registers */
+        __m256i hbj = hb;
+#pragma GCC unroll 1
         for (int j = 0; j < 4; ++j) {
             const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
             __m256i w0 = _mm256_and_si256(q, m4);
             __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-            if (hbit) { /* bit s of hb to bit 4: sub-blocks 2j, 2j + 1 (shifts stay in bytes) */
-                const int s0 = 2 * j, s1 = 2 * j + 1;
-                const __m256i h0 = s0 <= 4 ? _mm256_slli_epi16(hb, 4 - s0) : _mm256_srli_epi16(hb, s0 - 4);
-                const __m256i h1 = s1 <= 4 ? _mm256_slli_epi16(hb, 4 - s1) : _mm256_srli_epi16(hb, s1 - 4);
-                w0 = _mm256_or_si256(w0, _mm256_and_si256(h0, b4));
-                w1 = _mm256_or_si256(w1, _mm256_and_si256(h1, b4));
+            if (hbit) { /* bits 2j, 2j + 1 of hb, at bits 0 and 1 of hbj, to bit 4 */
+                w0 = _mm256_or_si256(w0, _mm256_and_si256(_mm256_slli_epi16(hbj, 4), b4));
+                w1 = _mm256_or_si256(w1, _mm256_and_si256(_mm256_slli_epi16(hbj, 3), b4));
+                hbj = _mm256_srli_epi16(hbj, 2);
             }
-            const __m256i v0 = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)(0x0100 + 0x0404 * j)));
-            const __m256i v1 = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)(0x0302 + 0x0404 * j)));
+            const __m256i v0 = _mm256_shuffle_epi8(sc16, _mm256_load_si256((const __m256i *)k4_sel[2 * j]));
+            const __m256i v1 = _mm256_shuffle_epi8(sc16, _mm256_load_si256((const __m256i *)k4_sel[2 * j + 1]));
             for (int r = 0; r < R; ++r) {
                 const int8_t *xr = ((const xqk_t *)(xq + r * xs) + b)->q + 64 * j;
                 const __m256i p0 = _mm256_madd_epi16(
