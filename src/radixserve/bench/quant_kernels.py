@@ -144,6 +144,30 @@ def run_quant_bench(n: int = 8960, k: int = 1536, ms: tuple[int, ...] = (1, 4, 1
 
 
 if __name__ == "__main__":
+    import argparse
     import json
 
-    print(json.dumps(run_quant_bench(), indent=1))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", action="append", default=None,
+                    help="NxK of the weight (repeatable; default 8960x1536)")
+    ap.add_argument("--types", default="Q4_0,Q4_K", help="comma-separated ggml type names")
+    ap.add_argument("--ms", default="1,4,16,64", help="comma-separated row counts M")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--min-time", type=float, default=0.5)
+    ap.add_argument("--cpu-time", action="store_true")
+    ap.add_argument("--no-yardsticks", action="store_true")
+    ap.add_argument("--json", action="store_true", help="print the raw result dicts")
+    a = ap.parse_args()
+    for shape in a.shape or ["8960x1536"]:
+        n, k = (int(v) for v in shape.split("x"))
+        res = run_quant_bench(n, k, ms=tuple(int(m) for m in a.ms.split(",")),
+                              types=tuple(a.types.split(",")), min_time=a.min_time,
+                              threads=a.threads, cpu_time=a.cpu_time,
+                              yardsticks=not a.no_yardsticks)
+        if a.json:
+            print(json.dumps(res, indent=1))
+            continue
+        print(f"W [{n}, {k}], {res['threads']} threads, {res['isa']}, {res['clock']} clock")
+        for row in res["rows"]:
+            print(f"  {row['kernel']:24s} M={row['m']:<3d} {row['us']:10.1f} us "
+                  f"{row['gb_s']:6.2f} GB/s")
