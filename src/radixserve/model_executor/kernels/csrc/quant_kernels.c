@@ -77,7 +77,7 @@
 
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
 #ifndef TILE_M
-#define TILE_M 4
+#define TILE_M 8
 #endif
 
 /* ---- scalar helpers ----------------------------------------------------------------- */
@@ -642,8 +642,18 @@ AI void q6k_tile_avx2(const uint8_t *w, const uint8_t *xq, int64_t xs, int64_t n
 
 /* one tile function per type: the R (and, at R = 1, C) counts as compile-time constants; the
  * loop over the C weight rows of a group inside each specialization (constants stay put) */
+#if TILE_M > 4
+#define ROWS_5_8(call)                                                                       \
+    case 8: for (int c = 0; c < C; ++c) call(8); break;                                      \
+    case 7: for (int c = 0; c < C; ++c) call(7); break;                                      \
+    case 6: for (int c = 0; c < C; ++c) call(6); break;                                      \
+    case 5: for (int c = 0; c < C; ++c) call(5); break;
+#else
+#define ROWS_5_8(call)
+#endif
 #define BY_ROWS(call)                                                                        \
     switch (R) {                                                                             \
+    ROWS_5_8(call)                                                                           \
     case 4: for (int c = 0; c < C; ++c) call(4); break;                                      \
     case 3: for (int c = 0; c < C; ++c) call(3); break;                                      \
     case 2: for (int c = 0; c < C; ++c) call(2); break;                                      \
