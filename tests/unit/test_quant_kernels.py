@@ -221,3 +221,46 @@ def test_plain_x86_64_build_gives_the_same_bits(qk, tmp_path):
     for t in TYPES:
         w = make_weight(t, 9, 512, seed=t)
         assert torch.equal(run(plain, t, w, x), run(qk, t, w, x)), NAMES[t]
+
+
+@pytest.mark.parametrize("t", [int(QT.Q4_0), int(QT.Q4_1), int(QT.Q8_0)],
+                         ids=["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("k", [32, 96, 224, 288])
+def test_block_groups_with_a_tail(qk, t, k):
+    """K / 32 not a multiple of 4 (the tiles take blocks four at a time; the last group is
+    partial): the reference bound, the same bits alone and batched, and from the portable tiles."""
+    n, m = 11, 10
+    w = make_weight(t, n, k, seed=k + t)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k))
+    y = run(qk, t, w, x)
+    ref, scale = reference(t, w, x.numpy(), k)
+    assert np.all(np.abs(y.double().numpy() - ref) <= 5e-7 * scale + 1e-30)
+    for i in (0, 7, 9):
+        assert torch.equal(run(qk, t, w, x[i:i + 1]), y[i:i + 1])
+    assert torch.equal(run(qk, t, w, x, portable=True), y)
+
+
+@pytest.mark.parametrize("t", TYPES, ids=NAMES.values())
+def test_extreme_products_do_not_saturate(qk, t):
+    """Every weight at its largest magnitude and every activation at +-amax: the int16 stages
+    of the dot products (maddubs pairs, Q4_0/Q4_1's sums of four pairs) stay exact."""
+    block, nbytes = block_info(t)
+    n, k = 4, 1024
+    raw = np.full((n, k // block, nbytes), 0xFF, dtype=np.uint8)
+    d = np.full((n, k // block), 1e-3, dtype=np.float16).view(np.uint8).reshape(n, -1, 2)
+    if t == QT.Q6_K:
+        raw[..., 208:210] = d
+    elif t == QT.Q8_0:
+        raw[..., 2:] = 0x81  # -127
+        raw[..., 0:2] = d
+    else:
+        raw[..., 0:2] = d
+        raw[..., 2:4] = d
+    w = raw.reshape(n, -1)
+    x = torch.ones(3, k)
+    x[1] = -1.0
+    x[2, ::2] = -1.0
+    y = run(qk, t, w, x).double().numpy()
+    ref, scale = reference(t, w, x.numpy(), k)
+    assert np.all(np.abs(y - ref) <= 5e-7 * scale + 1e-30), np.abs(y - ref).max()
+    assert torch.equal(run(qk, t, w, x, portable=True), torch.from_numpy(y).float())
