@@ -266,3 +266,41 @@ def test_error_bodies_through_fastapi():
     r = client.get("/boom")
     assert r.status_code == 500 and r.json()["error"]["type"] == "internal_error"
     assert error_response("x", 401).status_code == 401
+
+
+@pytest.mark.parametrize("model,body,param,where", [
+    (CompletionRequest, {"prompt": "\ud800"}, "prompt", "prompt "),
+    (CompletionRequest, {"prompt": ["ok", "a\udfffb"]}, "prompt", "prompt.1 "),
+    (CompletionRequest, {"prompt": "x", "stop": "\ud800"}, "stop", "stop "),
+    (ChatCompletionRequest, {"messages": MSGS, "stop": ["a", "\udc00"]}, "stop", "stop.1 "),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "\ud800"}]}]}, "messages", "messages.0.content.0.text "),
+    (ChatCompletionRequest, {"messages": MSGS, "logit_bias": {"\ud800": 1}}, "logit_bias",
+     "logit_bias.\\ud800 "),
+    (ChatCompletionRequest, {"messages": MSGS, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"x": ["\ud800"]}}}]}, "tools", "tools.0.function."),
+    (TokenizeRequest, {"prompt": "\ud800"}, "prompt", "prompt "),
+])
+def test_lone_surrogate_is_400_naming_the_field(model, body, param, where):
+    """A lone surrogate (JSON's ``\\ud800``) is no text the tokenizer or the engine link
+    takes: a validation error naming the field, with the exact place in the message; the
+    error body encodes as UTF-8."""
+    with pytest.raises(ValidationError) as e:
+        model.model_validate(body)
+    err = error_from_validation(e.value)
+    assert err.status_code == 400 and err.param == param
+    assert where in err.message and "lone surrogate" in err.message, err.message
+    err.to_response()  # encodes
+
+
+def test_astral_and_odd_text_is_accepted():
+    r = CompletionRequest.model_validate({"prompt": "\U0001f600 \x00 \u202e", "stop": "\ufeff"})
+    assert r.prompt == "\U0001f600 \x00 \u202e" and r.stop == "\ufeff"
+
+
+def test_error_body_with_a_lone_surrogate_still_encodes():
+    """An error quoting the client's input (an unknown field's name, a dict key in
+    ``param``) is written with the surrogate escaped, not a 500 from the encoder."""
+    err = OpenAIError("Unsupported parameter: \ud800", param="\ud800")
+    assert err.param == "\\ud800" and err.message.endswith("\\ud800")
+    assert b"\\ud800" in err.to_response().body

@@ -26,6 +26,15 @@ ERROR_TYPES = {
 }
 
 
+def _encodable(text: str) -> str:
+    """``text`` with any lone surrogate written as its ``\\udXXX`` escape: an error that
+    quotes the client's input (an unknown field's name, a dict key in ``param``) must still
+    encode as the UTF-8 JSON body."""
+    if text.isascii():
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 class OpenAIError(Exception):
     """An error to return to the client as an OpenAI error body.
 
@@ -47,12 +56,13 @@ class OpenAIError(Exception):
         code: str | int | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
+        message = _encodable(message)
         super().__init__(message)
         self.headers = headers
         self.message = message
         self.status_code = status_code
         self.type = type or ERROR_TYPES.get(status_code, "internal_error")
-        self.param = param
+        self.param = None if param is None else _encodable(param)
         self.code = code
 
     def to_dict(self) -> dict[str, Any]:

@@ -8,7 +8,8 @@ Nothing is silently ignored: an unknown top-level field (other than the bookkeep
 ``unsupported_fields`` and refused with a 400 naming it; a null value is "not set" and always
 accepted. Ranges are checked once, by
 ``SamplingParams`` (``to_sampling_params`` raises its ``ValueError``); pydantic checks types and
-shapes (a ``ValidationError`` becomes a 400 through ``errors.error_from_validation``).
+shapes (a ``ValidationError`` becomes a 400 through ``errors.error_from_validation``), and
+that every string is valid Unicode text (``lone_surrogate_at``).
 """
 
 from __future__ import annotations
@@ -42,6 +43,54 @@ class OpenAIBaseModel(BaseModel):
 #: bookkeeping and routing hints).
 NO_OP_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier",
                           "prompt_cache_key", "stream_interval"})
+
+
+# -- text --------------------------------------------------------------------------------------
+
+
+def lone_surrogate_at(value: Any, path: str = "") -> tuple[str, str] | None:
+    """The first string in ``value`` (a parsed JSON value: its strings, dict keys included,
+    at any depth) that is not valid Unicode text, as ``(dotted path, the offending code
+    point as U+XXXX)``; None when every string is valid.
+
+    JSON's ``\\ud800`` escape decodes to a lone UTF-16 surrogate, which is no character: no
+    tokenizer takes it and no UTF-8 encoder (the engine link, a response body, a log line)
+    writes it. The walk is iterative: a value nested as deep as ``json.loads`` allows does not
+    exhaust the stack here.
+    """
+    todo: list[tuple[str, Any]] = [(path, value)]
+    while todo:
+        where, v = todo.pop()
+        if isinstance(v, str):
+            if not v.isascii():
+                try:
+                    v.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    return where, f"U+{ord(v[e.start]):04X}"
+            continue
+        prefix = f"{where}." if where else ""
+        if isinstance(v, dict):
+            items = [(f"{prefix}{k}", x) for k, v2 in v.items() for x in (k, v2)
+                     if isinstance(x, (str, dict, list))]
+        elif isinstance(v, list):  # numbers (token ids) are skipped without a path
+            items = [(f"{prefix}{i}", x) for i, x in enumerate(v)
+                     if isinstance(x, (str, dict, list))]
+        else:
+            continue
+        todo.extend(reversed(items))  # first item on top: the first bad string is reported
+    return None
+
+
+def _valid_text(value: Any, info: ValidationInfo) -> Any:
+    """A field validator (``mode="before"``): every string in the field's value, at any
+    depth, must be valid Unicode text (``lone_surrogate_at``); a 400 naming the field."""
+    bad = lone_surrogate_at(value, info.field_name or "")
+    if bad is not None:
+        where, char = bad
+        raise ValueError(f"{where.encode('utf-8', 'backslashreplace').decode()} is not valid "
+                         f"Unicode text: it holds a lone surrogate ({char}; JSON's \\u escapes "
+                         "of a surrogate must come in high-low pairs)")
+    return value
 
 
 # -- requests ----------------------------------------------------------------------------------
@@ -263,6 +312,10 @@ class _SamplingRequest(BaseModel):
                 or fields[k].default is None
             }
         return data
+
+    #: every string of a request must be valid Unicode text (the tokenizer and the engine link
+    #: take nothing else): a lone surrogate is a 400 naming the field, never a 5xx downstream
+    _text = field_validator("*", mode="before")(_valid_text)
 
     @field_validator("stream_options")
     @classmethod
@@ -563,6 +616,8 @@ class TokenizeRequest(OpenAIBaseModel):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+
+    _text = field_validator("*", mode="before")(_valid_text)
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
