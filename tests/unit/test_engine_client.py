@@ -144,6 +144,11 @@ def test_client_routes_deltas_and_isolates_bad_requests(tok) -> None:
             with pytest.raises(RequestEncodeError, match="cannot be sent"):
                 client.add_requests([_req("ok-first", [1, 2], SamplingParams(max_tokens=2)),
                                      _req("bad", [1, 2], bad)])
+            # text UTF-8 cannot write (a lone surrogate; the API refuses it before this): the
+            # same error, not the ValueError of a request id already in flight
+            with pytest.raises(RequestEncodeError, match="cannot be sent"):
+                client.add_requests([_req("bad-text", [1, 2],
+                                          SamplingParams(max_tokens=2, stop=["\ud800"]))])
             assert client.num_in_flight == 0 and client.healthy
             ok = await _collect(client.add_requests([
                 _req("after", [4, 5], SamplingParams(max_tokens=3, ignore_eos=True))]))

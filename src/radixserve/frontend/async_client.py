@@ -325,7 +325,7 @@ class AsyncEngineClient:
         for r in requests:
             try:
                 bufs.append(self._encoder.encode(request_to_wire(r)))
-            except (OverflowError, TypeError, msgspec.EncodeError) as e:
+            except (OverflowError, TypeError, UnicodeEncodeError, msgspec.EncodeError) as e:
                 raise RequestEncodeError(f"request cannot be sent to the engine: {e}") from None
         states: list[RequestState] = []
         try:
