@@ -23,15 +23,19 @@ async def parse_body(raw: Request, model: type[M]) -> M:
     requests) is also checked for fields this server cannot honour.
 
     Raises:
-        OpenAIError: 400 for a body that is not JSON (or not an object), or naming an
-            unsupported field; pydantic's ``ValidationError`` (the app turns it into a 400
-            naming the field) for wrong types or missing fields.
+        OpenAIError: 400 for a body that is not JSON (or not an object, or nested deeper
+            than the parser's stack allows), or naming an unsupported field; pydantic's
+            ``ValidationError`` (the app turns it into a 400 naming the field) for wrong types
+            or missing fields.
     """
     body = await raw.body()
     try:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
         raise OpenAIError(f"Invalid JSON body: {e}") from None
+    except RecursionError:
+        # arrays or objects nested deeper than the parser's stack allows
+        raise OpenAIError("Invalid JSON body: nested too deeply") from None
     if not isinstance(data, dict):
         raise OpenAIError("The request body must be a JSON object.")
     req = model.model_validate(data)
