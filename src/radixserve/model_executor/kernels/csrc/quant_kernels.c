@@ -51,13 +51,17 @@
  * up to TILE_M activation rows, its products added into each row's integer lanes. Threads
  * split the N output rows, never K.
  *
- * Measured (bench/quant_kernels.py's shapes; 2-core Zen 3 VM, AVX2 path, 2 threads, W [8960,
- * 1536] streamed from DRAM, best of 24 calls in a quiet moment), microseconds per call:
+ * Measured (2-core Zen 3 VM, AVX2 path, 2 threads, W [8960, 1536] rotated over copies past the
+ * L3 as bench/quant_kernels.py does, best of 7 batches, quiet machine), microseconds per call:
  *            M=1    M=4    M=16   M=64
- *   Q4_0     553   1084    5256  17800   (M=1: 14.0 GB/s of weight bytes)
- *   Q4_K     501   1179    4458  17351   (M=1: 15.5 GB/s; F.linear streams 16.7 GB/s)
- *   torch int4pack g32 (bf16 x): 1067 / 2108 / 5920 / 33134; F.linear float32: 3306 / 11114 /
- *   12320 / 25797.
+ *   Q4_0     386    774    2880  11273   (M=1: 20.1 GB/s of weight bytes; 341-382 on reruns)
+ *   Q4_K     435    769    2921  11344   (M=1: 17.8 GB/s; 380-392 on reruns, ~20 GB/s)
+ *   Q6_K     497    914    3098  12641   (M=1: 22.7 GB/s)
+ *   Q8_0     597    971    3445  14778   (M=1: 24.5 GB/s)
+ *   before the 4-block Q4_0/Q8_0 tiles and the K-quant rework, the same run: Q4_0 579 / 1298 /
+ *   5217 / 20346, Q4_K 457 / 1114 / 4592 / 16675, Q6_K 693 / 1252 / 4956 / 18814, Q8_0 828 /
+ *   1386 / 5359 / 21042. Earlier yardsticks (other runs): torch int4pack g32 (bf16 x) 1067 /
+ *   2108 / 5920 / 33134; F.linear float32 3306 / 11114 / 12320 / 25797.
  *
  * Error codes: 1 bad type or sizes; 2 an id out of range (dequantize_rows, nothing written);
  * 3 out of memory.
