@@ -107,7 +107,9 @@ def main() -> int:
     result: dict[str, object] = {"dtype": args.dtype, "batch": args.batch,
                                  "context": args.context, "threads": torch.get_num_threads(),
                                  "torch": torch.__version__, "paths": {}}
+    # the dense layer stack (Inductor compiles it; the GGUF's block form is not compared)
     ref = ModelRunner(EngineConfig(dtype=args.dtype, device="cpu", num_pages=pages,
+                                   quantization="none",
                                    attention_backend="torch", pack_weights=False,
                                    fused_decode=False))
     prefill_kv(ref, args.batch, args.context)
@@ -139,7 +141,8 @@ def main() -> int:
         out[name]["greedy_agree"] = float((logits.argmax(-1) == base.argmax(-1)).float().mean())
         print(name, out[name], flush=True)
     if "radixserve" in paths:
-        fast = ModelRunner(EngineConfig(dtype=args.dtype, device="cpu", num_pages=pages))
+        fast = ModelRunner(EngineConfig(dtype=args.dtype, device="cpu", num_pages=pages,
+                                        quantization="none"))
         for mine, theirs in zip(fast.kv.layers, ref.kv.layers, strict=True):
             mine.copy_(theirs)
         del ref, model

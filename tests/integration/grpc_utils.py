@@ -16,7 +16,7 @@ from pathlib import Path
 
 import grpc
 import httpx
-from server_utils import free_port, free_ports, pid_alive
+from server_utils import free_port, free_ports, pid_alive, pinned
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
 
@@ -126,7 +126,7 @@ class GrpcWorker(Proc):
         self.port, self.metrics_port = free_ports(2)
         super().__init__(name, [*_radixserve(), "serve", "--grpc", "--host", "127.0.0.1",
                                 "--port", str(self.port), "--metrics-port",
-                                str(self.metrics_port), *args], workdir, env)
+                                str(self.metrics_port), *pinned(args)], workdir, env)
 
     @property
     def url(self) -> str:
@@ -156,7 +156,8 @@ class ZmqWorker(Proc):
                  env: dict[str, str] | None = None) -> None:
         self.socket_dir = Path(tempfile.mkdtemp(prefix="rs-zmq-", dir="/tmp"))
         self.url = f"ipc://{self.socket_dir}/engine"
-        super().__init__(name, [*_radixserve(), "serve", "--zmq-worker", self.url, *args],
+        super().__init__(name, [*_radixserve(), "serve", "--zmq-worker", self.url,
+                                *pinned(args)],
                          workdir, env)
 
     def stop(self, timeout_s: float = 20.0) -> int | None:

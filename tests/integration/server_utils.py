@@ -20,6 +20,16 @@ from radixserve.bench.ports import free_port, free_ports  # noqa: F401 - for the
 HANG_TIMEOUT_S = 120.0
 
 
+def pinned(args: list[str]) -> list[str]:
+    """``args`` with ``--quantization none`` unless they choose a form or the null model: a
+    GGUF's form is otherwise measured per machine, and these tests compare servers with the
+    dense offline reference (``default_llm``) and with transformers; the block form has its
+    own tests (test_quantized_default.py, test_quantized_model.py)."""
+    if "--quantization" in args or "--null-model" in args:
+        return list(args)
+    return [*args, "--quantization", "none"]
+
+
 def _serve_cmd() -> list[str]:
     script = Path(sys.executable).parent / "radixserve"
     if script.exists():
@@ -46,7 +56,7 @@ class ServerProcess:
         full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
                     "TMPDIR": str(self.tmpdir), **(env or {})}
         self.proc = subprocess.Popen(
-            [*_serve_cmd(), "--host", "127.0.0.1", "--port", str(self.port), *args],
+            [*_serve_cmd(), "--host", "127.0.0.1", "--port", str(self.port), *pinned(args)],
             stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
         self.engine_pid: int | None = None
 

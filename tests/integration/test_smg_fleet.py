@@ -40,7 +40,9 @@ from server_utils import (
 
 MODEL = "SmolLM2-135M-Instruct"
 #: 87 usable pages of 16 tokens: three 400-token group prefixes fit a worker, four do not.
-WORKER_ARGS = ["--dtype", "float32", "--num-pages", "88", "--max-num-seqs", "16", "--seed", "0"]
+# dense, as the HTTP server it is compared with (server_utils.pinned)
+WORKER_ARGS = ["--dtype", "float32", "--num-pages", "88", "--max-num-seqs", "16", "--seed", "0",
+               "--quantization", "none"]
 SMG_STABLE = ["--worker-wedge-secs", "60", "--disable-worker-overload-protection",
               "--balance-rel-threshold", "10", "--cb-failure-threshold", "2",
               "--retry-max-retries", "2"]

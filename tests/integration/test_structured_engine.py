@@ -30,6 +30,7 @@ def busy_llm() -> LLM:
     """Everything that could break a matcher or a logprob row at once: overlap on, prefill in
     32-token chunks, 24 KV pages of 16 tokens for up to 16 requests (preemptions)."""
     return LLM(dtype="float32", seed=0, num_pages=24, page_size=16, max_num_seqs=16,
+               quantization="none",
                max_num_batched_tokens=32, disable_overlap=False)
 
 

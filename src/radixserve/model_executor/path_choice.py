@@ -316,6 +316,13 @@ def choose_kernel_rows(kernels: CpuKernels, dtype: torch.dtype,
 FORM_M = (1, 16, 64, 256)
 
 
+#: how much faster the blocks must measure to be served instead of the dequantized weights:
+#: the dense form computes the checkpoint's own arithmetic (no activation rounding), runs the
+#: fused decode stack the per-layer measurement does not see, and a near-tie must not flip
+#: with the noise of one start-up's timing
+GGUF_FORM_MARGIN = 1.15
+
+
 @dataclass
 class GgufFormChoice:
     """Verdict of ``choose_gguf_form``.
@@ -388,10 +395,10 @@ def choose_gguf_form(blocks: Callable[[], list[tuple[int, torch.Tensor, torch.Te
         logs = [_WEIGHTS[m] * math.log(d / q)
                 for m, q, d in zip(FORM_M, secs["gguf"], secs["none"], strict=True)]
         speedup = math.exp(sum(logs) / sum(_WEIGHTS[m] for m in FORM_M))
-        form = "gguf" if speedup > 1.0 else "none"
+        form = "gguf" if speedup > GGUF_FORM_MARGIN else "none"
         ms = " ".join(f"M={m}: {q * 1e3:.2f}/{d * 1e3:.2f}"
                       for m, q, d in zip(FORM_M, secs["gguf"], secs["none"], strict=True))
         reason = (f"measured on a layer and the LM head, blocks/dequantized ms {ms}; blocks "
-                  f"{speedup:.2f}x")
+                  f"{speedup:.2f}x (taken above {GGUF_FORM_MARGIN}x)")
         _write(path, {"form": form, "reason": reason, "seconds": secs})
         return GgufFormChoice(form, reason, secs)
