@@ -191,22 +191,30 @@ def test_tiny_gguf_round_trip(tmp_path, arch, tie):
     assert not [p for p in cache.iterdir() if p.name.startswith(".")]  # no temp dirs left
 
 
-def _gguf_rewritten(src: Path, dst: Path, qtype) -> None:
-    """``src`` with every 2-D weight re-encoded as ``qtype`` (gguf-py's quantizer)."""
+def gguf_copy_metadata(reader, dst: Path, overrides: dict | None = None):  # noqa: ANN201
+    """A ``gguf.GGUFWriter`` for ``dst`` holding every metadata field of ``reader`` (a
+    ``GGUFReader``), ``overrides`` replacing values by key; the caller adds the tensors."""
     import gguf
 
-    reader = gguf.GGUFReader(str(src))
-    arch = reader.fields["general.architecture"].contents()
-    w = gguf.GGUFWriter(str(dst), arch)
+    w = gguf.GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
             continue
-        value = field.contents()
+        value = (overrides or {}).get(key, field.contents())
         vtype = field.types[0]
         if vtype == gguf.GGUFValueType.ARRAY:
             w.add_key_value(key, value, vtype, sub_type=field.types[-1])
         else:
             w.add_key_value(key, value, vtype)
+    return w
+
+
+def _gguf_rewritten(src: Path, dst: Path, qtype) -> None:
+    """``src`` with every 2-D weight re-encoded as ``qtype`` (gguf-py's quantizer)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(src))
+    w = gguf_copy_metadata(reader, dst)
     for t in reader.tensors:
         data = np.array(t.data)
         if data.ndim == 2:

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_loader import write_tiny_gguf
+from test_loader import gguf_copy_metadata, write_tiny_gguf
 
 from radixserve import SamplingParams
 from radixserve.entrypoints.llm import LLM
@@ -56,16 +56,7 @@ def write_mixed_gguf(src: Path, dst: Path, mix: dict[str, str], seed: int = 0) -
 
     rng = np.random.default_rng(seed)
     reader = gguf.GGUFReader(str(src))
-    arch = reader.fields["general.architecture"].contents()
-    w = gguf.GGUFWriter(str(dst), arch)
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        vtype = field.types[0]
-        if vtype == gguf.GGUFValueType.ARRAY:
-            w.add_key_value(key, field.contents(), vtype, sub_type=field.types[-1])
-        else:
-            w.add_key_value(key, field.contents(), vtype)
+    w = gguf_copy_metadata(reader, dst)
     for t in reader.tensors:
         data = np.array(t.data)
         base = t.name.split(".")[-2]
@@ -242,18 +233,7 @@ def test_bad_quantized_gguf_fails_at_start_naming_the_tensor(mixed_gguf, tmp_pat
     import gguf
 
     reader = gguf.GGUFReader(str(mixed_gguf))
-    w = gguf.GGUFWriter(str(tmp_path / "wide.gguf"), "llama")
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        value = field.contents()
-        if key == "llama.feed_forward_length":
-            value = 768
-        vtype = field.types[0]
-        if vtype == gguf.GGUFValueType.ARRAY:
-            w.add_key_value(key, value, vtype, sub_type=field.types[-1])
-        else:
-            w.add_key_value(key, value, vtype)
+    w = gguf_copy_metadata(reader, tmp_path / "wide.gguf", {"llama.feed_forward_length": 768})
     for t in reader.tensors:
         w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
     w.write_header_to_file()
