@@ -1,6 +1,7 @@
 """Decode-step figures of radixserve's offline ``LLM`` on a GPU, on a random-weight model with
 Qwen2.5-0.5B's shapes (hidden 896, 24 layers, 14 heads, 2 KV heads of 64, intermediate 4864,
-vocabulary 151936, tied embeddings, Q/K/V bias), in bfloat16.
+vocabulary 151936, tied embeddings, Q/K/V bias), in bfloat16; ``--shape`` picks another real
+model's shapes (``smollm2-135m``, the default model, or any ``bench make-model`` shape).
 
 For each attention backend and each mode (CUDA graphs on, the default; ``enforce_eager=True``):
 
@@ -49,12 +50,39 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-#: Qwen2.5-0.5B's shapes (its config.json), random weights
-QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                  num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                  head_dim=64, max_position_embeddings=32768, rope_theta=1000000.0,
-                  rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=151643,
-                  eos_token_id=151643)
+#: SmolLM2-135M-Instruct's shapes (the default model's config.json), for ``--shape smollm2-135m``
+SMOLLM2_135M = dict(architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576,
+                    intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+                    rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                    bos_token_id=1, eos_token_id=2)
+
+
+def shape_config(name: str) -> dict[str, Any]:
+    """transformers config values (plus ``architecture``) of the real model ``name``: a key of
+    ``radixserve.bench.make_model.SHAPES`` (the Qwen2.5 and Llama 3 shapes ``bench make-model``
+    builds) or ``smollm2-135m``. Raises ValueError naming the known shapes."""
+    from radixserve.bench.make_model import SHAPES
+
+    if name == "smollm2-135m":
+        return dict(SMOLLM2_135M)
+    s = SHAPES.get(name)
+    if s is None:
+        raise ValueError(f"unknown --shape {name!r}; known: smollm2-135m, {', '.join(SHAPES)}")
+    cfg = dict(architecture=s.architecture, vocab_size=s.vocab_size, hidden_size=s.hidden_size,
+               intermediate_size=s.intermediate_size, num_hidden_layers=s.num_hidden_layers,
+               num_attention_heads=s.num_attention_heads,
+               num_key_value_heads=s.num_key_value_heads, head_dim=s.dim_per_head,
+               max_position_embeddings=s.max_position_embeddings, rope_theta=s.rope_theta,
+               rms_norm_eps=s.rms_norm_eps, tie_word_embeddings=s.tie_word_embeddings,
+               bos_token_id=0, eos_token_id=1)
+    if s.rope_scaling:
+        cfg["rope_scaling"] = dict(s.rope_scaling)
+    return cfg
+
+
+#: Qwen2.5-0.5B's shapes (its config.json), random weights: the default ``--shape``
+QWEN25_05B = shape_config("qwen2.5-0.5b")
 #: --tiny: the same architecture, small enough for a CPU check in seconds
 TINY = dict(QWEN25_05B, vocab_size=512, hidden_size=64, intermediate_size=160,
             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -65,23 +93,36 @@ HBM_BW = (("H200", 4.8e12), ("H100", 3.35e12))
 
 # ---------------------------------------------------------------------------- the model
 def build_model(shape: dict[str, Any], folder: Path, device: str) -> Path:
-    """A random-weight Qwen2 checkpoint of ``shape`` in bfloat16 plus a stub word-level
+    """A random-weight Qwen2 or Llama checkpoint of ``shape`` in bfloat16 plus a stub word-level
     tokenizer of its vocabulary (``t0`` .. ``t{V-1}``; prompts go in as token ids). Reused
     when ``folder`` already holds this shape."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    import transformers
 
     marker = folder / "bench_shape.json"
     if marker.exists() and json.loads(marker.read_text()) == shape:
         return folder
     folder.mkdir(parents=True, exist_ok=True)
-    cfg = Qwen2Config(**shape, use_sliding_window=False)
-    cfg.architectures = ["Qwen2ForCausalLM"]
+    values = {k: v for k, v in shape.items() if k != "architecture"}
+    arch = shape["architecture"]
+    if arch == "Qwen2ForCausalLM":
+        cfg = transformers.Qwen2Config(**values, use_sliding_window=False)
+    else:
+        cfg = transformers.LlamaConfig(**values)
+    cfg.architectures = [arch]
     torch.manual_seed(0)
-    with torch.device(device):  # initialise where it is fast: 494M parameters on the GPU
-        model = Qwen2ForCausalLM(cfg)
+    # initialise where it is fast (a 7B model is drawn in seconds on the GPU), in bfloat16:
+    # a float32 copy of an 8B model would need 32 GB first
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = getattr(transformers, arch)(cfg)
+    finally:
+        torch.set_default_dtype(old)
     for layer in model.model.layers:  # non-zero Q/K/V biases, as the real model has
         for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-            proj.bias.data.normal_(0, 0.02)
+            if proj.bias is not None:
+                proj.bias.data.normal_(0, 0.02)
     model.to(torch.bfloat16).save_pretrained(folder)
     del model
     write_tokenizer_stub(folder, shape["vocab_size"], shape["bos_token_id"],
@@ -425,7 +466,7 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         f"{dev['name']}, {report['dtype']}, random-weight model of "
         + ("tiny shapes (--tiny, a smoke check)" if report.get("tiny")
-           else "Qwen2.5-0.5B's shapes")
+           else f"{m.get('shape', 'qwen2.5-0.5b')}'s shapes")
         + f" ({m['params'] / 1e6:.1f}M parameters), torch {env['torch']}, triton "
         f"{env.get('triton')}, commit {env.get('git_head') or '?'}, {report['created']}. "
         + (f"Floor: bytes ÷ {hbm / 1e12:.2f} TB/s"
@@ -489,6 +530,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda", help="cuda (the figures) or cpu (a smoke check)")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes and short runs (smoke)")
+    ap.add_argument("--shape", default="qwen2.5-0.5b",
+                    help="the real model whose shapes the random checkpoint copies: "
+                         "smollm2-135m, or a `radixserve bench make-model` shape "
+                         "(qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b, llama-3.2-1b, llama-3.1-8b)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--attention-backends", default=None,
                     help="comma-separated (default: torch,triton on CUDA, auto on CPU); one "
@@ -538,7 +583,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     backends = (ns.attention_backends or ("torch,triton" if cuda else "auto")).split(",")
     modes = ns.modes.split(",")
-    shape = TINY if tiny else QWEN25_05B
+    shape = TINY if tiny else shape_config(ns.shape)
     if ns.prompt_len + ns.output_len > ns.max_model_len:
         sys.exit("--prompt-len + --output-len must fit --max-model-len")
 
@@ -573,11 +618,11 @@ def main() -> None:
                             "bytes of the window's mean context",
     }
     folder = Path(ns.model_dir or Path(tempfile.gettempdir()) /
-                  ("radixserve-bench-qwen2.5-0.5b-shape" + ("-tiny" if tiny else "")))
+                  (f"radixserve-bench-{ns.shape}-shape" + ("-tiny" if tiny else "")))
     t0 = time.perf_counter()
     path = build_model(shape, folder, ns.device if cuda else "cpu")
     n_params = sum(_safetensors_numels(path).values())
-    report["model"] = {"architecture": "Qwen2ForCausalLM (random weights)", **shape,
+    report["model"] = {"shape": "tiny" if tiny else ns.shape, **shape,
                        "params": n_params, "folder": str(path),
                        "build_s": time.perf_counter() - t0}
     report["runs"] = []

@@ -4,31 +4,47 @@
 # Before: here, `bash benchmarks/gpu/fetch_wheels.sh` (fills .whl/, ~12 MiB, ignored by git).
 # Then one call of the device tool (everything in one call: a machine's start costs minutes):
 #
-#   run(command="bash benchmarks/gpu/run.sh all", carry=[".whl"], timeout_s=600)
+#   run(command="bash benchmarks/gpu/run.sh all", carry=[".whl", ".gpu-tok"], timeout_s=600)
 #
-# Phases (first argument, default all): `parity` (benchmarks/gpu/test_cuda_parity.py),
-# `bench` (benchmarks/gpu/decode_bench.py), `all` (both). Should `all` not end inside the
-# call's 10 minutes, a second call runs what is missing:
+# Phases (first argument, default all), in this order, each under its own time limit:
+#   `parity`  benchmarks/gpu/test_cuda_parity.py (PARITY_TIMEOUT, 150 s)
+#   `bench`   benchmarks/gpu/decode_bench.py on Qwen2.5-0.5B's shapes, every backend x mode
+#             (BENCH_TIMEOUT, 200 s)
+#   `online`  benchmarks/gpu/online.sh: `radixserve serve` + `bench serve` at c=1 and c=8 on that
+#             folder, beside the seeds' RTX 3060 baseline (ONLINE_TIMEOUT, 80 s)
+#   `shapes`  decode_bench.py on SHAPES (default qwen2.5-1.5b qwen2.5-7b smollm2-135m), CUDA
+#             graphs and the auto backend only, until SHAPES_DEADLINE seconds after the start
+#             (default 540)
+#   `all`     all four. Should it not end inside the call's 10 minutes, a second call runs what
+#             is missing:
 #
-#   run(command="bash benchmarks/gpu/run.sh bench", carry=[".whl"], timeout_s=600)
+#   run(command="bash benchmarks/gpu/run.sh shapes", carry=[".whl", ".gpu-tok"], timeout_s=600)
 #
 # Extra arguments after the phase go to decode_bench.py (e.g. `bench --attention-backends
-# triton --modes graphs`). What comes back, under $OUT (at most 8 files): run.log (everything
-# printed), parity.xml (JUnit), parity.jsonl (per test: prompts exact / near-tie),
-# decode_bench.json (the figures; written after each configuration, so a cut-off run keeps
-# what it measured).
+# triton --modes graphs`). What comes back, under $OUT (the tool returns at most 8 files):
+# run.log (everything printed, the JUnit summary and the server's log tail included),
+# parity.jsonl (per test: prompts exact / near-tie), decode_bench.json, online/*-c1.json and
+# -c8.json, shapes/<shape>.json (each JSON written after each configuration, so a cut-off run
+# keeps what it measured).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 
 PHASE=${1:-all}
 shift || true
-case "$PHASE" in all|parity|bench) ;; *) echo "usage: run.sh [all|parity|bench] [bench args]"; exit 2;; esac
+case "$PHASE" in all|parity|bench|online|shapes) ;;
+    *) echo "usage: run.sh [all|parity|bench|online|shapes] [bench args]"; exit 2;; esac
+START=$SECONDS
 OUT=${OUT:-/tmp/radixserve-gpu-out}
 mkdir -p "$OUT"
 # the phases' own limits, inside the tool's 600 s (the wheel install and start-up take ~30 s)
-PARITY_TIMEOUT=${PARITY_TIMEOUT:-240}
+PARITY_TIMEOUT=${PARITY_TIMEOUT:-150}
 WHEELS_DIR=${WHEELS_DIR:-.whl}  # a local dry run of this script points it elsewhere
-BENCH_TIMEOUT=${BENCH_TIMEOUT:-$([[ $PHASE == all ]] && echo 300 || echo 540)}
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-$([[ $PHASE == all ]] && echo 200 || echo 540)}
+ONLINE_TIMEOUT=${ONLINE_TIMEOUT:-80}
+SHAPES_DEADLINE=${SHAPES_DEADLINE:-540}
+SHAPES=${SHAPES:-qwen2.5-1.5b qwen2.5-7b smollm2-135m}
+BENCH_DEVICE=${BENCH_DEVICE:-cuda}  # cpu: a local dry run (with --tiny in the bench args)
+MODEL_ROOT=${MODEL_ROOT:-/tmp}
 
 main() {
     echo "== $(date -u +%FT%TZ) run.sh $PHASE $*"
@@ -75,14 +91,40 @@ EOF
         echo "== parity on CUDA (limit ${PARITY_TIMEOUT}s)"
         RADIXSERVE_GPU_PARITY_LOG="$OUT/parity.jsonl" timeout -k 10 "$PARITY_TIMEOUT" \
             python3 -m pytest -q -p no:cacheprovider -rs --timeout 120 \
-            --junitxml="$OUT/parity.xml" benchmarks/gpu/test_cuda_parity.py
+            --junitxml=/tmp/parity.xml benchmarks/gpu/test_cuda_parity.py
         r=$?; echo "== parity exit $r"; [[ $r != 0 ]] && rc=$r
     fi
     if [[ $PHASE == all || $PHASE == bench ]]; then
         echo "== decode bench (limit ${BENCH_TIMEOUT}s)"
         timeout -k 10 "$BENCH_TIMEOUT" python3 benchmarks/gpu/decode_bench.py \
+            --device "$BENCH_DEVICE" --model-dir "$MODEL_ROOT/rs-qwen2.5-0.5b" \
             --out "$OUT/decode_bench.json" "$@"
         r=$?; echo "== bench exit $r"; [[ $r != 0 ]] && rc=$r
+    fi
+    if [[ $PHASE == all || $PHASE == online ]]; then
+        echo "== online (limit ${ONLINE_TIMEOUT}s)"
+        if [[ -f $MODEL_ROOT/rs-qwen2.5-0.5b/config.json ]]; then
+            mkdir -p "$OUT/online"
+            timeout -k 10 "$ONLINE_TIMEOUT" bash benchmarks/gpu/online.sh \
+                "$MODEL_ROOT/rs-qwen2.5-0.5b" "$OUT/online/qwen2.5-0.5b" "$BENCH_DEVICE"
+            r=$?
+        else
+            echo "no model folder: the bench phase builds it"; r=1
+        fi
+        echo "== online exit $r"; [[ $r != 0 ]] && rc=$r
+    fi
+    if [[ $PHASE == all || $PHASE == shapes ]]; then
+        mkdir -p "$OUT/shapes"
+        for shape in $SHAPES; do
+            left=$((SHAPES_DEADLINE - (SECONDS - START)))
+            if (( left < 30 )); then echo "== shape $shape: skipped, ${left}s left"; rc=1; continue; fi
+            echo "== shape $shape (limit ${left}s)"
+            timeout -k 10 "$left" python3 benchmarks/gpu/decode_bench.py --device "$BENCH_DEVICE" \
+                --shape "$shape" --attention-backends auto --modes graphs \
+                --model-dir "$MODEL_ROOT/rs-$shape" --out "$OUT/shapes/$shape.json" "$@"
+            r=$?; echo "== shape $shape exit $r"; [[ $r != 0 ]] && rc=$r
+            rm -rf "$MODEL_ROOT/rs-$shape"  # the disk holds one large model at a time
+        done
     fi
     echo "== $(date -u +%FT%TZ) done, exit $rc"
     return $rc
