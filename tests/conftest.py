@@ -48,26 +48,45 @@ settings.register_profile("radixserve", deadline=None)
 settings.load_profile("radixserve")
 
 
-@pytest.fixture(scope="session")
-def _triton_interpreted():
-    """radixserve's Triton attention module imported with ``TRITON_INTERPRET=1`` (its kernels
-    interpreted, like triton's own functions: ``_import_triton_interpreted``), then the
-    variable restored. Skips when triton is not installed (it is in the ``test`` extra)."""
+def _import_interpreted(name: str):  # noqa: ANN202
+    """Import radixserve module ``name`` with ``TRITON_INTERPRET=1`` (its kernels interpreted,
+    like triton's own functions: ``_import_triton_interpreted``), then restore the variable.
+    Skips when triton is not installed (it is in the ``test`` extra)."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
     old = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
-        module = importlib.import_module("radixserve.model_executor.attention.triton_attention")
+        module = importlib.import_module(name)
     finally:
         if old is None:
             del os.environ["TRITON_INTERPRET"]
         else:
             os.environ["TRITON_INTERPRET"] = old
     if not module.INTERPRETED:
-        pytest.fail("triton_attention was imported in this process without TRITON_INTERPRET=1: "
-                    "its kernels are compiled for a GPU and cannot run on CPU tensors")
+        pytest.fail(f"{name} was imported in this process without TRITON_INTERPRET=1: its "
+                    "kernels are compiled for a GPU and cannot run on CPU tensors")
     return module
+
+
+@pytest.fixture(scope="session")
+def _triton_interpreted():
+    """radixserve's Triton attention module, its kernels interpreted."""
+    return _import_interpreted("radixserve.model_executor.attention.triton_attention")
+
+
+@pytest.fixture(scope="session")
+def _triton_ops_interpreted():
+    """radixserve's Triton layer kernels (``kernels.triton_ops``), interpreted."""
+    return _import_interpreted("radixserve.model_executor.kernels.triton_ops")
+
+
+@pytest.fixture
+def triton_layer_ops(_triton_ops_interpreted, monkeypatch: pytest.MonkeyPatch):
+    """``kernels.triton_ops`` with its kernels in Triton's interpreter, so they run on CPU
+    tensors (``TRITON_INTERPRET`` set for the test's duration, as ``triton_attention``)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    return _triton_ops_interpreted
 
 
 @pytest.fixture

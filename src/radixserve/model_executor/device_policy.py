@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -65,6 +66,26 @@ def select_cpu_kernels(backend: str, device: torch.device,
         raise ValueError("attention_backend='cpu': the CPU attention kernel could not be built "
                          "(see the log; it needs a C compiler)")
     return kernel
+
+
+def select_layer_ops(backend: str, device: torch.device) -> tuple[Any, str | None, str]:
+    """The fused norm / RoPE / activation steps (``models.llama.LayerOps``) on CUDA, for
+    ``--attention-backend``: radixserve's Triton kernels (``kernels.triton_ops``) unless
+    "torch" (the reference path: torch ops throughout) or triton does not import. On CPU the
+    C kernels are these steps (``select_cpu_kernels``): (None, None, why).
+
+    Returns: (the ops or None, the path name "triton"/"torch" or None on CPU, why)."""
+    if device.type != "cuda":
+        return None, None, "on CPU the C kernels fuse these steps"
+    if backend == "torch":
+        return None, "torch", "--attention-backend torch: the reference path, torch ops throughout"
+    try:
+        from radixserve.model_executor.kernels.triton_ops import TritonLayerOps
+    except Exception as e:  # ImportError, or a triton that fails while importing
+        return None, "torch", f"triton does not import ({e})"
+    return TritonLayerOps(), "triton", (
+        "radixserve's Triton kernels: residual add + RMSNorm, RoPE and SiLU-mul in one launch "
+        "each (a decode step's kernel count and CUDA-graph launch time about halve)")
 
 
 def select_triton(backend: str, device: torch.device,

@@ -26,6 +26,7 @@ from radixserve.model_executor.device_policy import (
     resolve_device,
     resolve_dtype,
     select_cpu_kernels,
+    select_layer_ops,
     select_triton,
 )
 from radixserve.model_executor.forward_batch import ForwardBatch, SampleResult
@@ -178,12 +179,16 @@ class ModelRunner:
             use_triton, no_triton))
         if self.kernels is not None:
             paths.pick("attention_isa", *attention_isa(self.kernels, self.dtype))
+        layer_ops, ops_path, ops_why = select_layer_ops(config.attention_backend, self.device)
+        if ops_path is not None:
+            paths.pick("layer_ops", ops_path, ops_why)
         # parameters made in the serving dtype on the device, filled a block of rows at a time
         # from the checkpoint: loading never holds the model in another dtype or on the host
         model = CausalLM(args, inv_freq, rope_scale, max(model_len, self.max_model_len) + 1,
                          self.kernels, self.attention_backend, self.shard, self.dtype,
                          self.device, quantization,
-                         None if quantization is None else _quant_kernels(self.kernels))
+                         None if quantization is None else _quant_kernels(self.kernels),
+                         layer_ops)
         model.load_weights(checkpoint_weights(files, args.num_heads, args.num_kv_heads))
         self.model = model.eval()
         if config.shadow_rate > 0 and quantization is not None:

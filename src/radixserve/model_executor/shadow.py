@@ -29,15 +29,15 @@ def reference_copy(model: CausalLM) -> CausalLM:
     reference must survive the packing that frees the fast model's dense weights)."""
     # the kernel library (ctypes) and the kernel attention objects are not copied: the copy gets
     # None in their place and SDPA attention below
-    memo: dict[int, object] = {id(model.kernels): None}
+    memo: dict[int, object] = {id(model.kernels): None, id(model.ops): None}
     for layer in model.layers:
         memo[id(layer.attn)] = None
     ref = copy.deepcopy(model, memo)
-    ref.kernels = None
+    ref.kernels = ref.ops = None
     ref._lm_head_proj = None
     for layer in ref.layers:
         a = layer.a
-        layer.kernels = None
+        layer.kernels = layer.ops = None
         layer.attn = SdpaPagedAttention(a.num_heads, a.num_kv_heads, a.head_dim,
                                         a.head_dim ** -0.5)
         layer.bind_dense_linears()

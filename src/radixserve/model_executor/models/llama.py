@@ -71,6 +71,19 @@ class LayerStack(Protocol):
             ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
+class LayerOps(Protocol):
+    """A layer's elementwise steps fused, one call each: the CPU kernels
+    (``kernels.cpu.CpuKernels``) or the Triton kernels on CUDA (``kernels.triton_ops``). Without
+    one the layer runs torch ops (the reference path)."""
+
+    def add_rms_norm(self, x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor: ...
+
+    def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor: ...
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
+
 @dataclass
 class ModelArgs:
     """The subset of a Hugging Face config the forward needs."""
@@ -219,11 +232,13 @@ class DecoderLayer(nn.Module):
         a: this rank's sizes (``ShardLayout.local_args``; the full model's without TP).
         kernels: the CPU kernel library or None.
         attention_backend: the resolved attention backend (``build_attention``).
+        ops: the fused norm / RoPE / activation steps; None: ``kernels`` when given, else
+            torch ops.
     """
 
     def __init__(self, a: ModelArgs, kernels: CpuKernels | None = None,
                  attention_backend: str | None = None, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", ops: LayerOps | None = None) -> None:
         super().__init__()
         self.a = a
         f = {"dtype": dtype, "device": device}
@@ -246,6 +261,7 @@ class DecoderLayer(nn.Module):
         self.attn = build_attention(backend, a.num_heads, a.num_kv_heads, a.head_dim, scale,
                                     kernels)
         self.kernels = kernels
+        self.ops: LayerOps | None = ops if ops is not None else kernels
         #: projections held in blocks (``set_quantized``), by parameter name
         self.quantized: dict[str, QuantizedLinear] = {}
         self.qkv_proj: LinearFn
@@ -292,7 +308,7 @@ class DecoderLayer(nn.Module):
                 sin: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         a = self.a
-        k = self.kernels
+        k = self.ops
         if k is not None:
             # residual updated in place: it is always a tensor this forward created
             x = k.add_rms_norm(None if residual is None else h,
@@ -358,6 +374,8 @@ class CausalLM(nn.Module):
             projections and an untied LM head quantized to Q8_0 at load); see
             ``layers.quantized``. Needs ``quant`` and a CPU model without tensor parallelism.
         quant: the quantized kernels (``CpuKernels.quant``), with ``quantization``.
+        layer_ops: the fused norm / RoPE / activation steps of every layer and the final norm
+            (the Triton kernels on CUDA); None: ``kernels`` when given, else torch ops.
 
     Raises:
         ValueError: a quantization without its kernels, on another device or sharded.
@@ -368,7 +386,7 @@ class CausalLM(nn.Module):
                  attention_backend: str | None = None,
                  shard: ShardLayout | None = None, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", quantization: str | None = None,
-                 quant: QuantKernels | None = None) -> None:
+                 quant: QuantKernels | None = None, layer_ops: LayerOps | None = None) -> None:
         super().__init__()
         self.a = a
         self.shard = shard or single(a)
@@ -393,9 +411,10 @@ class CausalLM(nn.Module):
         self.tp: TensorParallelGroup | None = None
         self.embed = nn.Parameter(torch.empty(rows, a.hidden_size, **f))
         self.layers = nn.ModuleList(DecoderLayer(local, kernels, attention_backend, dtype,
-                                                 device)
+                                                 device, layer_ops)
                                     for _ in range(a.num_layers))
         self.kernels = kernels
+        self.ops: LayerOps | None = layer_ops if layer_ops is not None else kernels
         self.norm = nn.Parameter(torch.ones(a.hidden_size, **f))
         self.lm_head = None if a.tie_word_embeddings else nn.Parameter(
             torch.empty(rows, a.hidden_size, **f))
@@ -481,8 +500,8 @@ class CausalLM(nn.Module):
             residual = None
             for layer, kv in zip(self.layers, kv_layers, strict=True):
                 h, residual = layer(h, residual, cos, sin, kv, meta)
-        if self.kernels is not None:
-            return self.kernels.add_rms_norm(h, residual, self.norm, self.a.rms_norm_eps)
+        if self.ops is not None:
+            return self.ops.add_rms_norm(h, residual, self.norm, self.a.rms_norm_eps)
         return rms_norm(residual + h, self.norm, self.a.rms_norm_eps)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
