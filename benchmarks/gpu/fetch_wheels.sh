@@ -3,7 +3,9 @@
 # that the GPU machines' image ('cuda', /work/.library/device/KINDS.md) lacks: Python 3.12,
 # manylinux x86_64, one version of each (two versions of one project stop the install there).
 # Run it here, where pip reaches a package index; the GPU machine has none. Then pass
-# carry=[".whl"] to the device tool's `run` (benchmarks/gpu/run.sh installs them).
+# carry=[".whl", ".gpu-tok"] to the device tool's `run` (benchmarks/gpu/run.sh installs them).
+# It also copies the default model's tokenizer files into .gpu-tok/ (ignored by git), which
+# benchmarks/gpu/online.sh puts into the random-weight folder it serves (chat template included).
 #
 #   bash benchmarks/gpu/fetch_wheels.sh          # downloads, then checks the set (--check)
 #   bash benchmarks/gpu/fetch_wheels.sh --check  # only checks what .whl/ holds
@@ -49,6 +51,12 @@ WHEELS=(
 )
 
 if [[ "${1:-}" != "--check" ]]; then
+    mkdir -p .gpu-tok
+    tok=$("$PY" -c 'from radixserve.model_executor.loader import resolve_model; print(resolve_model(None).folder)')
+    for f in tokenizer.json tokenizer_config.json special_tokens_map.json chat_template.jinja; do
+        [[ -f $tok/$f ]] && cp "$tok/$f" .gpu-tok/
+    done
+    echo ".gpu-tok/: the default model's tokenizer from $tok"
     mkdir -p .whl
     # manylinux_2_N tags are matched exactly: name every N the pinned wheels use
     plats=()
