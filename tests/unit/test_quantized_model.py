@@ -48,10 +48,12 @@ def _random_k_blocks(rows: int, cols: int, kind: str, rng: np.random.Generator) 
     return b.reshape(rows, nb * size)
 
 
-def write_mixed_gguf(src: Path, dst: Path, mix: dict[str, str], seed: int = 0) -> None:
+def write_mixed_gguf(src: Path, dst: Path, mix: dict[str, str], seed: int = 0,
+                     bias_std: float = 0.0) -> None:
     """``src`` (an F32 GGUF) with each 2-D tensor re-encoded in the type ``mix`` gives its
     base name (``attn_q``, ``token_embd``...): gguf-py's quantizer for Q4_0/Q4_1/Q8_0, random
-    blocks for the K-quants."""
+    blocks for the K-quants. ``bias_std`` > 0 replaces the (zero) Q/K/V biases of a Qwen2 file
+    by random ones of that spread."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -61,6 +63,8 @@ def write_mixed_gguf(src: Path, dst: Path, mix: dict[str, str], seed: int = 0) -
         data = np.array(t.data)
         base = t.name.split(".")[-2]
         kind = mix.get(base)
+        if bias_std > 0 and t.name.endswith(".bias"):
+            data = rng.normal(0, bias_std, data.shape).astype(data.dtype)
         if data.ndim != 2 or kind is None:
             w.add_tensor(t.name, data)
             continue
@@ -146,6 +150,42 @@ def test_gguf_blocks_batch_invariant(mixed_gguf):
     lp_together = _prompt_logprobs(llm, PROMPTS)
     lp_alone = [_prompt_logprobs(llm, [p])[0] for p in PROMPTS]
     assert lp_together == lp_alone
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_fused_decode_stack_runs_blocks_with_the_per_op_bits(tmp_path, arch, dtype):
+    """Decode steps of a GGUF served in blocks run in the fused C stack (a Qwen2 file's Q/K/V
+    bias included), and give the per-op path's bits: the same tokens with the same logprobs."""
+    f32 = tmp_path / "f32.gguf"
+    write_tiny_gguf(arch, f32, tie=True, hidden=256, intermediate=512)
+    path = tmp_path / f"{arch}-mixed.gguf"
+    write_mixed_gguf(f32, path, MIX, bias_std=0.5 if arch == "qwen2" else 0.0)
+    runs = {}
+    for fused in (True, False):
+        llm = LLM(str(path), dtype=dtype, num_pages=128, quantization="gguf",
+                  fused_decode=fused, enable_prefix_caching=False)
+        runner = llm.engine.runner
+        assert runner.paths.paths["decode_layers"] == ("fused" if fused else "per-op"), \
+            runner.paths.reasons["decode_layers"]
+        calls = []
+        stack = runner.model.decode_stack
+        if fused:
+            if arch == "qwen2":
+                bias = runner.model.layers[0].qkv_proj.bias
+                assert bias is not None and bias.abs().max() > 0.1
+            run = stack.run
+            stack.run = lambda *a, _run=run: (calls.append(a[0].shape[0]), _run(*a))[1]
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                            SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True,
+                                           logprobs=1), use_tqdm=False)
+        runs[fused] = [(o.outputs[0].token_ids,
+                        [lp[t] for lp, t in zip(o.outputs[0].logprobs,
+                                                        o.outputs[0].token_ids, strict=True)])
+                       for o in outs]
+        if fused:
+            assert calls and max(calls) == len(PROMPTS), calls
+    assert runs[True] == runs[False]
 
 
 def test_int8_quantization_of_a_float_checkpoint(tmp_path):

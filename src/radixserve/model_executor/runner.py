@@ -270,7 +270,7 @@ class ModelRunner:
         hint = min(config.max_num_seqs, 64)
         m, a = self.model, self.args
         if m.quantization is not None:
-            return self._pack_quantized(hint, paths)
+            return self._pack_quantized(config, hint, paths)
         layer = m.layers[0]
         model_key = (f"{a.arch} {a.hidden_size} {a.intermediate_size} {a.num_heads} "
                      f"{a.num_kv_heads} {a.head_dim} {a.vocab_size} {self.dtype}"
@@ -306,7 +306,7 @@ class ModelRunner:
                    fallback=True)
         return False
 
-    def _pack_quantized(self, hint: int, paths: ForwardPaths) -> bool:
+    def _pack_quantized(self, config: EngineConfig, hint: int, paths: ForwardPaths) -> bool:
         """A quantized model: its blocks stay as they are; dense rest (an embedding-tied LM
         head under int8, norms aside) is packed for oneDNN. Records the formats held."""
         m = self.model
@@ -319,8 +319,7 @@ class ModelRunner:
         packed = m.pack_linears(batch_hint=hint)
         paths.pick("linear", "quantized", f"projections {kinds}, LM head {head}, embedding "
                    f"{embed}; dense rest {'packed for oneDNN' if packed else 'F.linear'}")
-        paths.pick("decode_layers", "per-op", "quantized projections are not in the fused "
-                   "decode stack")
+        paths.pick("decode_layers", *enable_decode_stack(m, config.fused_decode))
         return packed
 
     def _linear_kernel_reason(self, config: EngineConfig,

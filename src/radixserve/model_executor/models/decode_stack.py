@@ -7,10 +7,13 @@ a batch-1 step that streams its weights in ~5 ms. The C function runs the same k
 same order on the same data, so it gives the per-op path's bits exactly; the checks are made
 once per step here instead of once per op.
 
-It applies where every op of the per-op path is one of those kernels: packed weights (bf16 or
-float32) through radixserve's linear kernel (``packed_kernel``), the "cpu" attention backend, no
-tensor parallelism, no Q/K bias or norm, and a step of decodes only with at most the kernel's
-``max_rows`` rows. Any other step runs the per-op path (``CausalLM.forward``).
+It applies where every op of the per-op path is one of those kernels: each projection either
+packed weights (bf16 or float32) through radixserve's linear kernel (``packed_kernel``) or GGUF
+blocks through the quantized kernels (``layers.quantized``, every segment quantized), the "cpu"
+attention backend, no tensor parallelism, no Q/K norm, a Q/K/V bias only on a quantized QKV (the
+packed kernel takes none: a biased projection stays on oneDNN), and a step of decodes only with
+at most the packed kernel's ``max_rows`` rows. Any other step runs the per-op path
+(``CausalLM.forward``).
 """
 
 from __future__ import annotations
@@ -26,12 +29,27 @@ from radixserve.model_executor.attention.paged_attention import (
 )
 from radixserve.model_executor.kernels.cpu import CpuKernels
 from radixserve.model_executor.layers.packed_kernel import PackedLinearKernel
+from radixserve.model_executor.layers.quantized import QuantizedLinear
 
 if TYPE_CHECKING:
     from radixserve.model_executor.models.llama import DecoderLayer
 
 #: int64 fields per layer in the table the C function reads (its ``DL_*`` enum, in order)
-FIELDS = 12
+FIELDS = 13
+#: the K-blocking field's value that marks a projection held in GGUF blocks (``DL_QUANTIZED``)
+QUANTIZED = -1
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def _fused_projection(op: object) -> str | None:
+    """None where the C stack can run projection ``op``, else why not."""
+    if isinstance(op, QuantizedLinear):
+        if any(s.ggml_type is None for s in op.segments):
+            return "a projection has rows of a GGUF type without a kernel (held dense)"
+        return None
+    if isinstance(getattr(op, "kernel", None), PackedLinearKernel):
+        return None
+    return "needs every projection on radixserve's linear kernel or GGUF blocks"
 
 
 class DecodeStack:
@@ -39,8 +57,8 @@ class DecodeStack:
 
     Args:
         kernels: the loaded C kernels.
-        layers: the model's ``DecoderLayer`` list, packed, each projection with a
-            ``PackedLinearKernel`` (``eligible`` says whether they are).
+        layers: the model's ``DecoderLayer`` list, each projection packed with a
+            ``PackedLinearKernel`` or held in GGUF blocks (``eligible`` says whether they are).
     """
 
     def __init__(self, kernels: CpuKernels, layers: list[DecoderLayer]) -> None:
@@ -49,14 +67,17 @@ class DecodeStack:
         a = layers[0].a
         self.a = a
         self.scale = a.head_dim ** -0.5
-        first = layers[0].qkv_proj.kernel
-        self.dtype: torch.dtype = first.dtype
-        #: the most rows of a step the stack takes (the linear kernel's)
-        self.max_rows = min(getattr(layer, n).kernel.max_rows for layer in layers
-                            for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+        self.dtype: torch.dtype = layers[0].input_norm.dtype
+        #: the most rows of a step the stack takes (the packed linear kernel's; the quantized
+        #: kernels run every decode batch on the per-op path too)
+        caps = [getattr(layer, n).kernel.max_rows for layer in layers for n in PROJECTIONS
+                if not isinstance(getattr(layer, n), QuantizedLinear)]
+        self.max_rows = min(caps) if caps else 1 << 30
         #: [L, FIELDS] int64, built for one set of KV tensors (``_table``)
         self._table: np.ndarray | None = None
         self._kv_key: tuple[int, ...] = ()
+        #: the quantized projections' segment tables the layer table points to, kept alive
+        self._segments: list[np.ndarray] = []
 
     @staticmethod
     def eligible(layers: list[DecoderLayer], kernels: CpuKernels | None,
@@ -68,14 +89,17 @@ class DecodeStack:
         if sharded:
             return "tensor parallel: the layers all-reduce between ops"
         for layer in layers:
-            if layer.qkv_bias is not None or layer.q_norm is not None:
-                return "Q/K bias or Q/K norm is not in the fused layer"
+            if layer.q_norm is not None:
+                return "Q/K norm is not in the fused layer"
+            if layer.qkv_bias is not None and not isinstance(layer.qkv_proj, QuantizedLinear):
+                return ("a Q/K/V bias keeps the QKV projection on oneDNN (radixserve's packed "
+                        "kernel has no bias)")
             if not isinstance(layer.attn, CpuKernelPagedAttention):
                 return "needs the 'cpu' attention backend"
-            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-                if not isinstance(getattr(getattr(layer, name), "kernel", None),
-                                  PackedLinearKernel):
-                    return "needs every projection on radixserve's linear kernel"
+            for name in PROJECTIONS:
+                why = _fused_projection(getattr(layer, name))
+                if why is not None:
+                    return why
         return None
 
     def applies(self, h: torch.Tensor, meta: AttentionMetadata) -> bool:
@@ -88,18 +112,33 @@ class DecodeStack:
         key = tuple(kv.data_ptr() for kv in kv_layers)
         if self._table is None or key != self._kv_key:
             rows = []
+            self._segments = []
             for layer, kv in zip(self.layers, kv_layers, strict=True):
                 if not kv.is_contiguous() or kv.dtype != self.dtype:
                     raise ValueError(f"fused decode needs contiguous {self.dtype} KV tensors")
-                ops = [getattr(layer, n).kernel
-                       for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
+                projections = [v for n in PROJECTIONS for v in self._projection(getattr(layer, n))]
+                bias = layer.qkv_proj.bias if isinstance(layer.qkv_proj, QuantizedLinear) \
+                    else None
+                if bias is not None and (bias.dtype != self.dtype or not bias.is_contiguous()):
+                    raise ValueError(f"fused decode needs a contiguous {self.dtype} QKV bias")
                 rows.append([layer.input_norm.data_ptr(), layer.post_norm.data_ptr()]
-                            + [v for op in ops for v in (op.ptr, op.k_block)]
-                            + [kv[0].data_ptr(), kv[1].data_ptr()])
+                            + projections + [kv[0].data_ptr(), kv[1].data_ptr(),
+                                             0 if bias is None else bias.data_ptr()])
             self._table = np.asarray(rows, dtype=np.int64)
             assert self._table.shape[1] == FIELDS
             self._kv_key = key
         return self._table
+
+    def _projection(self, op: object) -> tuple[int, int]:
+        """The two table fields of one projection: (packed weight, K blocking), or (its
+        segment table's address, ``QUANTIZED``) for GGUF blocks."""
+        if isinstance(op, QuantizedLinear):
+            seg = np.asarray([len(op.segments)] + [v for s in op.segments for v in (
+                s.ggml_type, s.data.data_ptr(), s.lo, s.hi)], dtype=np.int64)
+            self._segments.append(seg)
+            return seg.ctypes.data, QUANTIZED
+        kernel = op.kernel  # type: ignore[attr-defined]
+        return kernel.ptr, kernel.k_block
 
     def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             kv_layers: list[torch.Tensor], meta: AttentionMetadata

@@ -1261,8 +1261,9 @@ int rs_linear_f32_packed(const float *x, const float *w, float *y, int64_t M, in
 int rs_has_f32_gemm(void) { return RS_F32_GEMM; }
 
 /* A decode step's whole layer stack in one call (float32 or bfloat16: dtype 0 / 1; packed
- * weights through `rs_linear_f32_packed` / `rs_linear_bf16_packed`): per layer, add + RMSNorm,
- * QKV, RoPE on Q and K, K/V into their slots, paged decode attention, O, add + RMSNorm, gate/up, SiLU-and-multiply, down. These are
+ * weights through `rs_linear_f32_packed` / `rs_linear_bf16_packed`, or GGUF blocks through
+ * `rs_quant_linear`, per projection): per layer, add + RMSNorm, QKV (+ its bias where the
+ * table has one), RoPE on Q and K, K/V into their slots, paged decode attention, O, add + RMSNorm, gate/up, SiLU-and-multiply, down. These are
  * the functions the per-op path (`models/llama.py`, one ctypes call each) calls, in the same
  * order on the same data, so the results are the same bits; what goes is ~10 Python-level
  * calls, tensor allocations and argument checks per layer (~70 us per layer on the Zen 5 VM).
@@ -1272,14 +1273,52 @@ int rs_has_f32_gemm(void) { return RS_F32_GEMM; }
  *   slots: int64 [B]; page_table: int64 [B, pt_stride] (pt_cols used); seq_lens: int64 [B].
  * Returns 0, or the first failing kernel's code (3: out of memory). */
 enum { DL_IN_NORM, DL_POST_NORM, DL_QKV, DL_QKV_KB, DL_O, DL_O_KB, DL_GATE_UP, DL_GATE_UP_KB,
-       DL_DOWN, DL_DOWN_KB, DL_K_CACHE, DL_V_CACHE, DL_FIELDS };
+       DL_DOWN, DL_DOWN_KB, DL_K_CACHE, DL_V_CACHE, DL_QKV_BIAS, DL_FIELDS };
+
+/* quant_kernels.c, linked into the same library */
+int rs_quant_linear(int wtype, const uint8_t *w, int64_t N, int64_t K, int xdt, const void *x,
+                    int64_t M, int odt, void *out, int64_t ldo, int flags, int num_threads);
+
+/* One projection of the layer table: kblk >= 0, radixserve's packed kernel over the packed
+ * weight at w; kblk == DL_QUANTIZED, GGUF blocks: w is an int64 table {n, then per segment
+ * ggml type, address of its rows' blocks, first row, end row}, each segment's rows written by
+ * rs_quant_linear into their columns of y (`layers.quantized.QuantizedLinear`'s calls). */
+#define DL_QUANTIZED (-1)
 
 static int linear_packed(int dtype, const void *x, int64_t w, void *y, int64_t M, int64_t N,
                          int64_t K, int64_t kblk, int num_threads) {
+    if (kblk == DL_QUANTIZED) {
+        const int64_t *seg = (const int64_t *)(intptr_t)w;
+        const size_t es = dtype == 0 ? 4 : 2;
+        for (int64_t i = 0; i < seg[0]; ++i) {
+            const int64_t *sg = seg + 1 + 4 * i;
+            int rc = rs_quant_linear((int)sg[0], (const uint8_t *)(intptr_t)sg[1], sg[3] - sg[2],
+                                     K, dtype, x, M, dtype, (char *)y + es * (size_t)sg[2], N,
+                                     0, num_threads);
+            if (rc) return rc;
+        }
+        return 0;
+    }
     return dtype == 0 ? rs_linear_f32_packed(x, (const float *)(intptr_t)w, y, M, N, K, kblk,
                                              num_threads)
                       : rs_linear_bf16_packed(x, (const uint16_t *)(intptr_t)w, y, M, N, K, kblk,
                                               num_threads);
+}
+
+/* y[M, N] += bias[N], rounded to the dtype as torch's in-place add rounds it */
+static void add_bias(int dtype, void *y, int64_t bias, int64_t M, int64_t N) {
+    if (bias == 0) return;
+    if (dtype == 0) {
+        const float *b = (const float *)(intptr_t)bias;
+        for (int64_t i = 0; i < M; ++i)
+            for (int64_t j = 0; j < N; ++j) ((float *)y)[i * N + j] += b[j];
+    } else {
+        const uint16_t *b = (const uint16_t *)(intptr_t)bias;
+        uint16_t *yr = (uint16_t *)y;
+        for (int64_t i = 0; i < M; ++i)
+            for (int64_t j = 0; j < N; ++j)
+                yr[i * N + j] = f32_to_bf16(bf16_to_f32(yr[i * N + j]) + bf16_to_f32(b[j]));
+    }
 }
 
 static int add_rms_norm(int dtype, const void *x, void *residual, int64_t w, void *out,
@@ -1312,6 +1351,7 @@ int rs_decode_layers(int dtype, const int64_t *layers, int64_t L, void *h, void 
         if (rc) break;
         rc = linear_packed(dtype, x, ly[DL_QKV], qkv, B, qkvd, hidden, ly[DL_QKV_KB], num_threads);
         if (rc) break;
+        add_bias(dtype, qkv, ly[DL_QKV_BIAS], B, qkvd);
         rc = rs_rope(dtype, qkv, B, H + Hkv, D, qkvd, cos, sin, num_threads);
         if (rc) break;
         rc = rs_store_kv(dtype, qkv + es * qd, qkvd, qkv + es * (qd + kvd), qkvd, k_cache, v_cache,
