@@ -26,6 +26,9 @@ _TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.
                  1.0, 2.5, 5.0, 10.0, 20.0, 80.0)
 _LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
                     30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+#: Token-count buckets (1, 2, 5, 10, ... 1,000,000 tokens), as vLLM's 1-2-5 series.
+_TOKEN_BUCKETS = tuple(float(m * 10 ** e) for e in range(7) for m in (1, 2, 5)
+                       if m * 10 ** e <= 1_000_000)
 _STEP_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2,
                  0.1, 0.25, 0.5, 1.0, 2.5)
 
@@ -88,7 +91,11 @@ class ServerMetrics:
     ``shadow_steps``, ``shadow_tokens`` (label result: agree | diverge),
     ``shadow_max_abs_logit_diff``.
     Histograms (seconds): ``time_to_first_token_seconds``, ``time_per_output_token_seconds``,
-    ``e2e_request_latency_seconds``, ``request_queue_time_seconds``, ``step_<timer>_seconds``.
+    ``e2e_request_latency_seconds``, ``request_queue_time_seconds``,
+    ``request_prefill_time_seconds``, ``request_decode_time_seconds``,
+    ``request_inference_time_seconds``, ``step_<timer>_seconds``; (tokens)
+    ``request_prompt_tokens``, ``request_generation_tokens``. ``docs/metrics.md`` lists each
+    beside vLLM's name.
     Prefill/decode disaggregation: ``prompt_tokens_by_source`` (tokens, label ``source``:
     local_compute, local_cache_hit, external_kv_transfer), ``num_requests_waiting_for_remote_kvs``
     and, with a KV connector, the ``kv_transfer_*`` counters of ``_KV_COUNTERS`` and the gauges
@@ -149,6 +156,17 @@ class ServerMetrics:
         self.request_queue_time = histogram(
             "request_queue_time_seconds", "Arrival to first scheduled.", _LATENCY_BUCKETS
         )
+        self.request_prefill_time = histogram(
+            "request_prefill_time_seconds", "First scheduled to first token.", _LATENCY_BUCKETS)
+        self.request_decode_time = histogram(
+            "request_decode_time_seconds", "First token to finish.", _LATENCY_BUCKETS)
+        self.request_inference_time = histogram(
+            "request_inference_time_seconds", "First scheduled to finish.", _LATENCY_BUCKETS)
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt tokens per finished request.", _TOKEN_BUCKETS)
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Tokens generated per finished request.",
+            _TOKEN_BUCKETS)
         self.step_seconds = {
             name: histogram(f"step_{name}_seconds", f"Engine step time: {name}.", _STEP_BUCKETS)
             for name in STEP_TIMERS
@@ -263,6 +281,7 @@ class ServerMetrics:
         ttft: float | None = None,
         num_output_tokens: int = 0,
         queue_time: float | None = None,
+        num_prompt_tokens: int | None = None,
     ) -> None:
         """Record one finished request.
 
@@ -271,18 +290,32 @@ class ServerMetrics:
             e2e_latency: seconds from arrival to finish.
             ttft: seconds from arrival to the first output token (None if none came).
             num_output_tokens: tokens generated; with ``ttft`` gives the time per output token.
-            queue_time: seconds from arrival to first being scheduled, if known.
+            queue_time: seconds from arrival in the engine to first being scheduled, if known.
+            num_prompt_tokens: the prompt's length in tokens, if known.
+
+        The phase times are differences of these: decode = ``e2e_latency - ttft`` (one clock),
+        prefill = ``ttft - queue_time`` and inference = ``e2e_latency - queue_time``, so those
+        two also hold the frontend's tokenization and the hop to the engine (a few ms), which
+        vLLM's engine-side timestamps leave out. None of these raises.
         """
         self._request_success.labels(self.model_name, finished_reason).inc()
         self.e2e_request_latency.observe(e2e_latency)
+        self.request_generation_tokens.observe(num_output_tokens)
+        if num_prompt_tokens is not None:
+            self.request_prompt_tokens.observe(num_prompt_tokens)
         if ttft is not None:
             self.time_to_first_token.observe(ttft)
+            self.request_decode_time.observe(max(0.0, e2e_latency - ttft))
             if num_output_tokens > 1:
                 self.time_per_output_token.observe(
                     max(0.0, e2e_latency - ttft) / (num_output_tokens - 1)
                 )
         if queue_time is not None:
             self.request_queue_time.observe(queue_time)
+            if ttft is not None:
+                # a request aborted before it was scheduled had no prefill nor inference
+                self.request_prefill_time.observe(max(0.0, ttft - queue_time))
+                self.request_inference_time.observe(max(0.0, e2e_latency - queue_time))
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition of this registry, and its content type."""

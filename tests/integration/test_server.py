@@ -403,8 +403,39 @@ def test_metrics_exposes_the_promised_series(server, client: OpenAI) -> None:
                  "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",
                  "time_to_first_token_seconds_bucket", "time_per_output_token_seconds_bucket",
                  "e2e_request_latency_seconds_bucket", "request_queue_time_seconds_bucket",
-                 "request_success_total"):
+                 "request_prefill_time_seconds_bucket", "request_decode_time_seconds_bucket",
+                 "request_inference_time_seconds_bucket", "request_prompt_tokens_bucket",
+                 "request_generation_tokens_bucket", "request_success_total"):
         assert "radixserve:" + name in text, name
     m = metrics_values(server.base_url)
     assert m["radixserve:e2e_request_latency_seconds_count"] > 0
     assert m["radixserve:request_queue_time_seconds_count"] > 0
+
+
+@pytest.mark.timeout(60)
+def test_metrics_per_request_histograms_count_one_request(server, client: OpenAI) -> None:
+    """One finished request adds one sample to each per-request histogram: its prompt and
+    output lengths exactly, and phase times that add up to no more than its latency."""
+    wait_idle(server.base_url)
+    before = metrics_values(server.base_url)
+    r = client.completions.create(model=MODEL, prompt="The capital of France is",
+                                  max_tokens=5, extra_body={"ignore_eos": True})
+    after = metrics_values(server.base_url)
+
+    def grew(name: str) -> float:
+        return after["radixserve:" + name] - before.get("radixserve:" + name, 0.0)
+
+    for h in ("request_prompt_tokens", "request_generation_tokens", "e2e_request_latency_seconds",
+              "request_prefill_time_seconds", "request_decode_time_seconds",
+              "request_inference_time_seconds", "request_queue_time_seconds"):
+        assert grew(h + "_count") == 1, h
+    assert grew("request_prompt_tokens_sum") == r.usage.prompt_tokens > 0
+    assert grew("request_generation_tokens_sum") == r.usage.completion_tokens == 5
+    e2e = grew("e2e_request_latency_seconds_sum")
+    prefill, decode = grew("request_prefill_time_seconds_sum"), grew(
+        "request_decode_time_seconds_sum")
+    inference = grew("request_inference_time_seconds_sum")
+    assert 0 < decode < e2e  # 4 decode steps after the first token
+    assert 0 <= prefill < e2e
+    assert abs(inference - (prefill + decode)) < 1e-6
+    assert inference + grew("request_queue_time_seconds_sum") == pytest.approx(e2e, abs=1e-6)

@@ -252,7 +252,8 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
             self.s.metrics.observe_request(
                 st.finish_reason or FINISH_ABORT, e2e_latency=now - arrival,
                 ttft=None if st.first_token_time is None else st.first_token_time - arrival,
-                num_output_tokens=st.num_tokens, queue_time=st.queue_time)
+                num_output_tokens=st.num_tokens, queue_time=st.queue_time,
+                num_prompt_tokens=st.num_prompt_tokens)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
                     ) -> pb.AbortResponse:

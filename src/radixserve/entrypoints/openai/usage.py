@@ -34,4 +34,5 @@ def record_metrics(metrics: ServerMetrics, states: Sequence[RequestState],
         metrics.observe_request(
             s.finish_reason or FINISH_ABORT, e2e_latency=now - arrival,
             ttft=None if s.first_token_time is None else s.first_token_time - arrival,
-            num_output_tokens=s.num_tokens, queue_time=s.queue_time)
+            num_output_tokens=s.num_tokens, queue_time=s.queue_time,
+            num_prompt_tokens=s.num_prompt_tokens)
