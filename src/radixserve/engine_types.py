@@ -269,6 +269,8 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     Attributes:
         num_running / num_waiting: requests in each queue.
         kv_pages_used / kv_pages_total / kv_pages_cached: KV pool occupancy in pages.
+        kv_pages_evictable: pages only the radix cache holds (no live request), which an
+            allocation may evict: in use but reclaimable, as vLLM's cached free blocks.
         prefix_queried_tokens / prefix_hit_tokens: prompt tokens looked up in the radix cache
             and found there.
         num_preemptions: requests preempted (pages released, recomputed later).
@@ -300,4 +302,14 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     prompt_tokens_external: int = 0
     num_waiting_for_remote_kvs: int = 0
     kv_transfer: KVTransferStats | None = None
+    kv_pages_evictable: int = 0
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction (0..1) of the KV pages that live requests hold: pages not free, less those
+        only the radix cache holds, as vLLM's ``kv_cache_usage_perc`` counts its cached free
+        blocks as free; 0.0 without a pool."""
+        if self.kv_pages_total <= 0:
+            return 0.0
+        return max(0, self.kv_pages_used - self.kv_pages_evictable) / self.kv_pages_total
 

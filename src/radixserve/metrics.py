@@ -80,7 +80,8 @@ class ServerMetrics:
         model_name: value of the ``model_name`` label.
 
     Gauges (from ``SchedulerStats``): ``num_requests_running``, ``num_requests_waiting``,
-    ``kv_cache_usage_perc`` (pages used by live requests / all pages, 0..1),
+    ``kv_cache_usage_perc`` (pages live requests hold / all pages, 0..1: pages only the radix
+    cache holds count as free, as in vLLM),
     ``kv_cache_pages_used`` / ``kv_cache_pages_cached`` / ``kv_cache_pages_total`` (pages).
     Counters (tokens unless noted): ``prefix_cache_queries``, ``prefix_cache_hits``,
     ``num_preemptions`` (requests), ``prompt_tokens``, ``generation_tokens``,
@@ -218,7 +219,7 @@ class ServerMetrics:
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
         if stats.kv_pages_total > 0:
-            self.kv_cache_usage_perc.set(stats.kv_pages_used / stats.kv_pages_total)
+            self.kv_cache_usage_perc.set(stats.kv_usage)
         self.kv_cache_pages_used.set(stats.kv_pages_used)
         self.kv_cache_pages_cached.set(stats.kv_pages_cached)
         self.kv_cache_pages_total.set(stats.kv_pages_total)

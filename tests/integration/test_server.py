@@ -418,7 +418,8 @@ def test_metrics_per_request_histograms_count_one_request(server, client: OpenAI
     output lengths exactly, and phase times that add up to no more than its latency."""
     wait_idle(server.base_url)
     before = metrics_values(server.base_url)
-    r = client.completions.create(model=MODEL, prompt="The capital of France is",
+    # several KV pages long, so that the radix cache keeps some of it
+    r = client.completions.create(model=MODEL, prompt="The capital of France is Paris. " * 12,
                                   max_tokens=5, extra_body={"ignore_eos": True})
     after = metrics_values(server.base_url)
 
@@ -439,3 +440,8 @@ def test_metrics_per_request_histograms_count_one_request(server, client: OpenAI
     assert 0 <= prefill < e2e
     assert abs(inference - (prefill + decode)) < 1e-6
     assert inference + grew("request_queue_time_seconds_sum") == pytest.approx(e2e, abs=1e-6)
+    # idle again: the radix cache keeps the prompt's pages, which count as free (as vLLM's
+    # cached free blocks do), so the KV usage is back at 0
+    idle = wait_idle(server.base_url)
+    assert idle["radixserve:kv_cache_pages_cached"] > 0
+    assert idle["radixserve:kv_cache_usage_perc"] == 0

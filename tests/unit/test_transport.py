@@ -295,6 +295,13 @@ def test_stats_reach_metrics():
     assert value(f"radixserve:step_schedule_seconds_count{lbl}") == 2
     assert value(f"radixserve:time_per_output_token_seconds_sum{lbl}") == pytest.approx(0.2)
     assert value(f"radixserve:e2e_request_latency_seconds_count{lbl}") == 2
+    # pages only the radix cache holds are free, as vLLM's cached free blocks
+    warm = msgspec.structs.replace(later, kv_pages_used=15, kv_pages_evictable=12,
+                                   kv_pages_cached=14)
+    m.update_from_stats(warm)
+    text = m.render()[0].decode()
+    assert value(f"radixserve:kv_cache_usage_perc{lbl}") == pytest.approx(3 / 20)
+    assert value(f"radixserve:kv_cache_pages_used{lbl}") == 15
     # Separate instances never share a registry.
     assert b"smol" not in ServerMetrics().render()[0]
     assert os.environ.get("PROMETHEUS_MULTIPROC_DIR") is None

@@ -142,6 +142,9 @@ def test_step_outputs_as_engine_core_outputs() -> None:
     # the prefix figures are per message, as vLLM's
     again = stats(s, 10)
     assert again["prefix_cache_stats"]["queries"] == 0 and again["prefix_cache_stats"]["hits"] == 0
+    # a warm radix cache is not load: smg's overload guard reads kv_cache_usage
+    warm = msgspec.structs.replace(s, kv_pages_used=95, kv_pages_evictable=90)
+    assert stats(warm, 11)["kv_cache_usage"] == pytest.approx(0.05)
 
 
 def test_utility_reply_and_registration() -> None:

@@ -463,6 +463,7 @@ class EngineCore:
         return SchedulerStats(
             num_running=len(s.running), num_waiting=len(s.waiting), kv_pages_used=used,
             kv_pages_total=kv.num_usable_pages, kv_pages_cached=kv.num_cached_pages,
+            kv_pages_evictable=kv.num_evictable_pages,
             prefix_queried_tokens=s.prefix_queried_tokens, prefix_hit_tokens=s.prefix_hit_tokens,
             num_preemptions=s.num_preemptions, prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,

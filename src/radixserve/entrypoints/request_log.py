@@ -116,8 +116,7 @@ class StatsLogger:
             "generation_tokens_per_s": round(d_gen / dt, 1),
             "running": stats.num_running,
             "waiting": stats.num_waiting,
-            "kv_use": round(stats.kv_pages_used / stats.kv_pages_total, 4)
-            if stats.kv_pages_total else 0.0,
+            "kv_use": round(stats.kv_usage, 4),
             "prefix_hit_rate": round(hits / queried, 4) if queried > 0 else 0.0,
         }
         stats_log.info(

@@ -68,6 +68,11 @@ class KVCacheManager:
         return self.tree.total_pages if self.tree else 0
 
     @property
+    def num_evictable_pages(self) -> int:
+        """Cached pages no request holds: eviction could free them now."""
+        return self.tree.evictable_pages if self.tree else 0
+
+    @property
     def num_available_pages(self) -> int:
         """Free pages plus pages that eviction could free now."""
         return self.pool.num_free + (self.tree.evictable_pages if self.tree else 0)

@@ -326,7 +326,9 @@ class StatsDelta:
         return {
             "num_running_reqs": s.num_running, "num_waiting_reqs": s.num_waiting,
             "step_counter": step, "current_wave": 0,
-            "kv_cache_usage": min(s.kv_pages_used / usable, 1.0),
+            # pages only the radix cache holds are free to smg, as vLLM's cached free blocks
+            # are: a warm cache is not load (smg's overload guard vetoes a worker at 0.8)
+            "kv_cache_usage": min(max(0, s.kv_pages_used - s.kv_pages_evictable) / usable, 1.0),
             "prefix_cache_stats": {"reset": False, "requests": 0, "queries": queries,
                                    "hits": hits, "preempted_requests": 0,
                                    "preempted_queries": 0, "preempted_hits": 0},
