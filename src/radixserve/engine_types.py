@@ -271,6 +271,8 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
         kv_pages_used / kv_pages_total / kv_pages_cached: KV pool occupancy in pages.
         kv_pages_evictable: pages only the radix cache holds (no live request), which an
             allocation may evict: in use but reclaimable, as vLLM's cached free blocks.
+        draining: the engine is draining (SIGTERM): it refuses new requests and finishes the
+            running ones.
         prefix_queried_tokens / prefix_hit_tokens: prompt tokens looked up in the radix cache
             and found there.
         num_preemptions: requests preempted (pages released, recomputed later).
@@ -303,6 +305,7 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     num_waiting_for_remote_kvs: int = 0
     kv_transfer: KVTransferStats | None = None
     kv_pages_evictable: int = 0
+    draining: bool = False
 
     @property
     def kv_usage(self) -> float:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -144,6 +145,65 @@ def test_rolling_restart_behind_smg_loses_no_request(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(600)
+def test_zmq_worker_drain_answers_503_retry_after(tmp_path: Path) -> None:
+    """A draining ``--zmq-worker`` is answered as the draining HTTP server answers: 503 with
+    ``Retry-After`` and an OpenAI error body, not a 500. vLLM's wire has no way to say why the
+    engine refused a request (smg turns any engine error into a 500), so the draining engine
+    reports itself full in its scheduler stats and smg's overload guard, with
+    ``--worker-overload-shed``, refuses new requests itself while the running stream finishes.
+    """
+    from grpc_utils import ZmqWorker
+
+    from radixserve.model_executor.loader import resolve_model
+
+    worker = ZmqWorker([*WORKER_ARGS], tmp_path)
+    smg = Smg([worker.url], "round_robin", tmp_path,
+              ["--worker-wedge-secs", "60", "--worker-overload-shed",
+               "--load-monitor-interval", "1"],
+              zmq_model=(MODEL, str(resolve_model(None).folder)))
+    try:
+        smg.wait_ready(1, timeout_s=300)
+        late = {"model": MODEL, "prompt": "late", "max_tokens": 2}
+        # not overloaded before the drain: served
+        r = httpx.post(smg.base_url + "/v1/completions", json=late, timeout=HANG_TIMEOUT_S)
+        assert r.status_code == 200, r.text
+        client = openai.OpenAI(base_url=smg.base_url + "/v1", api_key="unused", max_retries=0,
+                               timeout=HANG_TIMEOUT_S)
+        # >= 10 s of 2 ms steps: outlives the probes below
+        it = iter(client.completions.create(model=MODEL, prompt="Long story:", max_tokens=5000,
+                                            stream=True, extra_body={"ignore_eos": True}))
+        next(it)
+        worker.proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: "draining" in worker.log_tail(), "the worker to drain")
+        seen: list[int] = []
+        deadline = time.monotonic() + 8  # a few of smg's 1 s load polls
+        while time.monotonic() < deadline:
+            r = httpx.post(smg.base_url + "/v1/completions", json=late, timeout=HANG_TIMEOUT_S)
+            seen.append(r.status_code)
+            if r.status_code == 503:
+                break
+            time.sleep(0.2)
+        assert seen[-1] == 503, f"statuses while draining: {seen}"
+        for _ in range(3):  # and from then on, every time
+            r = httpx.post(smg.base_url + "/v1/completions", json=late, timeout=HANG_TIMEOUT_S)
+            assert r.status_code == 503, (r.status_code, r.text)
+            assert int(r.headers["Retry-After"]) >= 1
+            err = r.json()["error"]
+            assert isinstance(err["message"], str) and err["message"] and err["type"]
+        assert worker.proc.poll() is None  # the 503s came from the drain, not a dead engine
+        finish = None
+        for ch in it:
+            if ch.choices and ch.choices[0].finish_reason:
+                finish = ch.choices[0].finish_reason
+        assert finish == "length"
+        assert worker.proc.wait(HANG_TIMEOUT_S) == 0, worker.log_tail()
+        assert "drained: no request running" in worker.log_tail(20000)
+    finally:
+        smg.stop()
+        worker.stop()
+
+
+@pytest.mark.timeout(600)
 def test_fleet_sigterm_lets_streams_in_flight_finish(tmp_path: Path) -> None:
     """``radixserve fleet``: SIGTERM lets smg finish the streams in flight (its grace period is
     ``--shutdown-timeout``) before the workers stop; exit 0. The stream (4000 steps of 2 ms or
@@ -196,8 +256,9 @@ def test_zmq_worker_sigterm_lets_running_requests_finish(tmp_path: Path) -> None
         next(it)
         worker.proc.send_signal(signal.SIGTERM)
         wait_until(lambda: "draining" in worker.log_tail(), "the worker to drain")
-        # a new request meanwhile is refused at once (smg answers a 500 for any request its
-        # engine ends with an error; the worker's log names the drain)
+        # a new request meanwhile is refused at once (with smg's overload guard off, as here,
+        # smg answers a 500 for any request its engine ends with an error; the worker's log
+        # names the drain; test_zmq_worker_drain_answers_503_retry_after has the guard on)
         with pytest.raises(openai.APIStatusError):
             client.completions.create(model=MODEL, prompt="late", max_tokens=2)
         finish = None

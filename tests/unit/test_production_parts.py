@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
-from radixserve.engine_types import SchedulerStats, child_request_id, fan_out
+from radixserve.engine_types import SchedulerStats, StepOutputs, child_request_id, fan_out
 from radixserve.entrypoints.grpc_worker.translate import (
     engine_requests_from_proto,
     sampling_params_from_proto,
@@ -211,3 +211,65 @@ def test_engine_refuses_an_id_in_use() -> None:
     with pytest.raises(RequestRejected, match="holds KV pages"):
         engine.add_request(fan_out("kept", [[1]], SamplingParams(), 0.0)[0])
     del engine.scheduler.held["kept"]
+
+
+class _RecordingPort:
+    """An ``EnginePort`` fed from a script: ``script[i]`` is what the i-th ``recv_commands``
+    returns (a callable is called first, for actions between two loop iterations)."""
+
+    def __init__(self, script: list) -> None:
+        self.script = script
+        self.calls = 0
+        self.steps: list[tuple[StepOutputs, SchedulerStats]] = []
+
+    def recv_commands(self, timeout_ms: int | None) -> list:
+        item = self.script[self.calls] if self.calls < len(self.script) else []
+        self.calls += 1
+        return item() if callable(item) else item
+
+    def send_step(self, step: StepOutputs, stats: SchedulerStats) -> None:
+        self.steps.append((step, stats))
+
+    def send_flushed(self, call_id: int, pages_freed: int) -> None:
+        raise AssertionError("not flushed here")
+
+    def send_error(self, message: str) -> None:
+        raise AssertionError(message)
+
+
+def test_draining_engine_says_so_in_its_stats_and_refuses() -> None:
+    """After ``begin_drain`` every stats snapshot says ``draining`` (the first one at once),
+    a new request is refused with the code "draining", the running one finishes; on vLLM's
+    wire the draining engine reads as full, so smg's overload guard routes elsewhere."""
+    from radixserve.config import EngineConfig
+    from radixserve.core.engine_core import EngineCore
+    from radixserve.core.engine_proc import EngineLoop
+    from radixserve.model_executor.null_runner import NullRunner
+    from radixserve.transport import vllm_wire as vw
+
+    engine = EngineCore(EngineConfig(page_size=16, num_pages=16, max_num_seqs=4,
+                                     disable_overlap=True),
+                        NullRunner(num_pages=16, max_model_len=64, vocab_size=49152))
+    (first,) = fan_out("first", [[1, 2, 3]], SamplingParams(max_tokens=8, ignore_eos=True), 0.0)
+    (late,) = fan_out("late", [[1, 2, 3]], SamplingParams(max_tokens=8, ignore_eos=True), 0.0)
+    loop: EngineLoop | None = None
+
+    def drain_then_send_late() -> list:
+        assert loop is not None
+        loop.begin_drain(60.0)
+        return [late]
+
+    port = _RecordingPort([[first], [], drain_then_send_late])
+    loop = EngineLoop(engine, port, parent_pid=None)
+    assert loop.run() == "drained: no request running"
+    flags = [stats.draining for _, stats in port.steps]
+    assert flags[:2] == [False, False] and all(flags[2:]) and len(flags) > 3
+    outs = [o for step, _ in port.steps for o in step.outputs]
+    (refused,) = [o for o in outs if o.request_id == "late"]
+    assert refused.error_code == "draining" and refused.finish_reason == "abort"
+    assert [o.finish_reason for o in outs if o.request_id == "first"][-1] == "length"
+    wire = vw.StatsDelta()
+    before, during = wire(port.steps[0][1], 1), wire(port.steps[2][1], 3)
+    assert before["kv_cache_usage"] < 1.0 and before["num_waiting_reqs"] == 0
+    assert during["kv_cache_usage"] == 1.0
+    assert during["num_waiting_reqs"] >= vw.DRAINING_WAITING_REQS

@@ -154,8 +154,12 @@ class EngineLoop:
     def begin_drain(self, timeout_s: float) -> None:
         """Refuse new requests (each answered at once with an error naming the drain) and keep
         stepping the ones in flight; ``run`` returns once none is left or ``timeout_s`` seconds
-        passed (what still runs then ends with the engine). Safe from a signal handler."""
+        passed (what still runs then ends with the engine). Safe from a signal handler.
+
+        The next message's stats say so (``SchedulerStats.draining``), sent at once even when
+        no step runs, so the peer can stop routing here before it sends more."""
         self._drain_deadline = time.monotonic() + timeout_s
+        self._dirty = True
 
     def run(self) -> str:
         """Loop until Shutdown, a signal or the parent's death; returns the reason."""
@@ -192,7 +196,8 @@ class EngineLoop:
                 step = StepOutputs(step=engine.step_count)
             if step is not None:
                 stats = msgspec.structs.replace(engine.get_stats(),
-                                                step_timings=engine.drain_step_timings())
+                                                step_timings=engine.drain_step_timings(),
+                                                draining=self.draining)
                 self.port.send_step(step, stats)
                 self._dirty = False
             deadline = self._drain_deadline

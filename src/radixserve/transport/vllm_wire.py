@@ -51,6 +51,12 @@ FINISH_CODE_STOP, FINISH_CODE_LENGTH, FINISH_CODE_ABORT, FINISH_CODE_ERROR = 0, 
 _FINISH_CODES = {FINISH_STOP: FINISH_CODE_STOP, FINISH_LENGTH: FINISH_CODE_LENGTH,
                  FINISH_ABORT: FINISH_CODE_ABORT}
 
+#: ``num_waiting_reqs`` a draining engine reports: past any waiting-requests threshold of smg's
+#: overload guard (``--worker-overload-waiting-requests``), as its ``kv_cache_usage`` of 1.0 is
+#: past any KV ceiling, so smg leaves the worker out of routing (vLLM's wire has no drain
+#: signal, and smg answers the engine's refusal of a request with a 500).
+DRAINING_WAITING_REQS = 1 << 20
+
 #: ``numpy`` dtypes smg accepts for the registration's ``dtype`` (the model's compute dtype).
 _REGISTRATION_DTYPES = ("float16", "bfloat16", "float32")
 
@@ -311,7 +317,11 @@ class StatsDelta:
 
     vLLM's prefix-cache figures cover the interval since the previous message; smg reads
     ``num_running_reqs``, ``num_waiting_reqs`` and ``kv_cache_usage`` (its load signal) and
-    refuses a batch whose stats lack a required key, so every key is always sent.
+    refuses a batch whose stats lack a required key, so every key is always sent. A draining
+    engine reports itself full (``kv_cache_usage`` 1.0, ``DRAINING_WAITING_REQS`` waiting):
+    smg's overload guard then routes new requests to another worker, or with
+    ``--worker-overload-shed`` and none left answers 503 with ``Retry-After``, as the HTTP
+    server does while it drains.
     """
 
     def __init__(self) -> None:
@@ -323,12 +333,16 @@ class StatsDelta:
         queries, self._queries = s.prefix_queried_tokens - self._queries, s.prefix_queried_tokens
         hits, self._hits = s.prefix_hit_tokens - self._hits, s.prefix_hit_tokens
         usable = max(s.kv_pages_total - 1, 1)  # the null page 0 holds no KV
+        # pages only the radix cache holds are free to smg, as vLLM's cached free blocks are:
+        # a warm cache is not load (smg's overload guard vetoes a worker at 0.8)
+        usage = min(max(0, s.kv_pages_used - s.kv_pages_evictable) / usable, 1.0)
+        waiting = s.num_waiting
+        if s.draining:
+            usage, waiting = 1.0, max(waiting, DRAINING_WAITING_REQS)
         return {
-            "num_running_reqs": s.num_running, "num_waiting_reqs": s.num_waiting,
+            "num_running_reqs": s.num_running, "num_waiting_reqs": waiting,
             "step_counter": step, "current_wave": 0,
-            # pages only the radix cache holds are free to smg, as vLLM's cached free blocks
-            # are: a warm cache is not load (smg's overload guard vetoes a worker at 0.8)
-            "kv_cache_usage": min(max(0, s.kv_pages_used - s.kv_pages_evictable) / usable, 1.0),
+            "kv_cache_usage": usage,
             "prefix_cache_stats": {"reset": False, "requests": 0, "queries": queries,
                                    "hits": hits, "preempted_requests": 0,
                                    "preempted_queries": 0, "preempted_hits": 0},
