@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
 
+from radixserve.engine_types import EngineRequest
 from radixserve.entrypoints.openai.constraints import structured_outputs_for
 from radixserve.entrypoints.openai.errors import OpenAIError
 from radixserve.entrypoints.openai.logprobs import chat_logprobs, vllm_prompt_logprobs
@@ -26,6 +28,7 @@ from radixserve.entrypoints.openai.serving_state import ServingState
 from radixserve.entrypoints.openai.tool_calls import ToolOutput, ToolStreamer, tool_prompt
 from radixserve.entrypoints.openai.usage import usage_dict
 from radixserve.frontend.output_processor import RequestDelta, RequestState
+from radixserve.sampling_params import SamplingParams
 
 
 class ChatFormatter(ResponseFormatter):
@@ -142,17 +145,37 @@ class ChatFormatter(ResponseFormatter):
         return body
 
 
-async def create_chat_completion(raw: Request, state: ServingState) -> Any:
-    """Handle one chat completion request.
+@dataclass
+class ChatPlan:
+    """A chat request made ready for the engine (``prepare_chat``).
+
+    Attributes:
+        request_id: the API request's id (``serving_request.request_id_for``).
+        requests: the engine requests, request i is choice i.
+        sampling: their sampling params (the parent's, before the ``n`` fan-out).
+        tools: how each choice's text is read for tool calls (None: plain text).
+    """
+
+    request_id: str
+    requests: list[EngineRequest]
+    sampling: SamplingParams
+    tools: ToolOutput | None
+
+
+async def prepare_chat(raw: Request, state: ServingState, req: ChatCompletionRequest,
+                       arrival: float, prompt_field: str = "messages") -> ChatPlan:
+    """Template, encode and constrain a chat request and make its engine requests: the part
+    of a chat completion that the Responses API (``serving_responses``) shares.
+
+    Args:
+        arrival: ``time.time()`` when the API request arrived.
+        prompt_field: the request field the messages came from, named in errors about the
+            prompt ("messages"; "input" for the Responses API).
 
     Raises:
-        OpenAIError: 400 (bad input, unsupported field, invalid constraint, context too long,
-            template failure), 404 (unknown model), 429 (too many requests), 500 (engine
-            failure), 503 (engine gone).
+        OpenAIError: 400 (template failure, empty prompt, invalid constraint, a value out of
+            range, prompt + max tokens over the context, a bad request id), naming the field.
     """
-    arrival = time.time()
-    req = await parse_body(raw, ChatCompletionRequest)
-    state.check_model(req.model)
     messages = [m.to_template() for m in req.messages]
     template_kwargs: dict[str, Any] = {"chat_template": req.chat_template,
                                        "documents": req.documents}
@@ -164,28 +187,45 @@ async def create_chat_completion(raw: Request, state: ServingState) -> Any:
                                continue_final_message=req.continue_final_message or None,
                                **template_kwargs)
     except ValueError as e:
-        raise OpenAIError(str(e), param="messages") from None
+        raise OpenAIError(str(e), param=prompt_field) from None
     if req.add_special_tokens:
         ids = list(tok.hf.encode(text, add_special_tokens=True))
     else:
         ids = await tok.encode_async(text)
     if not ids:
-        raise OpenAIError("messages produce an empty prompt", param="messages")
+        raise OpenAIError(f"{prompt_field}: the chat template made an empty prompt",
+                          param=prompt_field)
     structured, field = structured_outputs_for(req)
     if structured is not None:
         assert field is not None
         await state.check_constraint(structured, field)
-    sp = sampling_params_for(req, len(ids), state.info.max_model_len, None, "messages",
+    sp = sampling_params_for(req, len(ids), state.info.max_model_len, None, prompt_field,
                              structured, state.sampling_defaults)
     rid = request_id_for(raw, req.request_id)
     requests = engine_requests(rid, [ids], sp, arrival, req.kv_transfer_params)
+    return ChatPlan(rid, requests, sp, ToolOutput.for_request(req, tools))
+
+
+async def create_chat_completion(raw: Request, state: ServingState) -> Any:
+    """Handle one chat completion request.
+
+    Raises:
+        OpenAIError: 400 (bad input, unsupported field, invalid constraint, context too long,
+            template failure), 404 (unknown model), 429 (too many requests), 500 (engine
+            failure), 503 (engine gone).
+    """
+    arrival = time.time()
+    req = await parse_body(raw, ChatCompletionRequest)
+    state.check_model(req.model)
+    plan = await prepare_chat(raw, state, req, arrival)
     last = req.messages[-1]
     role = "assistant" if req.add_generation_prompt else last.role
     echo = last.text() if req.echo and last.role == role else ""
-    fmt = ChatFormatter(state, f"chatcmpl-{rid}", sp.n,
-                        tools=ToolOutput.for_request(req, tools), echo=echo, role=role,
+    fmt = ChatFormatter(state, f"chatcmpl-{plan.request_id}", plan.sampling.n,
+                        tools=plan.tools, echo=echo, role=role,
                         return_token_ids=bool(req.return_token_ids),
                         token_ids_as_strings=bool(req.return_tokens_as_token_ids),
                         prompt_logprobs=req.prompt_logprobs is not None)
-    return await run_requests(raw, state, fmt, rid, requests, req.stream, req.include_usage,
-                              arrival, "messages", continuous_usage=req.continuous_usage)
+    return await run_requests(raw, state, fmt, plan.request_id, plan.requests, req.stream,
+                              req.include_usage, arrival, "messages",
+                              continuous_usage=req.continuous_usage)

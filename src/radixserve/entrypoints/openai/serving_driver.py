@@ -191,6 +191,18 @@ class ResponseFormatter:
         """The non-streamed response body once every request finished."""
         raise NotImplementedError
 
+    def sse_events(self, states: Sequence[RequestState], first: list[RequestDelta],
+                   rest: AsyncIterator[list[RequestDelta]]) -> AsyncIterator[bytes] | None:
+        """The whole body of a streamed response, for an endpoint whose stream is not a run
+        of ``chunk``s (the Responses API's typed events), or None (the default): chunks.
+
+        Args:
+            first: the first batch of deltas (already awaited: a rejection was a 400).
+            rest: the batches after it (``iterate_deltas``); it raises ``OpenAIError`` when
+                the engine fails under the stream, which the events must report themselves.
+        """
+        return None
+
 
 def duplicate_id_error(request_id: str) -> OpenAIError:
     """The 400 for a request id already used by a running request."""
@@ -317,6 +329,16 @@ async def run_requests(raw: Request, state: ServingState, fmt: ResponseFormatter
             finish()
         yield SSE_DONE
 
-    return StreamingResponse(events(), media_type="text/event-stream",
+    custom = fmt.sse_events(states, first, it)
+
+    async def relay(body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        try:
+            async for b in body:
+                yield b
+        finally:
+            finish()
+
+    return StreamingResponse(events() if custom is None else relay(custom),
+                             media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"},
                              background=BackgroundTask(finish))
