@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP app: ``build_app(server_config, client)``.
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``
+(OpenAI's Responses API, served by the chat path), ``GET /v1/models``,
 ``GET /v1/models/{id}`` (the served name or an alias; 404 ``model_not_found`` otherwise),
 ``GET /health`` (200 once the model is loaded; 503 "loading" before, "draining" after SIGTERM,
 "dead" after the engine died),
@@ -44,6 +45,7 @@ from radixserve.entrypoints.openai.serving_chat import create_chat_completion
 from radixserve.entrypoints.openai.serving_completion import create_completion
 from radixserve.entrypoints.openai.serving_driver import ClientDisconnected
 from radixserve.entrypoints.openai.serving_request import check_token_ids, parse_body
+from radixserve.entrypoints.openai.serving_responses import create_response
 from radixserve.entrypoints.openai.serving_state import ServingState
 from radixserve.entrypoints.openai.worker_info import register_worker_routes
 from radixserve.entrypoints.request_log import RequestLogger, StatsLogger
@@ -212,6 +214,10 @@ def build_app(server_config: ServerConfig, client: AsyncEngineClient) -> FastAPI
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Any:
         return await create_completion(raw, state.ready())
+
+    @app.post("/v1/responses")
+    async def responses(raw: Request) -> Any:
+        return await create_response(raw, state.ready())
 
     def model_card(s: ServingState) -> ModelCard:
         return ModelCard(id=s.served_model_name, root=s.info.folder,
