@@ -17,8 +17,8 @@ pytestmark = pytest.mark.slow
 
 
 #: (shape, layers, vocabulary override): Qwen2.5-0.5B whole, for its 151,936-row tied LM head
-#: and Q/K/V bias (qkv stays on oneDNN, the stack per op); Llama-3.2-1B's layers (hidden 2048,
-#: intermediate 8192, 32 heads over 8) with the tokenizer's vocabulary, for the fused stack
+#: and Q/K/V bias (added after the product, in the fused stack too); Llama-3.2-1B's layers
+#: (hidden 2048, intermediate 8192, 32 heads over 8) with the tokenizer's vocabulary
 CASES = [("qwen2.5-0.5b", 1, None), ("llama-3.2-1b", 1, 49152)]
 
 
@@ -44,13 +44,12 @@ def test_fast_paths_hold_at_real_shapes(tmp_path, shape: str, layers: int,
         blocks = runner.model.kernel_k_blocks
         h, it, v = a.hidden_size, a.intermediate_size, a.vocab_size
         qkv = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
-        # a projection with a bias stays on oneDNN unprobed (the kernel has no bias)
-        layer = ((h, h), (2 * it, h), (h, it)) + (() if a.qkv_bias else ((qkv, h),))
+        layer = ((h, h), (2 * it, h), (h, it), (qkv, h))
         assert all(s in blocks for s in (*layer, (v, h))), blocks
         found = [blocks[s] is not None for s in layer]
         assert (runner.kernel_rows is not None) == any(found)
-        fused = shape.startswith("llama") and all(found)  # Qwen2's Q/K/V bias: per op
-        assert runner.paths.paths["decode_layers"] == ("fused" if fused else "per-op")
+        assert runner.paths.paths["decode_layers"] == ("fused" if all(found) else "per-op"), \
+            runner.paths.reasons["decode_layers"]
     ref = LLM(**kw, cpu_linear_kernel=False, fused_decode=False)
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     prompts = [{"prompt_token_ids": list(range(100 + 7 * i, 140 + 11 * i))} for i in range(4)]

@@ -74,9 +74,28 @@ def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: i
         kernel: where given and it returns a path, calls of up to its ``max_rows`` rows take it
             (one row then no longer goes as two equal rows through the GEMM,
             ``batch_invariant``); it must give the GEMM's bits.
+
+    A bias is added after the GEMM (``y += bias``, rounded to the dtype as torch rounds it),
+    never inside it: radixserve's kernel reproduces oneDNN's bias-free GEMM, the fused decode
+    stack repeats the same add, and a row must get the same bits on every path, the one without
+    the kernel (``cpu_linear_kernel=False``) included.
     """
     if weight.device.type != "cpu" or weight.dtype not in PACKABLE_DTYPES:
         return None
+    if bias is not None:
+        inner = packed_linear(weight, None, batch_hint, kernel)
+        if inner is None:
+            return None
+
+        def biased(x: torch.Tensor) -> torch.Tensor:
+            y = inner(x)
+            y += bias
+            return y
+
+        biased.bias = bias  # type: ignore[attr-defined] - for the fused decode stack
+        if hasattr(inner, "kernel"):
+            biased.kernel = inner.kernel  # type: ignore[attr-defined]
+        return biased
     try:
         mkldnn = torch.ops.mkldnn
         packed = mkldnn._reorder_linear_weight(weight.detach(), batch_hint)

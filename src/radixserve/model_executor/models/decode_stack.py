@@ -10,10 +10,10 @@ once per step here instead of once per op.
 It applies where every op of the per-op path is one of those kernels: each projection either
 packed weights (bf16 or float32) through radixserve's linear kernel (``packed_kernel``) or GGUF
 blocks through the quantized kernels (``layers.quantized``, every segment quantized), the "cpu"
-attention backend, no tensor parallelism, no Q/K norm, a Q/K/V bias only on a quantized QKV (the
-packed kernel takes none: a biased projection stays on oneDNN), and a step of decodes only with
-at most the packed kernel's ``max_rows`` rows. Any other step runs the per-op path
-(``CausalLM.forward``).
+attention backend, no tensor parallelism, no Q/K norm, a Q/K/V bias added after the product
+(as the packed and the quantized projections add it; one inside oneDNN's GEMM cannot be), and a
+step of decodes only with at most the packed kernel's ``max_rows`` rows. Any other step runs the
+per-op path (``CausalLM.forward``).
 """
 
 from __future__ import annotations
@@ -39,6 +39,12 @@ FIELDS = 13
 #: the K-blocking field's value that marks a projection held in GGUF blocks (``DL_QUANTIZED``)
 QUANTIZED = -1
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def _bias(op: object) -> torch.Tensor | None:
+    """The bias a projection adds after its product (``QuantizedLinear``, or a packed linear
+    with radixserve's kernel, ``layers.linear.packed_linear``), or None."""
+    return getattr(op, "bias", None)
 
 
 def _fused_projection(op: object) -> str | None:
@@ -91,9 +97,8 @@ class DecodeStack:
         for layer in layers:
             if layer.q_norm is not None:
                 return "Q/K norm is not in the fused layer"
-            if layer.qkv_bias is not None and not isinstance(layer.qkv_proj, QuantizedLinear):
-                return ("a Q/K/V bias keeps the QKV projection on oneDNN (radixserve's packed "
-                        "kernel has no bias)")
+            if layer.qkv_bias is not None and _bias(layer.qkv_proj) is None:
+                return "the QKV projection holds its bias inside oneDNN's GEMM"
             if not isinstance(layer.attn, CpuKernelPagedAttention):
                 return "needs the 'cpu' attention backend"
             for name in PROJECTIONS:
@@ -117,8 +122,7 @@ class DecodeStack:
                 if not kv.is_contiguous() or kv.dtype != self.dtype:
                     raise ValueError(f"fused decode needs contiguous {self.dtype} KV tensors")
                 projections = [v for n in PROJECTIONS for v in self._projection(getattr(layer, n))]
-                bias = layer.qkv_proj.bias if isinstance(layer.qkv_proj, QuantizedLinear) \
-                    else None
+                bias = _bias(layer.qkv_proj)
                 if bias is not None and (bias.dtype != self.dtype or not bias.is_contiguous()):
                     raise ValueError(f"fused decode needs a contiguous {self.dtype} QKV bias")
                 rows.append([layer.input_norm.data_ptr(), layer.post_norm.data_ptr()]
