@@ -1,5 +1,5 @@
-"""Property-based fuzzing of the request bodies of ``/v1/completions`` and
-``/v1/chat/completions`` (issue 26 item 8) against one real null-model server.
+"""Property-based fuzzing of the request bodies of ``/v1/completions``,
+``/v1/chat/completions`` and ``/v1/responses`` against one real null-model server.
 
 Bodies have the requests' shapes with random values: text with lone surrogates and odd code
 points, numbers out of range, wrong types, big lists, nested junk, unknown fields. Whatever
@@ -33,6 +33,7 @@ from server_utils import (
 NULL_ARGS = ["--null-model", "--max-model-len", "256", "--num-pages", "1024"]
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
+RESP = "/v1/responses"
 MAX_EXAMPLES = 150
 FUZZ = settings(max_examples=MAX_EXAMPLES, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
@@ -192,8 +193,65 @@ def body(required_valid: dict[str, Any], valid: dict[str, Any], wild: dict[str, 
     return mostly_valid | all_wild
 
 
+#: Responses API items: messages (content a string or parts), function calls and outputs
+input_part = st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text",
+                                                             "input_image"]) | text,
+                                    "text": field(text)})
+input_item = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant",
+                                                    "developer"]) | text},
+                          optional={"type": field(st.just("message") | text),
+                                    "content": field(text | st.lists(input_part, max_size=3))}),
+    st.fixed_dictionaries({"type": st.just("function_call")}, optional={
+        "call_id": field(text), "name": field(text), "arguments": field(text)}),
+    st.fixed_dictionaries({"type": st.just("function_call_output")}, optional={
+        "call_id": field(text), "output": field(text | st.lists(input_part, max_size=2))}),
+    st.fixed_dictionaries({"type": text}))
+response_tool = st.fixed_dictionaries({"type": st.just("function") | text}, optional={
+    "name": field(text), "description": field(text), "parameters": field(junk),
+    "strict": field(st.booleans())})
+text_format = st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "json_object", "json_schema"]) | text},
+    optional={"name": field(text), "schema": field(junk | st.just({"type": "integer"})),
+              "strict": field(st.booleans())})
+RESPONSES_FIELDS = {
+    "model": SAMPLING["model"], "temperature": SAMPLING["temperature"],
+    "top_p": SAMPLING["top_p"], "top_k": SAMPLING["top_k"], "seed": SAMPLING["seed"],
+    "stop": SAMPLING["stop"], "logit_bias": SAMPLING["logit_bias"],
+    "request_id": SAMPLING["request_id"], "user": SAMPLING["user"],
+    "input": field(text | st.lists(input_item, max_size=4)),
+    "instructions": field(text),
+    "max_output_tokens": field(st.integers(-2, 8) | big_int),
+    "stream": field(st.booleans()),
+    "stream_options": field(st.fixed_dictionaries({}, optional={
+        "include_obfuscation": field(st.booleans())})),
+    "tools": field(st.lists(response_tool, max_size=2)),
+    "tool_choice": field(st.sampled_from(["none", "auto", "required"])
+                         | st.fixed_dictionaries({"type": st.just("function"),
+                                                  "name": field(text)}) | junk),
+    "parallel_tool_calls": field(st.booleans()),
+    "text": field(st.fixed_dictionaries({}, optional={"format": field(text_format),
+                                                      "verbosity": field(text)})),
+    "store": field(st.booleans()), "background": field(st.booleans()),
+    "previous_response_id": field(text), "include": field(st.lists(text, max_size=2)),
+    "truncation": field(st.sampled_from(["auto", "disabled"]) | text),
+    "reasoning": field(junk), "metadata": field(junk),
+}
+valid_input = st.one_of(valid_text.filter(bool), st.lists(st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant", "developer"]),
+     "content": valid_text | st.lists(st.fixed_dictionaries(
+         {"type": st.just("input_text"), "text": valid_text}), min_size=1, max_size=2)}),
+    max_size=2).map(lambda ms: [*ms, {"role": "user", "content": "Hi"}]))
+VALID_RESPONSES = {k: VALID[k] for k in ("model", "temperature", "top_p", "top_k", "seed",
+                                         "stop", "logit_bias", "stream")}
+VALID_RESPONSES |= {"max_output_tokens": st.integers(1, 8), "instructions": valid_text,
+                    "store": st.just(False), "background": st.just(False),
+                    "text": st.just({"format": {"type": "json_object"}})
+                    | st.just({"format": {"type": "text"}})}
+
 completion_body = body({"prompt": valid_prompt}, VALID_COMPLETION, COMPLETION)
 chat_body = body({"messages": valid_messages}, VALID_CHAT, CHAT_FIELDS)
+responses_body = body({"input": valid_input}, VALID_RESPONSES, RESPONSES_FIELDS)
 
 
 # -- the checks ----------------------------------------------------------------------------------
@@ -211,14 +269,33 @@ def post(client: httpx.Client, path: str, body: dict[str, Any]) -> None:
         assert isinstance(err["message"], str) and err["message"], r.text
         assert isinstance(err["type"], str) and err["type"], r.text
         assert err["param"] is None or isinstance(err["param"], str), r.text
+    elif path == RESP:
+        check_response(r)
     elif r.headers["content-type"].startswith("text/event-stream"):
         assert r.text.rstrip().endswith("data: [DONE]"), r.text[-2000:]
-        for line in r.text.splitlines():
+        for line in r.text.split("\n"):  # SSE lines (see ``check_response``)
             if line.startswith("data: {"):
                 event = json.loads(line[6:])
                 assert event.get("error", {}).get("type") != "internal_error", line
     else:
         assert r.json()["choices"], r.text
+
+
+def check_response(r: httpx.Response) -> None:
+    """A served ``/v1/responses`` answer: a finished ``response`` object, or events numbered
+    from 0 whose last one finishes it (never ``response.failed``)."""
+    if not r.headers["content-type"].startswith("text/event-stream"):
+        resp = r.json()
+        assert resp["object"] == "response" and resp["output"], r.text
+        assert resp["status"] in ("completed", "incomplete"), r.text
+        return
+    # SSE ends lines at \n (and \r): not at the other breaks ``str.splitlines`` knows, such
+    # as U+0085, which JSON strings may hold as they are
+    events = [json.loads(line[6:]) for line in r.text.split("\n")
+              if line.startswith("data: ")]
+    assert [e["sequence_number"] for e in events] == list(range(len(events))), r.text[-2000:]
+    assert events[0]["type"] == "response.created", r.text[:2000]
+    assert events[-1]["type"] in ("response.completed", "response.incomplete"), r.text[-2000:]
 
 
 @pytest.mark.timeout(300)
@@ -233,6 +310,13 @@ def test_fuzz_completions(client: httpx.Client, body: dict[str, Any]) -> None:
 @given(body=chat_body)
 def test_fuzz_chat_completions(client: httpx.Client, body: dict[str, Any]) -> None:
     post(client, CHAT, body)
+
+
+@pytest.mark.timeout(300)
+@FUZZ
+@given(body=responses_body)
+def test_fuzz_responses(client: httpx.Client, body: dict[str, Any]) -> None:
+    post(client, RESP, body)
 
 
 @pytest.mark.timeout(120)
@@ -251,6 +335,13 @@ def test_known_cases_are_400_naming_the_field(client: httpx.Client) -> None:
         (CHAT, {"messages": msgs, "logit_bias": {"\ud800": 1}}, "logit_bias"),
         (CHAT, {"messages": msgs, "logit_bias": [0] * 5000}, "logit_bias"),
         (COMP, {"prompt": "x", "\ud800": 1}, None),  # pydantic refuses the key itself
+        (RESP, {"input": "\ud800"}, "input"),
+        (RESP, {"input": [{"role": "user", "content": [{"type": "input_text",
+                                                        "text": "a\udfff"}]}]}, "input"),
+        (RESP, {"input": "x", "instructions": "\ud800"}, "instructions"),
+        (RESP, {"input": "x", "background": True}, "background"),
+        (RESP, {"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+        (RESP, {"input": [{"type": "reasoning", "summary": []}]}, "input.0.type"),
     ]
     for path, body, param in cases:  # param None: the body as a whole
         for _ in range(2):  # the same keep-alive connection serves the next request

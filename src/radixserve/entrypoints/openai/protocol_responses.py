@@ -17,9 +17,17 @@ unless null (or the value that changes nothing).
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from radixserve.entrypoints.openai.errors import OpenAIError
 from radixserve.entrypoints.openai.protocol import (
@@ -28,6 +36,22 @@ from radixserve.entrypoints.openai.protocol import (
     OpenAIBaseModel,
     _valid_text,
 )
+
+
+def _finite_json(value: Any, info: ValidationInfo) -> Any:
+    """A field validator (``mode="before"``) for fields the response object repeats: no
+    NaN or Infinity at any depth (Python's JSON parser reads them, but no JSON writer may
+    write them back); a 400 naming the field."""
+    todo = [value]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"{info.field_name} holds {v}, which is not a JSON number")
+        if isinstance(v, dict):
+            todo.extend(v.values())
+        elif isinstance(v, list):
+            todo.extend(v)
+    return value
 
 
 class InputContentPart(OpenAIBaseModel):
@@ -170,6 +194,9 @@ class ResponsesRequest(BaseModel):
     tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
+    # bookkeeping the response object repeats (changes no output)
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
     # vLLM's extensions, passed on to the chat request under the same names
     request_id: str | None = None
     top_k: int | None = None
@@ -217,6 +244,8 @@ class ResponsesRequest(BaseModel):
 
     #: every string must be valid Unicode text (see ``protocol.lone_surrogate_at``)
     _text = field_validator("*", mode="before")(_valid_text)
+    #: what the response object repeats must be writable as JSON
+    _finite = field_validator("tools", "text", "metadata", mode="before")(_finite_json)
 
     @field_validator("input", mode="before")
     @classmethod

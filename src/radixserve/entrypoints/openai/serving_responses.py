@@ -211,7 +211,6 @@ class ResponsesFormatter(ResponseFormatter):
         """The ``response`` object with ``status`` and ``output``; ``usage`` from ``states``
         once they finished (None before)."""
         req = self.req
-        extra = req.model_extra or {}
         fmt = req.text.format if req.text is not None else None
         return {
             "id": self.response_id, "object": "response", "created_at": self.created,
@@ -229,7 +228,7 @@ class ResponsesFormatter(ResponseFormatter):
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
             "top_p": self.sampling.top_p, "truncation": "disabled",
             "usage": responses_usage(states) if states is not None else None,
-            "user": extra.get("user"), "metadata": extra.get("metadata") or {},
+            "user": req.user, "metadata": req.metadata or {},
         }
 
     @staticmethod
