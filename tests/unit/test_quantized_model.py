@@ -175,7 +175,7 @@ def test_fused_decode_stack_runs_blocks_with_the_per_op_bits(tmp_path, arch, dty
                 bias = runner.model.layers[0].qkv_proj.bias
                 assert bias is not None and bias.abs().max() > 0.1
             run = stack.run
-            stack.run = lambda *a, _run=run: (calls.append(a[0].shape[0]), _run(*a))[1]
+            stack.run = lambda *a, _run=run, _calls=calls: (_calls.append(a[0].shape[0]), _run(*a))[1]
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                             SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True,
                                            logprobs=1), use_tqdm=False)
