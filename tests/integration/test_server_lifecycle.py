@@ -8,6 +8,7 @@ timeout that only turns a hang into a failure (``server_utils.wait_until``)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -250,5 +251,35 @@ def test_sigterm_while_the_model_loads(tmp_path: Path) -> None:
         for pid in engines:
             wait_until(lambda pid=pid: not pid_alive(pid), f"child {pid} to exit")
         assert srv.ipc_dirs() == []
+    finally:
+        srv.stop()
+
+
+@pytest.mark.timeout(240)
+def test_responses_stream_cut_by_shutdown_ends_with_response_failed(tmp_path: Path) -> None:
+    """A Responses stream the shutdown cuts ends with ``response.failed`` (status "failed",
+    the reason in ``error``, the text so far in an incomplete message), never with
+    ``response.completed``."""
+    srv = _start(tmp_path, ["--shutdown-timeout", "0"])
+    try:
+        body = {"input": "Hello", "max_output_tokens": 8000, "ignore_eos": True, "stream": True}
+        reader = StreamReader(srv.base_url + "/v1/responses", body, slow=True)
+        reader.start()
+        assert reader.started_streaming.wait(HANG_TIMEOUT_S)
+        srv.proc.send_signal(signal.SIGTERM)
+        reader.slow.clear()
+        assert srv.proc.wait(timeout=HANG_TIMEOUT_S) == 0, srv.log_tail()
+        reader.join(HANG_TIMEOUT_S)
+        assert reader.status == 200 and reader.error is None, reader.error
+        events = [json.loads(line[6:]) for line in reader.lines if line.startswith("data: ")]
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        last = events[-1]
+        assert last["type"] == "response.failed", reader.lines[-3:]
+        resp = last["response"]
+        assert resp["status"] == "failed" and resp["error"]["code"] == "server_error"
+        assert "shut down" in resp["error"]["message"]
+        (msg,) = resp["output"]
+        assert msg["status"] == "incomplete" and msg["content"][0]["text"]
+        assert not any(e["type"] == "response.completed" for e in events)
     finally:
         srv.stop()
