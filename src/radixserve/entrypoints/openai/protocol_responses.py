@@ -253,11 +253,14 @@ class ResponsesRequest(BaseModel):
         # a string input is one user message
         return [{"role": "user", "content": value}] if isinstance(value, str) else value
 
-    @model_validator(mode="after")
-    def _stream_options_need_stream(self) -> ResponsesRequest:
-        if self.stream_options is not None and self.stream is not True:
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, v: ResponsesStreamOptions | None,
+                                    info: ValidationInfo) -> ResponsesStreamOptions | None:
+        # as chat refuses it (``stream`` is declared first, so it is in ``info.data``)
+        if v is not None and info.data.get("stream") is not True:
             raise ValueError("stream_options can only be set when stream=true")
-        return self
+        return v
 
     def unsupported_fields(self) -> list[str]:
         """Fields set to something this server cannot honour: unknown fields (not null, not in
