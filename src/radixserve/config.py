@@ -188,8 +188,11 @@ class EngineConfig:
             ``path_choice.choose_kernel_rows``) through radixserve's C kernel over oneDNN's
             packed weights (bf16 with AVX512-BF16, float32 with AVX2 + FMA), where it
             reproduces oneDNN's GEMM bit for bit (checked per shape at load,
-            ``layers/packed_kernel.py``); False (``--no-cpu-linear-kernel``): oneDNN's GEMM
-            for every call (one row as two equal rows), the reference.
+            ``layers/packed_kernel.py``); on a CPU with AMX, in bfloat16, radixserve's AMX
+            GEMM for every call instead (``layers/amx_linear.py``: oneDNN's AMX GEMM cannot be
+            reproduced and changes a row's bits with the batch); False
+            (``--no-cpu-linear-kernel``): oneDNN's GEMM for every call (one row as two equal
+            rows), the reference.
         fused_decode: run a decode step's layers in one call into radixserve's C kernels
             (the same kernels in the same order as the per-op path, so the same bits) where
             the model allows it: weights on ``cpu_linear_kernel``, the "cpu" attention

@@ -101,6 +101,9 @@ def test_cpu_linear_kernel_gives_oneDNN_tokens_and_logprobs(auto_llm: LLM) -> No
     ref = LLM(dtype="auto", seed=0, num_pages=128, cpu_linear_kernel=False,
               quantization="none")
     runner = auto_llm.engine.runner
+    if runner.paths.paths["linear"] == "amx":
+        _amx_agrees_with_onednn(auto_llm, ref)
+        return
     want_path = ("radixserve" if runner.kernels is not None
                  and runner.kernels.has_linear_kernel(runner.dtype) else "onednn")
     assert runner.paths.paths["linear_kernel"] == want_path
@@ -123,13 +126,34 @@ def test_cpu_linear_kernel_gives_oneDNN_tokens_and_logprobs(auto_llm: LLM) -> No
         assert out.outputs[0].logprobs == want.outputs[0].logprobs
 
 
+def _amx_agrees_with_onednn(amx_llm: LLM, ref: LLM) -> None:
+    """The AMX kind in bfloat16: every linear runs radixserve's AMX GEMM, which owns its
+    reduction order instead of reproducing oneDNN's (that is what makes it batch invariant,
+    asserted above), so against the oneDNN reference the greedy tokens agree but for near-ties
+    at the first divergence (``test_parity.assert_close``)."""
+    from test_parity import assert_close
+
+    runner = amx_llm.engine.runner
+    assert runner.kernels is not None and runner.kernels.amx.available
+    assert "AMX" in runner.paths.reasons["linear"]
+    assert ref.engine.runner.paths.paths["linear"] != "amx"
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
+    prompts = ["What is 2+2?", "Name three colors.", "Write a haiku about the sea."]
+    _drop_prefix_cache(amx_llm)
+    for got, want in zip(amx_llm.generate(prompts, sp, use_tqdm=False),
+                         ref.generate(prompts, sp, use_tqdm=False), strict=True):
+        a, b = got.outputs[0], want.outputs[0]
+        assert_close(a.token_ids, a.logprobs, b.token_ids, b.logprobs, "amx vs oneDNN")
+
+
 def test_fused_decode_gives_the_per_op_tokens_and_logprobs(auto_llm: LLM) -> None:
     """Decode steps run all layers in one C call where the model allows it (weights on
     radixserve's linear kernel); it runs the per-op path's kernels in its order, so tokens and
     logprob values must be the per-op path's exactly, alone and batched."""
     runner = auto_llm.engine.runner
     stack = runner.model.decode_stack
-    fused = runner.kernels is not None and runner.kernels.has_linear_kernel(runner.dtype)
+    fused = runner.kernels is not None and (runner.kernels.has_linear_kernel(runner.dtype)
+                                            or runner.paths.paths["linear"] == "amx")
     assert runner.paths.paths["decode_layers"] == ("fused" if fused else "per-op")
     assert (stack is not None) == fused
     ref = LLM(dtype="auto", seed=0, num_pages=128, fused_decode=False,

@@ -271,6 +271,15 @@ class ModelRunner:
         m, a = self.model, self.args
         if m.quantization is not None:
             return self._pack_quantized(config, hint, paths)
+        if (self.dtype == torch.bfloat16 and config.cpu_linear_kernel
+                and self.kernels is not None and self.kernels.amx.available):
+            m.use_amx_linears(self.kernels.amx)
+            paths.pick("linear", "amx", "radixserve's AMX bfloat16 GEMM for every row count: one "
+                       "reduction order per output, so rows do not change with the batch "
+                       "(oneDNN's AMX GEMM picks its K blocking by M; --no-cpu-linear-kernel "
+                       "runs it)")
+            paths.pick("decode_layers", *enable_decode_stack(m, config.fused_decode))
+            return True
         layer = m.layers[0]
         model_key = (f"{a.arch} {a.hidden_size} {a.intermediate_size} {a.num_heads} "
                      f"{a.num_kv_heads} {a.head_dim} {a.vocab_size} {self.dtype}"

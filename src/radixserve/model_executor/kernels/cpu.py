@@ -30,13 +30,14 @@ from pathlib import Path
 import torch
 
 from radixserve.cache_dir import cache_dir
+from radixserve.model_executor.kernels.amx import AmxKernels
 from radixserve.model_executor.kernels.quant import QuantKernels
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
 #: every C source linked into the one shared object (the cache key covers them all)
-SOURCES = (SOURCE, SOURCE.with_name("quant_kernels.c"))
+SOURCES = (SOURCE, SOURCE.with_name("quant_kernels.c"), SOURCE.with_name("amx_kernels.c"))
 CFLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-ffp-contract=fast"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -156,6 +157,8 @@ class CpuKernels:
         isa = fn()
         #: GGUF-quantized linears and embedding rows (``csrc/quant_kernels.c``)
         self.quant = QuantKernels(lib)
+        #: radixserve's bfloat16 GEMM on AMX tiles (``csrc/amx_kernels.c``)
+        self.amx = AmxKernels(lib)
         #: the bfloat16 attention path this build has, by the instructions the compiler found
         #: (``-march=native``): "avx512-bf16" (scores with ``vdpbf16ps``, P.V widened in
         #: registers), "avx512" (P.V in registers only) or "portable" (vector extensions)

@@ -8,8 +8,9 @@ same order on the same data, so it gives the per-op path's bits exactly; the che
 once per step here instead of once per op.
 
 It applies where every op of the per-op path is one of those kernels: each projection either
-packed weights (bf16 or float32) through radixserve's linear kernel (``packed_kernel``) or GGUF
-blocks through the quantized kernels (``layers.quantized``, every segment quantized), the "cpu"
+packed weights (bf16 or float32) through radixserve's linear kernel (``packed_kernel``), the AMX
+GEMM (``layers.amx_linear``) or GGUF blocks through the quantized kernels (``layers.quantized``,
+every segment quantized), the "cpu"
 attention backend, no tensor parallelism, no Q/K norm, a Q/K/V bias added after the product
 (as the packed and the quantized projections add it; one inside oneDNN's GEMM cannot be), and a
 step of decodes only with at most the packed kernel's ``max_rows`` rows. Any other step runs the
@@ -28,6 +29,7 @@ from radixserve.model_executor.attention.paged_attention import (
     CpuKernelPagedAttention,
 )
 from radixserve.model_executor.kernels.cpu import CpuKernels
+from radixserve.model_executor.layers.amx_linear import AmxLinear
 from radixserve.model_executor.layers.packed_kernel import PackedLinearKernel
 from radixserve.model_executor.layers.quantized import QuantizedLinear
 
@@ -38,6 +40,8 @@ if TYPE_CHECKING:
 FIELDS = 13
 #: the K-blocking field's value that marks a projection held in GGUF blocks (``DL_QUANTIZED``)
 QUANTIZED = -1
+#: ... and one on the AMX GEMM (``DL_AMX``: the field before it is the packed weight)
+AMX = -2
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
@@ -53,9 +57,9 @@ def _fused_projection(op: object) -> str | None:
         if any(s.ggml_type is None for s in op.segments):
             return "a projection has rows of a GGUF type without a kernel (held dense)"
         return None
-    if isinstance(getattr(op, "kernel", None), PackedLinearKernel):
+    if isinstance(op, AmxLinear) or isinstance(getattr(op, "kernel", None), PackedLinearKernel):
         return None
-    return "needs every projection on radixserve's linear kernel or GGUF blocks"
+    return "needs every projection on radixserve's linear kernels or GGUF blocks"
 
 
 class DecodeStack:
@@ -77,7 +81,7 @@ class DecodeStack:
         #: the most rows of a step the stack takes (the packed linear kernel's; the quantized
         #: kernels run every decode batch on the per-op path too)
         caps = [getattr(layer, n).kernel.max_rows for layer in layers for n in PROJECTIONS
-                if not isinstance(getattr(layer, n), QuantizedLinear)]
+                if not isinstance(getattr(layer, n), QuantizedLinear | AmxLinear)]
         self.max_rows = min(caps) if caps else 1 << 30
         #: [L, FIELDS] int64, built for one set of KV tensors (``_table``)
         self._table: np.ndarray | None = None
@@ -141,6 +145,8 @@ class DecodeStack:
                 s.ggml_type, s.data.data_ptr(), s.lo, s.hi)], dtype=np.int64)
             self._segments.append(seg)
             return seg.ctypes.data, QUANTIZED
+        if isinstance(op, AmxLinear):
+            return op.ptr, AMX
         kernel = op.kernel  # type: ignore[attr-defined]
         return kernel.ptr, kernel.k_block
 

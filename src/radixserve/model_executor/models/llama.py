@@ -20,8 +20,10 @@ from torch import nn
 
 from radixserve.model_executor.attention.paged_attention import AttentionMetadata
 from radixserve.model_executor.attention.registry import build_attention
+from radixserve.model_executor.kernels.amx import AmxKernels
 from radixserve.model_executor.kernels.cpu import CpuKernels
 from radixserve.model_executor.kernels.quant import SUPPORTED_TYPES, QuantKernels, block_info
+from radixserve.model_executor.layers.amx_linear import AmxLinear
 from radixserve.model_executor.layers.linear import (
     KernelFactory,
     LinearFn,
@@ -304,6 +306,18 @@ class DecoderLayer(nn.Module):
             self.get_parameter(n).data = torch.empty(0, dtype=self.get_parameter(n).dtype)
         return True
 
+    def use_amx_linears(self, amx: AmxKernels, emulate: bool = False) -> None:
+        """Run the four projections on radixserve's AMX GEMM (``layers.amx_linear``) for every
+        row count and free their dense weights; a bfloat16 layer's (the Q/K/V bias is added
+        after the product)."""
+        bias = {"qkv": self.qkv_bias}
+        for n in _LINEAR_PARAMS:
+            if n in self.quantized:
+                continue
+            w = self.get_parameter(n)
+            setattr(self, n + "_proj", AmxLinear(amx, w.data, bias.get(n), emulate))
+            w.data = torch.empty(0, dtype=w.dtype)
+
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -467,6 +481,25 @@ class CausalLM(nn.Module):
         if self.lm_head is not None:
             self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype)
         return True
+
+    def use_amx_linears(self, amx: AmxKernels, emulate: bool = False) -> None:
+        """Every projection and the LM head on radixserve's AMX bfloat16 GEMM, for every row
+        count (``layers.amx_linear``): one reduction order per output, so a row's logits do
+        not depend on the batch. The dense layer weights are freed; a tied embedding stays for
+        the lookup. Call after the weights are loaded, on a bfloat16 model.
+
+        Raises:
+            ValueError: a model of another dtype.
+        """
+        if self.norm.dtype != torch.bfloat16:
+            raise ValueError(f"the AMX GEMM is bfloat16, the model is {self.norm.dtype}")
+        for layer in self.layers:
+            layer.use_amx_linears(amx, emulate)
+        if self.lm_head_q is None:
+            w = self.embed if self.lm_head is None else self.lm_head
+            self._lm_head_proj = AmxLinear(amx, w.data, None, emulate)
+            if self.lm_head is not None:
+                self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype)
 
     def join_group(self, group: TensorParallelGroup) -> None:
         """Sharded model: run its collectives over ``group`` (size must match the shard's).

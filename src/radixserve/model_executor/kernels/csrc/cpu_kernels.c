@@ -1284,6 +1284,10 @@ int rs_quant_linear(int wtype, const uint8_t *w, int64_t N, int64_t K, int xdt, 
  * ggml type, address of its rows' blocks, first row, end row}, each segment's rows written by
  * rs_quant_linear into their columns of y (`layers.quantized.QuantizedLinear`'s calls). */
 #define DL_QUANTIZED (-1)
+/* kblk == DL_AMX: w is a weight packed by rs_amx_pack_bf16 (amx_kernels.c; bfloat16 only) */
+#define DL_AMX (-2)
+int rs_amx_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *packed,
+                       int64_t N, uint16_t *y, int64_t ldy, int flags, int num_threads);
 
 static int linear_packed(int dtype, const void *x, int64_t w, void *y, int64_t M, int64_t N,
                          int64_t K, int64_t kblk, int num_threads) {
@@ -1299,6 +1303,10 @@ static int linear_packed(int dtype, const void *x, int64_t w, void *y, int64_t M
         }
         return 0;
     }
+    if (kblk == DL_AMX)
+        return dtype == 1 ? rs_amx_linear_bf16(x, M, K, (const uint16_t *)(intptr_t)w, N, y, N, 0,
+                                               num_threads)
+                          : 1;
     return dtype == 0 ? rs_linear_f32_packed(x, (const float *)(intptr_t)w, y, M, N, K, kblk,
                                              num_threads)
                       : rs_linear_bf16_packed(x, (const uint16_t *)(intptr_t)w, y, M, N, K, kblk,
