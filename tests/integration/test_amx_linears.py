@@ -53,6 +53,8 @@ def test_amx_path_is_picked_only_where_the_tiles_run(tmp_path) -> None:
         runner = llm.engine.runner
         amx = runner.kernels is not None and runner.kernels.amx.available
         want = amx and dtype == "bfloat16" and kernel
-        assert (runner.paths.paths["linear"] == "amx") == want, runner.paths.reasons["linear"]
+        assert (runner.paths.paths["linear"] == "amx") == want, (
+            runner.paths.reasons["linear"],
+            None if runner.kernels is None else runner.kernels.amx.self_check())
         assert runner.dtype == getattr(torch, dtype)
         llm.engine.shutdown()

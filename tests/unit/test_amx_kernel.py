@@ -104,3 +104,14 @@ def test_tiles_on_the_amx_kind(kernels, n, k) -> None:
     # pair differently, so the two agree to bfloat16 rounding, not to the bit
     torch.testing.assert_close(kernels.amx.linear(x, packed, n, emulate=True).float(),
                                y.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_self_check_decides_whether_the_tiles_serve(kernels) -> None:
+    """The engine asks ``self_check`` before serving on the tiles: off the AMX kind it says no
+    and why; on it, the probe must pass (a failure is a kernel bug, and the engine keeps
+    oneDNN)."""
+    ok, why = kernels.amx.self_check()
+    assert ok == kernels.amx.available, why
+    assert why
+    if not ok:
+        assert "AMX" in why

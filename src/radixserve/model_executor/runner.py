@@ -271,8 +271,13 @@ class ModelRunner:
         m, a = self.model, self.args
         if m.quantization is not None:
             return self._pack_quantized(config, hint, paths)
+        amx_ok = False
         if (self.dtype == torch.bfloat16 and config.cpu_linear_kernel
                 and self.kernels is not None and self.kernels.amx.available):
+            amx_ok, amx_why = self.kernels.amx.self_check()
+            if not amx_ok:
+                log.warning("AMX GEMM not used: %s", amx_why)
+        if amx_ok:
             m.use_amx_linears(self.kernels.amx)
             paths.pick("linear", "amx", "radixserve's AMX bfloat16 GEMM for every row count: one "
                        "reduction order per output, so rows do not change with the batch "

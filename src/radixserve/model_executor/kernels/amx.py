@@ -43,6 +43,39 @@ class AmxKernels:
         fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, c_int, c_int]
         fn.restype = c_int
         self._linear = fn
+        self._check: tuple[bool, str] | None = None
+
+    def self_check(self) -> tuple[bool, str]:
+        """Whether the tile path may serve here, and why: available, and on a probe weight
+        (130 x 1536, N and K padded) the hardware's rows agree with the scalar emulation to
+        bfloat16 rounding and give the same bits alone as in a batch of 37. Run once (a few
+        ms); the engine falls back to oneDNN where it fails, saying why."""
+        if self._check is None:
+            if not self.available:
+                self._check = (False, "no AMX-TILE/AMX-BF16 here, or Linux refused the tile "
+                                      "state")
+            else:
+                g = torch.Generator().manual_seed(0)
+                w = (torch.randn(130, 1536, generator=g) * 0.05).bfloat16()
+                x = torch.randn(37, 1536, generator=g).bfloat16()
+                packed = self.pack(w)
+                y = self.linear(x, packed, 130)
+                emu = self.linear(x, packed, 130, emulate=True)
+                alone = torch.cat([self.linear(x[i:i + 1].contiguous(), packed, 130)
+                                   for i in range(37)])
+                err = float(((y.float() - emu.float()).abs()
+                             / (emu.float().abs() + 1e-2)).max())
+                if not torch.equal(alone, y):
+                    self._check = (False, "the AMX tile path gave a row other bits alone than "
+                                          "in a batch (a kernel bug): keeping oneDNN")
+                elif not err < 0.02:
+                    self._check = (False, f"the AMX tile path disagrees with its emulation "
+                                          f"(relative error {err:.3g}; a kernel bug): keeping "
+                                          "oneDNN")
+                else:
+                    self._check = (True, "the tile path agrees with its emulation and is "
+                                         "batch invariant on a probe weight")
+        return self._check
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """The tile layout of a bfloat16 weight.
