@@ -149,6 +149,102 @@ class KVTransferConfig:
         return cls(**kw)
 
 
+#: ``speculative_config.method`` values: "ngram" (prompt lookup) is implemented;
+#: "draft_model" is vLLM's name for a second, smaller model and is refused until it exists.
+SPEC_METHODS = ("ngram",)
+SPEC_METHODS_PLANNED = ("draft_model",)
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding: the JSON of ``--speculative-config`` (vLLM's flag and field names)
+    or the offline ``LLM(speculative_config=...)``.
+
+    Each step a running greedy request may carry up to ``num_speculative_tokens`` draft tokens,
+    proposed by prompt lookup over its own prompt and output (the n-gram method); the model
+    verifies them in one forward and keeps the longest prefix equal to its own argmax, plus
+    its token at the first mismatch (or the bonus token when every draft matched).
+
+    Attributes:
+        method: "ngram" (prompt lookup).
+        num_speculative_tokens: draft tokens per request and step (k), >= 1.
+        prompt_lookup_min / prompt_lookup_max: the suffix n-gram lengths (in tokens) searched
+            for earlier in the request's tokens, longest first; 1 <= min <= max. vLLM's
+            defaults: one left out takes the other's value, both left out are 5.
+        model: a draft model (the "draft_model" method); refused: not implemented yet.
+
+    Raises:
+        ValueError: from ``validate`` / ``parse``: an unknown field, a bad value or a method
+            not implemented, naming ``speculative_config.<field>``.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int | None = None
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Fill vLLM's n-gram defaults and check every field.
+
+        Raises:
+            ValueError: naming ``speculative_config.<field>`` and what is allowed.
+        """
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"speculative_config.{name}={getattr(self, name)!r} {why}")
+
+        if self.method in SPEC_METHODS_PLANNED or self.model is not None:
+            name = "method" if self.method in SPEC_METHODS_PLANNED else "model"
+            raise bad(name, "is not implemented yet: only the n-gram (prompt lookup) method "
+                            "is, as {\"method\": \"ngram\"}")
+        if self.method not in SPEC_METHODS:
+            raise bad("method", f"is not one of {', '.join(SPEC_METHODS + SPEC_METHODS_PLANNED)}")
+        if self.num_speculative_tokens is None:
+            raise bad("num_speculative_tokens", "must be given (draft tokens per step, >= 1)")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise bad(name, "must be an integer >= 1")
+        # vLLM's rule: one bound given, the other follows it; neither, max 5 and min 5
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo is None and hi is None:
+            lo = hi = 5
+        elif lo is None:
+            lo = hi
+        elif hi is None:
+            hi = lo
+        self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
+        if lo > hi:
+            raise bad("prompt_lookup_min", f"must be <= prompt_lookup_max ({hi})")
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict[str, Any] | str) -> SpeculativeConfig:
+        """A config from itself, a dict or a JSON object string (the CLI flag's value).
+
+        Raises:
+            ValueError: not JSON, not an object, an unknown field, a bad value or a method not
+                implemented.
+        """
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError("speculative_config must be a JSON object")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown field {unknown[0]!r} "
+                             f"(known: {', '.join(sorted(known))})")
+        return cls(**value)
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine core needs to start.
@@ -230,6 +326,9 @@ class EngineConfig:
             blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) through radixserve's kernels; "int8"
             quantizes a float checkpoint's projections to int8 blocks (ggml's Q8_0) at load;
             "none" holds every weight dense in ``dtype`` (a GGUF dequantized at load).
+        speculative_config: speculative decoding (a ``SpeculativeConfig``, or its dict / JSON
+            string, converted on construction); None: off. Steps then run without overlap
+            (``disable_overlap`` None means off; False is refused).
     """
 
     model: str | None = None
@@ -259,10 +358,13 @@ class EngineConfig:
     cuda_graph_max_bs: int | None = None
     quantization: str | None = None
     generation_config: str = "auto"
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.kv_transfer_config is not None:
             self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self.validate()
 
     def validate(self) -> None:
@@ -304,6 +406,11 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r} is not one of "
                              f"{', '.join(ATTENTION_BACKENDS)}")
+        if self.speculative_config is not None and self.disable_overlap is False:
+            raise ValueError("speculative_config needs steps run one after the other: "
+                             "disable_overlap=False (--no-disable-overlap) cannot be combined "
+                             "with it (the next step is scheduled before this one's accepted "
+                             "tokens are known)")
 
     @classmethod
     def field_names(cls) -> list[str]:

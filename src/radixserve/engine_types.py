@@ -263,6 +263,22 @@ class KVTransferStats(msgspec.Struct, kw_only=True):
     held_pages: int = 0
 
 
+class SpecDecodeCounts(msgspec.Struct, kw_only=True):
+    """Speculative decoding's cumulative counters (vLLM's ``spec_decode_*`` metrics).
+
+    Attributes:
+        num_drafts: verify steps of a request (one request with draft tokens in one step).
+        num_draft_tokens / num_accepted_tokens: draft tokens verified / accepted.
+        accepted_per_pos: accepted draft tokens by position in the draft (0-based), one entry
+            per position up to ``num_speculative_tokens``.
+    """
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = []
+
+
 class SchedulerStats(msgspec.Struct, kw_only=True):
     """Snapshot of the scheduler for metrics; counters are cumulative since start.
 
@@ -286,6 +302,7 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
             ``prompt_tokens_by_source``), counted once per request.
         num_waiting_for_remote_kvs: requests waiting for a remote instance's KV.
         kv_transfer: the KV connector's figures, None without one.
+        spec_decode: speculative decoding's counters, None when it is off.
     """
 
     num_running: int = 0
@@ -304,6 +321,7 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     prompt_tokens_external: int = 0
     num_waiting_for_remote_kvs: int = 0
     kv_transfer: KVTransferStats | None = None
+    spec_decode: SpecDecodeCounts | None = None
     kv_pages_evictable: int = 0
     draining: bool = False
 

@@ -72,6 +72,16 @@ _KV_COUNTERS = {
 }
 
 
+#: Cumulative ``SpecDecodeCounts`` counters -> metric name (after ``radixserve:``) and help
+#: (vLLM's ``vllm:spec_decode_*``; mean accepted length = 1 + accepted / drafts).
+_SPEC_COUNTERS = {
+    "num_drafts": ("spec_decode_num_drafts", "Speculative verify steps of a request (drafts "
+                   "verified)."),
+    "num_draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens verified."),
+    "num_accepted_tokens": ("spec_decode_num_accepted_tokens", "Draft tokens accepted."),
+}
+
+
 class ServerMetrics:
     """The server's Prometheus metrics.
 
@@ -209,6 +219,15 @@ class ServerMetrics:
             "kv_transfer_held_pages", "KV pages held for KV transfers.")
         self._last_sources = dict.fromkeys(_PROMPT_SOURCES, 0)
         self._last_kv: dict[str, float] = dict.fromkeys(_KV_COUNTERS, 0)
+        # speculative decoding, vLLM's names (vllm:spec_decode_*)
+        self.spec_decode = {field: counter(name, doc)
+                            for field, (name, doc) in _SPEC_COUNTERS.items()}
+        self._spec_per_pos = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Accepted draft tokens by position in the draft (0-based).",
+            ["model_name", "position"], registry=self.registry)
+        self._last_spec: dict[str, float] = dict.fromkeys(_SPEC_COUNTERS, 0)
+        self._last_spec_pos: list[float] = []
 
     def update_from_stats(self, stats: SchedulerStats) -> None:
         """Apply one scheduler snapshot: set gauges, add counter deltas, observe step timers.
@@ -242,6 +261,16 @@ class ServerMetrics:
                 self._last_kv[field] = _inc(child, getattr(kv, field), self._last_kv[field])
             self.kv_transfer_held_requests.set(kv.held_requests)
             self.kv_transfer_held_pages.set(kv.held_pages)
+        spec = stats.spec_decode
+        if spec is not None:
+            for field, child in self.spec_decode.items():
+                self._last_spec[field] = _inc(child, getattr(spec, field),
+                                              self._last_spec[field])
+            last = self._last_spec_pos
+            last.extend([0] * (len(spec.accepted_per_pos) - len(last)))
+            for pos, value in enumerate(spec.accepted_per_pos):
+                last[pos] = _inc(self._spec_per_pos.labels(self.model_name, str(pos)), value,
+                                 last[pos])
         for name, samples in stats.step_timings.items():
             hist = self.step_seconds.get(name)
             if hist is not None:

@@ -11,7 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from radixserve.engine_types import KVTransferStats, RunnerStats, SchedulerStats, ShadowStats
+from radixserve.engine_types import (
+    KVTransferStats,
+    RunnerStats,
+    SchedulerStats,
+    ShadowStats,
+    SpecDecodeCounts,
+)
 from radixserve.metrics import ServerMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,7 +42,7 @@ def _series() -> dict[str, tuple[str, str, frozenset[str]]]:
         runner=RunnerStats(paths={"attention": "cpu"}, fallbacks={"linear": "no kernel"},
                            steps=1, shadow=ShadowStats(steps=1, tokens_agree=1,
                                                        tokens_diverge=1)),
-        kv_transfer=KVTransferStats()))
+        kv_transfer=KVTransferStats(), spec_decode=SpecDecodeCounts(accepted_per_pos=[1])))
     m.observe_request("stop", e2e_latency=1.0, ttft=0.1, num_output_tokens=3, queue_time=0.01,
                       num_prompt_tokens=4)
     out: dict[str, tuple[str, str, frozenset[str]]] = {}

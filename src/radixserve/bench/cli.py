@@ -66,7 +66,10 @@ def cmd_offline(ns: argparse.Namespace) -> int:
                                       "range_ratio": ns.range_ratio, "dtype": cfg.dtype,
                                       "dataset": ns.dataset or "random",
                                       "ignore_eos": not ns.no_ignore_eos,
-                                      "step_timers": cfg.step_timers, "model": files.name}}
+                                      "step_timers": cfg.step_timers, "model": files.name,
+                                      "speculative_config":
+                                      None if cfg.speculative_config is None
+                                      else vars(cfg.speculative_config)}}
     rs = offline.run_radixserve(prompts, kwargs, ignore_eos=not ns.no_ignore_eos)
     res["radixserve"] = offline.as_dict(rs)
     if ns.compare_transformers:

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from radixserve.bench.datasets import BenchPrompt
+from radixserve.engine_types import SpecDecodeCounts
 
 
 @dataclass
@@ -37,6 +38,22 @@ def _result(engine: str, prompts: list[BenchPrompt], out_tokens: int, wall: floa
                          (p_tok + out_tokens) / wall, p_tok, out_tokens, load, extra)
 
 
+def spec_decode_summary(before: SpecDecodeCounts, after: SpecDecodeCounts) -> dict[str, Any]:
+    """Speculative decoding over a run, from two snapshots of the engine's counters (vLLM's
+    figures): drafts, draft and accepted tokens, acceptance rate, mean accepted length (tokens
+    a verify step gives a request, bonus token included) and acceptance rate per position."""
+    drafts = after.num_drafts - before.num_drafts
+    draft_tokens = after.num_draft_tokens - before.num_draft_tokens
+    accepted = after.num_accepted_tokens - before.num_accepted_tokens
+    per = [a - (before.accepted_per_pos[i] if i < len(before.accepted_per_pos) else 0)
+           for i, a in enumerate(after.accepted_per_pos)]
+    return {"num_drafts": drafts, "num_draft_tokens": draft_tokens,
+            "num_accepted_tokens": accepted,
+            "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
+            "mean_accepted_length": 1 + accepted / drafts if drafts else 0.0,
+            "acceptance_rate_per_pos": [a / drafts if drafts else 0.0 for a in per]}
+
+
 def run_radixserve(prompts: list[BenchPrompt], engine_kwargs: dict[str, Any],
                    ignore_eos: bool = True, temperature: float = 0.0, warmup: bool = True
                    ) -> OfflineResult:
@@ -54,6 +71,7 @@ def run_radixserve(prompts: list[BenchPrompt], engine_kwargs: dict[str, Any],
                              ignore_eos=ignore_eos) for p in prompts]
     if llm.engine.timers is not None:
         llm.engine.timers.drain()
+    spec0 = llm.engine.get_stats().spec_decode
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p.token_ids} for p in prompts], params,
                         use_tqdm=False)
@@ -64,6 +82,9 @@ def run_radixserve(prompts: list[BenchPrompt], engine_kwargs: dict[str, Any],
     if llm.engine.timers is not None:
         t = llm.engine.timers.drain()
         extra["step_timers_ms"] = {k: 1e3 * sum(v) / max(len(v), 1) for k, v in t.items()}
+    spec1 = llm.engine.get_stats().spec_decode
+    if spec0 is not None and spec1 is not None:
+        extra["spec_decode"] = spec_decode_summary(spec0, spec1)
     del llm
     gc.collect()
     return _result("radixserve", prompts, n_out, wall, load, extra)

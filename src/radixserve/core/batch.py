@@ -33,6 +33,9 @@ class ScheduledBatch:
         samplers: the requests with ``forward.sample`` set, in order (length S).
         row_gens: int64 [S] the generation of each sampler's row when scheduled (a row whose
             generation changed was released: its request finished or was preempted).
+        drafts: per sampler the int32 draft tokens it verifies this step (empty for most);
+            None when no request verifies drafts (speculative decoding). A sampler with k
+            drafts has k + 1 rows of logits (``forward.logits_indices``), in order.
     """
 
     requests: list[Request]
@@ -40,6 +43,7 @@ class ScheduledBatch:
     epochs: np.ndarray
     samplers: list[Request]
     row_gens: np.ndarray
+    drafts: list[np.ndarray] | None = None
 
     @property
     def num_decodes(self) -> int:
@@ -47,16 +51,20 @@ class ScheduledBatch:
 
 
 def build_batch(requests: list[Request], num_decodes: int, num_new: list[int],
-                tables: RowTables, page_size: int, live: LiveIndex) -> ScheduledBatch:
+                tables: RowTables, page_size: int, live: LiveIndex,
+                num_draft: list[int] | None = None) -> ScheduledBatch:
     """The step's metadata for ``requests`` from the row tables.
 
     Args:
-        requests: decodes first, then prefill chunks.
+        requests: decodes first, then verify requests and prefill chunks.
         num_decodes: leading requests computing one token each.
         num_new: tokens each request computes this step.
         tables: the row tables (pages, tokens, sampling parameters).
         page_size: tokens per KV page.
         live: which optional sampling features any live request uses.
+        num_draft: draft tokens each request verifies (speculative decoding: its last
+            sampled token and k drafts, already in the token table, are its k + 1 new tokens,
+            and each gives a row of logits); None when none does.
     """
     b = len(requests)
     rows = np.fromiter((r.row for r in requests), dtype=np.int64, count=b)
@@ -71,26 +79,45 @@ def build_batch(requests: list[Request], num_decodes: int, num_new: list[int],
     page_table = tables.page_table
     slot_mapping = (page_table[tok_rows, positions // page_size].astype(np.int64) * page_size
                     + positions % page_size)
+    nd = None if num_draft is None else np.asarray(num_draft, dtype=np.int64)
     # a decode always reaches its last token; only prefill chunks may stop short of it
     sample = np.ones(b, dtype=bool)
     for i in range(num_decodes, b):
-        sample[i] = seq_lens[i] == requests[i].num_tokens
+        sample[i] = seq_lens[i] == requests[i].num_tokens + (0 if nd is None else nd[i])
     max_pages = int((seq_lens.max() + page_size - 1) // page_size) if b else 0
     samplers = (requests if num_decodes == b or sample.all()
                 else list(itertools.compress(requests, sample.tolist())))
     srows = rows if samplers is requests else rows[sample]
+    drafts = None
+    if nd is None:
+        logits_indices = (ends - 1)[sample]
+        lrows, lsamplers = srows, samplers
+    else:
+        # k + 1 rows of logits per verify request: its last sampled token's and each draft's
+        per = np.where(sample, nd + 1, 0)
+        m = int(per.sum())
+        first = np.cumsum(per) - per
+        logits_indices = (np.repeat(ends - per, per)
+                          + np.arange(m, dtype=np.int64) - np.repeat(first, per))
+        sper = per[sample]
+        lrows = np.repeat(srows, sper)
+        # the sampling parameters of a verify request's rows are its own, repeated
+        lsamplers = [r for r, c in zip(samplers, sper.tolist(), strict=True) for _ in range(c)]
+        drafts = [input_ids[e - k:e].astype(np.int32)
+                  for e, k in zip(ends[sample].tolist(), nd[sample].tolist(), strict=True)]
     forward = ForwardBatch(
         num_decodes=num_decodes, rows=rows, num_new=n, seq_lens=seq_lens, sample=sample,
         input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
-        page_table=page_table[rows, :max_pages], logits_indices=(ends - 1)[sample],
-        sampling=_sampling_batch(samplers, srows, tables, live),
+        page_table=page_table[rows, :max_pages], logits_indices=logits_indices,
+        sampling=_sampling_batch(lsamplers, lrows, tables, live),
         prompt_logprobs=(_prompt_logprobs(requests, num_decodes, start, seq_lens, ends, tables)
-                         if live.prompt_logprobs else None))
+                         if live.prompt_logprobs else None),
+        num_draft=nd)
     return ScheduledBatch(
         requests=requests, forward=forward,
         epochs=np.fromiter((r.num_preemptions for r in requests[num_decodes:]),
                            dtype=np.int64, count=b - num_decodes),
-        samplers=samplers, row_gens=tables.generation[srows])
+        samplers=samplers, row_gens=tables.generation[srows], drafts=drafts)
 
 
 def _prompt_logprobs(requests: list[Request], num_decodes: int, start: np.ndarray,

@@ -7,6 +7,7 @@ no wire format. The offline ``LLM`` drives it in-process; the engine-core proces
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from radixserve.core.batch import ScheduledBatch
 from radixserve.core.request import Request
 from radixserve.core.resolver import StepResolver
 from radixserve.core.scheduler import Scheduler
+from radixserve.core.spec_decode import NgramProposer
 from radixserve.engine_types import (
     ERROR_KV_TRANSFER_FAILED,
     FINISH_ABORT,
@@ -27,6 +29,7 @@ from radixserve.engine_types import (
     KVTransferStats,
     RequestRejected,
     SchedulerStats,
+    SpecDecodeCounts,
     StepOutputs,
     TokenOutput,
 )
@@ -60,6 +63,8 @@ class StepTimers:
             v.clear()
         return out
 
+
+log = logging.getLogger(__name__)
 
 _NO_TOKENS = np.empty(0, dtype=np.int32)
 #: Seconds a step with nothing to run but loads in flight waits for one to end (no spinning).
@@ -104,10 +109,13 @@ class EngineCore:
                                  "transfer (not the null model)")
             self.kv_connector = create_scheduler_connector(kv_cfg, config.page_size,
                                                            self.kv_worker)
+        spec = config.speculative_config
+        self.proposer = None if spec is None else NgramProposer(spec)
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
             config.schedule_policy, connector=self.kv_connector,
-            kv_load_failure_policy=kv_cfg.kv_load_failure_policy if kv_cfg else "recompute")
+            kv_load_failure_policy=kv_cfg.kv_load_failure_policy if kv_cfg else "recompute",
+            proposer=self.proposer)
         self.resolver = StepResolver(self.scheduler.tables, self.scheduler.live,
                                      self.max_model_len)
         self.step_count = 0
@@ -118,7 +126,15 @@ class EngineCore:
         #: decode requests and prefill tokens of the last step scheduled
         self.last_num_decodes = self.last_num_prefill_tokens = 0
         self.check_integrity_each_step = False
-        if config.disable_overlap is None:  # auto: see EngineConfig.disable_overlap
+        self._logged_no_spec = False
+        if spec is not None:
+            # a step's accepted tokens must be known before the next one is scheduled
+            self.overlap = False
+            log.info("speculative decoding: %s, %d draft tokens, n-grams of %d..%d tokens; "
+                     "greedy requests only (others decode one token per step), steps without "
+                     "overlap", spec.method, spec.num_speculative_tokens,
+                     spec.prompt_lookup_min, spec.prompt_lookup_max)
+        elif config.disable_overlap is None:  # auto: see EngineConfig.disable_overlap
             self.overlap = getattr(runner.device, "type", "cpu") == "cuda"
         else:
             self.overlap = not config.disable_overlap
@@ -188,6 +204,13 @@ class EngineCore:
                 raise RequestRejected(str(e), "structured_outputs") from None
         req = Request(er.request_id, prompt, sp, eos, max_tokens, generator=gen,
                       grammar=grammar)
+        if self.proposer is not None and not sp.greedy:
+            # greedy acceptance would change a sampled request's distribution; rejection
+            # sampling is not implemented, so it decodes one token per step
+            (log.info if not self._logged_no_spec else log.debug)(
+                "request %s samples (temperature %s): decoded without speculation (only greedy "
+                "requests speculate)", er.request_id, sp.temperature)
+            self._logged_no_spec = True
         kv_params = er.kv_transfer_params
         if kv_params is None and sp.extra_args:  # vLLM's offline way to pass them
             kv_params = sp.extra_args.get("kv_transfer_params")
@@ -375,7 +398,8 @@ class EngineCore:
             # this thread's sampler accepted into the matchers (overlap-safe)
             step = fb.sampling.constraints = self.grammars.step(grammars)
         result = self.runner.execute(fb)
-        self._last_sampled[fb.rows[fb.sample]] = result.token_ids
+        if fb.num_draft is None:  # (speculation runs without overlap: nothing reads it)
+            self._last_sampled[fb.rows[fb.sample]] = result.token_ids
         if step is not None:
             result.grammar_status = step.status
         return result
@@ -415,7 +439,12 @@ class EngineCore:
         outs = [self._output(req, [tok], req.finish_reason,
                              None if lp is None or lp[row] is None else [lp[row]])
                 for req, tok, row in res.full]
-        self.generation_tokens += res.num_outputs
+        for req, toks, row in res.verified:
+            if req.finish_reason is None:
+                self.scheduler.roll_back(req)
+            rows = None if lp is None or lp[row] is None else lp[row:row + len(toks)]
+            outs.append(self._output(req, toks, req.finish_reason, rows))  # type: ignore[arg-type]
+        self.generation_tokens += res.num_tokens
         ids = [r.request_id for r in res.plain]
         return outs, (ids, res.plain_tokens.astype(np.int32))
 
@@ -471,7 +500,17 @@ class EngineCore:
             prompt_tokens_local_compute=s.prompt_tokens_local_compute,
             prompt_tokens_external=s.prompt_tokens_external,
             num_waiting_for_remote_kvs=len(s.loading),
-            kv_transfer=self._kv_stats())
+            kv_transfer=self._kv_stats(), spec_decode=self._spec_stats())
+
+    def _spec_stats(self) -> SpecDecodeCounts | None:
+        if self.proposer is None:
+            return None
+        st = self.resolver.spec_stats
+        return SpecDecodeCounts(
+            num_drafts=st.num_drafts, num_draft_tokens=st.num_draft_tokens,
+            num_accepted_tokens=st.num_accepted_tokens,
+            accepted_per_pos=list(st.accepted_per_pos)
+            + [0] * (self.proposer.k - len(st.accepted_per_pos)))
 
     def _kv_stats(self) -> KVTransferStats | None:
         if self.kv_worker is None:

@@ -17,6 +17,7 @@ from radixserve.core.batch import ScheduledBatch
 from radixserve.core.live_index import LiveIndex
 from radixserve.core.request import Request, Status
 from radixserve.core.row_tables import RowTables
+from radixserve.core.spec_decode import SpecDecodeStats, accepted_length
 from radixserve.engine_types import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
 from radixserve.structured.runtime import REJECTED, TERMINATED
 
@@ -31,18 +32,27 @@ class Resolved:
             ``resolve`` was asked for no plain outputs.
         plain: requests that got one ordinary token: still running, not their first.
         plain_tokens: int64 [len(plain)] their tokens, in order.
-        finished: the requests of ``full`` that finished this step; the caller hands them to
-            ``Scheduler.finish``.
+        finished: the requests of ``full`` and ``verified`` that finished this step; the
+            caller hands them to ``Scheduler.finish``.
+        verified: (request, its tokens, its first row of logits) for each request that
+            verified draft tokens: the accepted drafts then the target's token, cut after a
+            stop; the caller rolls back the pages of those still running.
     """
 
     full: list[tuple[Request, int, int]]
     plain: list[Request]
     plain_tokens: np.ndarray
     finished: list[Request] = field(default_factory=list)
+    verified: list[tuple[Request, list[int], int]] = field(default_factory=list)
 
     @property
     def num_outputs(self) -> int:
-        return len(self.full) + len(self.plain)
+        return len(self.full) + len(self.plain) + len(self.verified)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens generated (a verify request may get several)."""
+        return len(self.full) + len(self.plain) + sum(len(v[1]) for v in self.verified)
 
 
 class StepResolver:
@@ -52,12 +62,16 @@ class StepResolver:
         tables: the scheduler's row tables.
         live: the live-request index (which token ids may stop someone).
         max_model_len: longest sequence in tokens.
+
+    Attributes:
+        spec_stats: speculative decoding's acceptance counters (cumulative).
     """
 
     def __init__(self, tables: RowTables, live: LiveIndex, max_model_len: int) -> None:
         self.tables = tables
         self.live = live
         self.max_model_len = max_model_len
+        self.spec_stats = SpecDecodeStats()
 
     def commit(self, batch: ScheduledBatch) -> None:
         """Advance requests as if ``batch`` already ran: KV counted as computed, a placeholder
@@ -82,7 +96,8 @@ class StepResolver:
         """Fill in the tokens ``batch`` sampled and apply stop conditions.
 
         Args:
-            sampled: int64 [S] one token per sampling request, in order.
+            sampled: int64 [S] one token per row of logits, in order: one per sampling
+                request, k + 1 for a request verifying k draft tokens.
             plain: False puts every request in ``Resolved.full`` (outputs with logprobs).
             grammar_status: int8 [S] what each row's output constraint made of its token
                 (``structured.runtime``): a grammar that terminated finishes its request with
@@ -90,17 +105,79 @@ class StepResolver:
                 the token aborts it. None: no row is constrained.
 
         Returns:
-            the requests that got a token. A request that finished or was aborted meanwhile
+            the requests that got tokens. A request that finished or was aborted meanwhile
             gets nothing: no extra token, no output.
         """
-        t = self.tables
         fb = batch.forward
-        samplers = batch.samplers
         sampled = np.asarray(sampled, dtype=np.int64)
         rows = fb.rows[fb.sample]
         at = fb.seq_lens[fb.sample]  # where each sampled token goes in its sequence
+        if batch.drafts is None:
+            return self._resolve_rows(batch.samplers, rows, at, batch.row_gens, sampled, plain,
+                                      grammar_status)
+        return self._resolve_verify(batch, rows, at, sampled, plain, grammar_status)
+
+    def _resolve_verify(self, batch: ScheduledBatch, rows: np.ndarray, at: np.ndarray,
+                        sampled: np.ndarray, plain: bool,
+                        grammar_status: np.ndarray | None) -> Resolved:
+        """``resolve`` for a step where some requests verify draft tokens: the others as
+        usual, each verify request by greedy acceptance (the drafts equal to the target's
+        argmax, then the target's own token) with stop checks token by token, and its
+        computed length cut back to the tokens whose KV is its own (rollback; the scheduler
+        releases the pages past it)."""
+        drafts = batch.drafts
+        assert drafts is not None
+        samplers = batch.samplers
+        nd = np.fromiter((len(d) for d in drafts), dtype=np.int64, count=len(drafts))
+        first = np.cumsum(nd + 1) - (nd + 1)  # each sampler's first row of logits
+        one = nd == 0
+        idx = np.flatnonzero(one)
+        res = self._resolve_rows(
+            [samplers[i] for i in idx.tolist()], rows[one], at[one], batch.row_gens[one],
+            sampled[first[one]], plain,
+            None if grammar_status is None else grammar_status[first[one]])
+        # rows of ``full`` index the whole step's logits rows (logprobs are read by them)
+        res.full = [(r, tok, int(first[idx[k]])) for r, tok, k in res.full]
+        t = self.tables
+        for i in np.flatnonzero(~one).tolist():
+            req, d, f, k = samplers[i], drafts[i], int(first[i]), int(nd[i])
+            if t.generation[rows[i]] != batch.row_gens[i] or req.status == Status.FINISHED:
+                continue
+            targets = sampled[f:f + k + 1]
+            a = accepted_length(d, targets)
+            self.spec_stats.observe(k, a)
+            # the one placeholder ``commit`` appended becomes the a + 1 tokens
+            del req.output_token_ids[len(req.output_token_ids) - req.num_pending:]
+            req.num_pending = 0
+            got: list[int] = []
+            reason = None
+            for tok in targets[:a + 1].tolist():
+                req.output_token_ids.append(tok)
+                n_out = len(req.output_token_ids)
+                t.token_table[req.row, req.num_prompt_tokens + n_out - 1] = tok
+                got.append(tok)
+                reason = self._stop_reason(req, tok, n_out)
+                if reason is not None:
+                    break
+            # KV was written for the last sampled token and all k drafts; it is the
+            # sequence's own through the accepted ones only
+            req.num_computed -= k - a
+            if reason is not None:
+                req.finish_reason = reason
+                req.num_computed = min(req.num_computed, req.num_tokens)
+                res.finished.append(req)
+            res.verified.append((req, got, f))
+        return res
+
+    def _resolve_rows(self, samplers: list[Request], rows: np.ndarray, at: np.ndarray,
+                      row_gens: np.ndarray, sampled: np.ndarray, plain: bool,
+                      grammar_status: np.ndarray | None) -> Resolved:
+        """``resolve`` for requests that sampled one token each: ``samplers`` with their
+        rows, the positions their tokens go to, their rows' generations when scheduled and
+        their tokens (int64 [S'])."""
+        t = self.tables
         n_out = at - t.prompt_len[rows] + 1
-        special = ((t.generation[rows] != batch.row_gens) | (n_out <= 1)
+        special = ((t.generation[rows] != row_gens) | (n_out <= 1)
                    | (n_out >= t.limit[rows]) | self.live.stop_candidates(sampled))
         if not plain:
             special[:] = True

@@ -29,6 +29,7 @@ from radixserve.core.batch import ScheduledBatch, build_batch
 from radixserve.core.live_index import LiveIndex
 from radixserve.core.request import Request, Status
 from radixserve.core.row_tables import RowTables
+from radixserve.core.spec_decode import NgramProposer, may_speculate
 from radixserve.engine_types import FINISH_ABORT
 from radixserve.kv_transfer.base import KVConnectorOutput, KVConnectorScheduler
 from radixserve.kvcache.manager import HeldPages, KVCacheManager
@@ -50,6 +51,7 @@ class Scheduler:
         policy: "fcfs" or "lpm".
         connector: the scheduler side of a KV connector, or None.
         kv_load_failure_policy: "recompute" or "fail" (what a failed remote load leads to).
+        proposer: drafts tokens for speculative decoding (``spec_decode``), or None.
 
     Attributes:
         tables: the running requests' rows (``RowTables``).
@@ -65,8 +67,10 @@ class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, policy: str = "fcfs",
                  connector: KVConnectorScheduler | None = None,
-                 kv_load_failure_policy: str = "recompute") -> None:
+                 kv_load_failure_policy: str = "recompute",
+                 proposer: NgramProposer | None = None) -> None:
         self.kv = kv
+        self.proposer = proposer
         self.page_size = kv.page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -223,6 +227,11 @@ class Scheduler:
         # 1. decodes, oldest first; preempt the newest when the pool is short
         decodes, others = self._schedule_decodes(budget)
         budget -= len(decodes)
+        verifies: list[Request] = []
+        drafts: list[int] = []
+        if self.proposer is not None and decodes:
+            decodes, verifies, drafts = self._draft(decodes, budget)
+            budget -= sum(drafts)
         # 2. chunks of running requests still in prefill (only those step 1 passed over can be)
         for req in others:
             if budget <= 0:
@@ -234,7 +243,7 @@ class Scheduler:
             grown = self._grow(req, req.num_computed + n)
             # Only when the step would otherwise be empty: preempt the newest to make progress
             # (all running requests mid-prefill with a full pool would deadlock).
-            while not grown and not decodes and not prefills:
+            while not grown and not decodes and not verifies and not prefills:
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is req:
@@ -275,11 +284,15 @@ class Scheduler:
             prefills.append(req)
             chunks.append(n)
             budget -= n
-        if not decodes and not prefills:
+        if not decodes and not prefills and not verifies:
             return None
         t0 = time.perf_counter()
-        batch = build_batch(decodes + prefills, len(decodes), [1] * len(decodes) + chunks,
-                            self.tables, self.page_size, self.live)
+        # verify requests go right after the decodes: k + 1 tokens each, like a prefill chunk
+        batch = build_batch(decodes + verifies + prefills, len(decodes),
+                            [1] * len(decodes) + [k + 1 for k in drafts] + chunks,
+                            self.tables, self.page_size, self.live,
+                            num_draft=[0] * len(decodes) + drafts + [0] * len(prefills)
+                            if verifies else None)
         self.last_prepare_s = time.perf_counter() - t0
         return batch
 
@@ -403,6 +416,59 @@ class Scheduler:
                 return decodes, others
             self._preempt(self.running[-1])
 
+    def _draft(self, decodes: list[Request], budget: int
+               ) -> tuple[list[Request], list[Request], list[int]]:
+        """Speculative decoding: draft tokens for the decodes that may speculate, within the
+        step's token budget left after every decode got its one token (speculation never
+        takes a decode's place) and within the pages the pool has free now (a draft never
+        preempts anyone). The drafts are written into the token table after the request's
+        tokens, where the step's input ids are read from.
+
+        Returns:
+            (the plain decodes, the verify requests, their draft counts), in ``running``
+            order within each list.
+        """
+        proposer = self.proposer
+        assert proposer is not None
+        ps, max_len, table = self.page_size, self.max_model_len, self.tables.token_table
+        plain: list[Request] = []
+        verifies: list[Request] = []
+        counts: list[int] = []
+        for req in decodes:
+            n_tok = req.num_tokens
+            # room: budget, max_model_len, and max_tokens (a token past it is never output)
+            most = min(budget, max_len - n_tok,
+                       req.max_tokens - len(req.output_token_ids) - 1)
+            if most <= 0 or not may_speculate(req):
+                plain.append(req)
+                continue
+            d = proposer.propose(table[req.row, :n_tok], most)
+            k = int(d.shape[0])
+            if k and not self._grow(req, n_tok + k):
+                # no page for every draft: keep those that fit in the pages held
+                k = min(k, req.num_pages * ps - n_tok)
+            if k <= 0:
+                plain.append(req)
+                continue
+            table[req.row, n_tok:n_tok + k] = d[:k]
+            verifies.append(req)
+            counts.append(k)
+            budget -= k
+        return plain, verifies, counts
+
+    def roll_back(self, req: Request) -> None:
+        """After a verify step: release the pages past ``req``'s computed tokens (those held
+        only rejected drafts' KV). The rejected slots in its last kept page are past
+        ``num_computed``: never read, overwritten by its next tokens, never cached."""
+        keep = -(-req.num_computed // self.page_size)
+        if req.row < 0 or req.num_pages <= keep:
+            return
+        assert keep >= req.num_matched_pages, "a rollback would release radix-tree pages"
+        row = self.tables.page_table[req.row]
+        self.kv.free_owned(row[keep:req.num_pages].copy())
+        row[keep:req.num_pages] = 0
+        req.num_pages = keep
+
     def _sort_waiting_lpm(self) -> None:
         """Longest cached prefix first (SGLang's ``lpm``); preempted requests keep the front.
         Reads the tree without changing it."""
@@ -425,11 +491,14 @@ class Scheduler:
             return
         d = batch.num_decodes
         seq_lens = batch.forward.seq_lens
+        nd = batch.forward.num_draft
         page_table = self.tables.page_table
         for i in range(d, len(batch.requests)):
             req = batch.requests[i]
             if req.status != Status.RUNNING or req.num_preemptions != batch.epochs[i - d]:
                 continue
+            if nd is not None and nd[i]:
+                continue  # a verify step: its prompt is cached already
             upto = min(int(seq_lens[i]), req.num_prompt_tokens)
             res = self.kv.cache_prefix(req.prompt_token_ids, page_table[req.row, :req.num_pages],
                                        req.num_matched_pages, req.node, upto)
@@ -452,6 +521,12 @@ class Scheduler:
             live.append((self.tables.page_table[req.row, :req.num_pages].copy(), req.node,
                          req.num_matched_pages))
             assert req.num_computed <= req.num_pages * self.page_size
+            if req.output_token_ids and not req.num_pending:
+                # in decode: no page past the computed tokens (rejected drafts' pages are
+                # rolled back), but for the one the next token starts
+                assert (req.num_pages <= -(-(req.num_computed + 1) // self.page_size)), (
+                    f"{req.request_id} holds {req.num_pages} pages for {req.num_computed} "
+                    f"computed tokens")
         for req in self.waiting:
             assert req.row < 0 and req.num_pages == 0, "waiting request holds pages"
         for req in self.loading.values():

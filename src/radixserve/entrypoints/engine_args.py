@@ -17,6 +17,7 @@ from radixserve.config import (
     SCHEDULE_POLICIES,
     EngineConfig,
     KVTransferConfig,
+    SpeculativeConfig,
 )
 
 _SIZE = re.compile(r"^\s*([\d.]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -42,7 +43,10 @@ _HELP = {"kv_transfer_config": "prefill/decode disaggregation as vLLM's JSON, e.
          '\'{"kv_connector":"NixlConnector","kv_role":"kv_both"}\' (see KVTransferConfig)',
          "generation_config": "sampling defaults for requests that leave them unset: auto "
          "(the model's generation_config.json), vllm (none), or a folder holding one "
-         "(default auto)"}
+         "(default auto)",
+         "speculative_config": "speculative decoding as vLLM's JSON, e.g. "
+         '\'{"method":"ngram","num_speculative_tokens":3,"prompt_lookup_max":4,'
+         '"prompt_lookup_min":2}\' (greedy requests only; see SpeculativeConfig)'}
 
 
 def parse_kv_transfer_config(text: str) -> KVTransferConfig:
@@ -53,8 +57,17 @@ def parse_kv_transfer_config(text: str) -> KVTransferConfig:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def parse_speculative_config(text: str) -> SpeculativeConfig:
+    """``--speculative-config`` JSON -> ``SpeculativeConfig``; argparse reports the error."""
+    try:
+        return SpeculativeConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 _CONVERTERS: dict[str, Callable[[str], object]] = {
-    "kv_cache_memory": parse_bytes, "kv_transfer_config": parse_kv_transfer_config}
+    "kv_cache_memory": parse_bytes, "kv_transfer_config": parse_kv_transfer_config,
+    "speculative_config": parse_speculative_config}
 
 
 def add_engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:

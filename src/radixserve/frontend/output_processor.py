@@ -258,11 +258,21 @@ class OutputProcessor:
         new = out.new_token_ids
         detok = state.detok
         text = ""
+        rows = out.logprobs if state.want_logprobs else None
         if new:
             if state.first_token_time is None:
                 state.first_token_time = now
-            text = detok.add(new)
-        rows = out.logprobs if state.want_logprobs else None
+            if len(new) == 1:
+                text = detok.add(new)
+            else:
+                # several tokens in one step (speculative decoding): one at a time, so a stop
+                # string ends the output at the token it ended at without speculation, and the
+                # tokens after it (and their logprob rows) are dropped
+                before = len(detok.token_ids)
+                text = "".join([detok.add_token(int(t)) for t in new])
+                taken = len(detok.token_ids) - before
+                if rows and taken < len(new):
+                    rows = rows[:taken]
         if rows:
             state.logprob_rows.extend(rows)
         if detok.stopped:

@@ -103,6 +103,12 @@ class KVCacheManager:
         self._make_free(len(lasts))
         return self.pool.alloc_after(lasts, rooms)
 
+    def free_owned(self, pages: np.ndarray) -> None:
+        """Give pages a live request owns (none in the tree) back to the free list: the
+        pages a speculative verify step took for drafts that were rejected."""
+        if len(pages):
+            self.pool.free(pages)
+
     def _make_free(self, n: int) -> None:
         if n > self.pool.num_free and self.tree is not None:
             self.tree.evict(n - self.pool.num_free)

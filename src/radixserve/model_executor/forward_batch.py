@@ -134,9 +134,13 @@ class ForwardBatch:
         page_table: int32 [B, P] pages per request, P = the most pages among them, padded
             with the null page 0.
         logits_indices: int64 [S] index of the token whose hidden state gives each sampling
-            row's logits.
+            row's logits: one per sampling request, or k + 1 for a request verifying k draft
+            tokens (``num_draft``), in order.
         sampling: the S sampling rows' parameters.
         prompt_logprobs: prompt positions that need logprobs, or None (almost every step).
+        num_draft: int64 [B] draft tokens each request verifies this step (speculative
+            decoding: its ``num_new`` tokens are its last sampled token and the drafts, and
+            all of them give logits); None when no request does.
     """
 
     num_decodes: int
@@ -151,6 +155,7 @@ class ForwardBatch:
     logits_indices: np.ndarray
     sampling: SamplingBatch
     prompt_logprobs: PromptLogprobsBatch | None = None
+    num_draft: np.ndarray | None = None
 
     @property
     def num_requests(self) -> int:

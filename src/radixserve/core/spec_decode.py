@@ -1,0 +1,141 @@
+"""Speculative decoding, engine side: the n-gram (prompt lookup) proposer, which requests may
+speculate, greedy acceptance of a verified draft, and the acceptance counters.
+
+A speculating request is scheduled with its last sampled token plus its k draft tokens as
+k + 1 query tokens over its paged KV (a short prefill chunk whose k + 1 positions all give
+logits: ``core/batch.py``); the target's argmax at each position verifies the draft token that
+follows it (``StepResolver``), and the KV slots of rejected drafts are rolled back
+(``Scheduler.roll_back``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from radixserve.config import SpeculativeConfig
+from radixserve.core.request import Request
+
+_NONE = np.empty(0, dtype=np.int32)
+
+
+def propose_ngram(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
+    """Prompt lookup: the tokens that followed the earliest earlier occurrence of the longest
+    suffix n-gram of ``tokens`` (``min_n`` <= n <= ``max_n``), at most ``k`` of them.
+
+    vLLM's ``NgramProposer`` semantics: the longest n wins; among the occurrences of that
+    n-gram (which may overlap the suffix but not be it) the earliest one is used; fewer than
+    ``k`` tokens are proposed when the occurrence is near the end.
+
+    Args:
+        tokens: int32 [L] the request's prompt and output so far.
+        min_n, max_n: the n-gram lengths searched, in tokens.
+        k: most draft tokens.
+
+    Returns:
+        int32 [<= k] draft tokens (empty: no n-gram of ``min_n`` tokens or more recurs).
+    """
+    total = tokens.shape[0]
+    if total < min_n + 1 or k <= 0:
+        return _NONE
+    # ends[i]: where an occurrence ending on an earlier copy of the last token ends
+    ends = np.flatnonzero(tokens[:-1] == tokens[-1])
+    if not ends.size:
+        return _NONE
+    length = 1
+    # extend every candidate leftwards while it keeps matching the suffix, up to max_n
+    alive = ends
+    best = ends if min_n <= 1 else _NONE
+    best_len = 1 if min_n <= 1 else 0
+    while length < max_n:
+        alive = alive[alive >= length]
+        if not alive.size:
+            break
+        alive = alive[tokens[alive - length] == tokens[total - 1 - length]]
+        if not alive.size:
+            break
+        length += 1
+        if length >= min_n:
+            best, best_len = alive, length
+    if best_len < min_n or not best.size:
+        return _NONE
+    start = int(best.min()) + 1  # the earliest occurrence; drafts follow its last token
+    return tokens[start:start + k]
+
+
+def may_speculate(req: Request) -> bool:
+    """Whether ``req``'s next tokens may be drafted and verified: greedy (temperature 0) with
+    nothing that depends on the tokens before each position (no penalties, no output
+    constraint) and past ``min_tokens`` (its masks change with the output count). Other
+    requests decode one token per step as without speculation: rejection sampling, which would
+    keep a sampled request's distribution, is not implemented."""
+    p = req.params
+    return (p.greedy and not req.needs_penalty_tokens and req.grammar is None
+            and len(req.output_token_ids) >= p.min_tokens and req.kv_transfer_params is None)
+
+
+class NgramProposer:
+    """Drafts for the requests of a step (``SpeculativeConfig`` with method "ngram")."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.k = int(config.num_speculative_tokens or 0)
+        self.min_n = int(config.prompt_lookup_min or 1)
+        self.max_n = int(config.prompt_lookup_max or self.min_n)
+
+    def propose(self, tokens: np.ndarray, most: int) -> np.ndarray:
+        """int32 [<= min(k, most)] draft tokens to follow ``tokens`` (int32 [L])."""
+        return propose_ngram(tokens, self.min_n, self.max_n, min(self.k, most))
+
+
+def accepted_length(drafts: np.ndarray, targets: np.ndarray) -> int:
+    """Greedy acceptance: how many leading drafts equal the target's argmax at the position
+    before them.
+
+    Args:
+        drafts: int [k] the draft tokens verified.
+        targets: int [k + 1] the target's token at the last sampled token's position and at
+            each draft's position.
+
+    Returns:
+        a in [0, k]: the request gets ``targets[:a + 1]`` (the accepted drafts, then the
+        target's token at the first mismatch, or the bonus token when a == k).
+    """
+    k = drafts.shape[0]
+    miss = np.flatnonzero(drafts != targets[:k])
+    return int(miss[0]) if miss.size else k
+
+
+@dataclass
+class SpecDecodeStats:
+    """Cumulative speculation counters (vLLM's ``spec_decode_*`` metrics).
+
+    Attributes:
+        num_drafts: verify steps of a request (a request with at least one draft token).
+        num_draft_tokens: draft tokens verified.
+        num_accepted_tokens: draft tokens accepted.
+        accepted_per_pos: accepted draft tokens by position in the draft (0-based), length
+            ``num_speculative_tokens``.
+    """
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft: int, num_accepted: int) -> None:
+        """Count one request's verify step."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        per = self.accepted_per_pos
+        if len(per) < num_draft:
+            per.extend([0] * (num_draft - len(per)))
+        for i in range(num_accepted):
+            per[i] += 1
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verify step gives a request on average: 1 + accepted drafts per draft
+        (vLLM's "mean acceptance length"); 0 before any."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0

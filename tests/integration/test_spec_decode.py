@@ -1,0 +1,201 @@
+"""Speculative decoding (n-gram) through the real engine: greedy output is token for token the
+output without it, on tiny random models of three architectures and on the default model, in
+the machine's default dtype (the engine is batch invariant, so a verify row computes what a
+decode row computes). Every step runs ``Scheduler.check_integrity`` (pages of rejected drafts
+released, nothing leaked); max_tokens, EOS and stop ids, stop strings, ignore_eos, n > 1,
+logprobs, abort, preemption in a small pool, and prefix hits on pages that verify steps wrote
+all give what they give without speculation. Sampled requests do not speculate."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tiny_models import tiny_model
+
+from radixserve import LLM, SamplingParams
+from radixserve.engine_types import EngineRequest
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3}
+
+
+def _llm(path: str | None, spec: dict | None, **kw) -> LLM:
+    args = {"seed": 0, "num_pages": 256, "page_size": 4, "max_num_batched_tokens": 24,
+            "max_num_seqs": 16}
+    if path is not None:
+        # a tiny model's shapes may measure faster dense (MKL's sgemm, whose last bits depend
+        # on the row count); packed weights run radixserve's row-invariant linear kernel, the
+        # batch-invariant path the default model takes, so logprobs compare bit for bit
+        args["pack_weights"] = True
+    args.update(kw)
+    llm = LLM(model=path, speculative_config=spec, **args)
+    llm.engine.check_integrity_each_step = True
+    return llm
+
+
+def _prompts(rng: np.random.Generator, n: int) -> list[list[int]]:
+    """Prompts of 3..40 tokens; half of them repeat a short phrase (prompt lookup finds
+    them), the rest random."""
+    out = []
+    for i in range(n):
+        if i % 2:
+            phrase = rng.integers(3, 380, int(rng.integers(2, 6))).tolist()
+            out.append((phrase * 10)[:int(rng.integers(6, 40))])
+        else:
+            out.append(rng.integers(3, 380, int(rng.integers(3, 40))).tolist())
+    return out
+
+
+def _run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> list:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [[(c.token_ids, c.finish_reason, c.stop_reason, c.logprobs, c.text)
+             for c in o.outputs] for o in outs]
+
+
+def _spec_counts(llm: LLM):
+    s = llm.engine.get_stats().spec_decode
+    assert s is not None
+    return s
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+         ) -> tuple[LLM, LLM]:
+    path = tiny_model(Path(tmp_path_factory.mktemp("spec")), request.param, 0.2)
+    return _llm(path, None), _llm(path, SPEC)
+
+
+def test_greedy_output_equals_without_speculation(pair: tuple[LLM, LLM]) -> None:
+    base, spec = pair
+    rng = np.random.default_rng(7)
+    prompts = _prompts(rng, 12)
+    params = []
+    for i in range(len(prompts)):
+        kw: dict = {"temperature": 0, "max_tokens": 8 + 5 * i}
+        if i % 3 == 0:
+            kw["ignore_eos"] = True
+        if i % 4 == 1:
+            kw["logprobs"] = 2
+        if i % 5 == 2:
+            kw["stop_token_ids"] = [int(t) for t in rng.integers(3, 380, 20)]
+        params.append(SamplingParams(**kw))
+    before = _spec_counts(spec)
+    want = _run(base, prompts, params)
+    got = _run(spec, prompts, params)
+    assert got == want
+    after = _spec_counts(spec)
+    accepted = after.num_accepted_tokens - before.num_accepted_tokens
+    drafted = after.num_draft_tokens - before.num_draft_tokens
+    # not vacuous: drafts were accepted, and some were rejected and rolled back
+    assert accepted > 0 and drafted > accepted, (accepted, drafted)
+    assert sum(after.accepted_per_pos) == after.num_accepted_tokens
+    # every request finished: each page is free or cached, none left owned by a rollback
+    kv = spec.engine.kv
+    assert kv.num_free_pages + kv.num_cached_pages == kv.num_usable_pages
+
+    # prefix hits on the pages verify steps wrote: prompts extended by their outputs hit the
+    # cached prompt + output pages, and must continue exactly as without speculation
+    longer = [p + list(w[0][0][:len(w[0][0]) // 2]) for p, w in zip(prompts, want, strict=True)]
+    params2 = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * len(longer)
+    hits = spec.engine.scheduler.prefix_hit_tokens
+    assert _run(spec, longer, params2) == _run(base, longer, params2)
+    assert spec.engine.scheduler.prefix_hit_tokens > hits
+
+
+def test_stop_strings_n_and_sampled_requests(pair: tuple[LLM, LLM]) -> None:
+    base, spec = pair
+    rng = np.random.default_rng(3)
+    prompts = _prompts(rng, 6)
+    plain = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)] * len(prompts)
+    ref = _run(base, prompts, plain)
+    # a stop string from the middle of each output: the same cut with and without drafts
+    params = []
+    for r in ref:
+        text = r[0][4]
+        stop = text[len(text) // 2:len(text) // 2 + 5]
+        params.append(SamplingParams(temperature=0, max_tokens=30, stop=[stop], n=2,
+                                     ignore_eos=True))
+    # a seeded sampled request rides along: it decodes one token per step, as without drafts
+    prompts.append(prompts[1])
+    params.append(SamplingParams(temperature=0.8, seed=11, max_tokens=20))
+    want = _run(base, prompts, params)
+    got = _run(spec, prompts, params)
+    assert got == want
+    assert any(w[0][1] == "stop" and w[0][2] is not None for w in want[:-1])
+
+
+def test_abort_while_speculating(pair: tuple[LLM, LLM]) -> None:
+    base, spec = pair
+    rng = np.random.default_rng(5)
+    prompts = [p for p in _prompts(rng, 8) if len(p) > 5][:4]
+
+    def drive(llm: LLM, abort_after: int | None) -> dict[str, list[int]]:
+        eng = llm.engine
+        toks: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+        for i, p in enumerate(prompts):
+            eng.add_request(EngineRequest(
+                request_id=str(i), prompt_token_ids=np.asarray(p, dtype=np.int32),
+                sampling_params=SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)))
+        steps = 0
+        while eng.has_unfinished_requests():
+            out = eng.step()
+            steps += 1
+            if out is None:
+                continue
+            for o in out.outputs:
+                toks[o.request_id] += list(o.new_token_ids)
+            for rid, t in zip(out.decode_request_ids, out.decode_token_ids.tolist(),
+                              strict=True):
+                toks[rid].append(t)
+            if abort_after is not None and steps == abort_after:
+                eng.abort_requests(["0"], notify=False)
+        return toks
+
+    full = drive(base, None)
+    got = drive(spec, 6)
+    assert {k: v for k, v in got.items() if k != "0"} == {k: v for k, v in full.items()
+                                                          if k != "0"}
+    assert 0 < len(got["0"]) < 40 and got["0"] == full["0"][:len(got["0"])]
+    spec.engine.scheduler.check_integrity()
+    assert not spec.engine.scheduler.running
+
+
+def test_small_pool_preempts_and_stays_exact(tmp_path: Path) -> None:
+    path = tiny_model(tmp_path, "llama", 0.2)
+    rng = np.random.default_rng(11)
+    prompts = _prompts(rng, 10)
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)] * len(prompts)
+    small = {"num_pages": 40, "max_num_batched_tokens": 32}
+    base = _llm(path, None, **small)
+    spec = _llm(path, SPEC, **small)
+    assert _run(spec, prompts, params) == _run(base, prompts, params)
+    assert spec.engine.scheduler.num_preemptions > 0
+    assert _spec_counts(spec).num_accepted_tokens > 0
+
+
+@pytest.mark.slow
+def test_default_model_repeating_a_paragraph() -> None:
+    """The default model in its default dtype asked to repeat a paragraph: the copy is
+    drafted from the prompt, and the answer is the one it gives without drafts."""
+    paragraph = ("The river rises in the hills north of the town, runs south past the old "
+                 "mill and the stone bridge, and reaches the sea after forty miles.")
+    base = _llm(None, None, page_size=16, max_num_batched_tokens=256)
+    spec = _llm(None, {"method": "ngram", "num_speculative_tokens": 4,
+                       "prompt_lookup_min": 2, "prompt_lookup_max": 4},
+                page_size=16, max_num_batched_tokens=256)
+    tok = base.get_tokenizer()
+    msgs = [[{"role": "user", "content": f"Repeat this paragraph exactly:\n\n{paragraph}"}],
+            [{"role": "user", "content": f"Copy the text below word for word.\n\n{paragraph}"}]]
+    params = SamplingParams(temperature=0, max_tokens=48, logprobs=1)
+    prompts = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
+               for m in msgs]
+    want = base.generate(prompts, params, use_tqdm=False)
+    got = spec.generate(prompts, params, use_tqdm=False)
+    for w, g in zip(want, got, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert g.outputs[0].logprobs == w.outputs[0].logprobs
+        assert g.outputs[0].text == w.outputs[0].text
+    counts = _spec_counts(spec)
+    assert counts.num_accepted_tokens > 0.5 * counts.num_draft_tokens, counts

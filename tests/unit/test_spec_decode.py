@@ -1,0 +1,191 @@
+"""Speculative decoding's parts without a model: the n-gram proposer against a brute-force
+reading of vLLM's semantics, greedy acceptance, ``--speculative-config`` validation, the
+acceptance counters and their metrics, and the output processor given several tokens in one
+step (the stop string ends the output where it ended without speculation)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import numpy as np
+import pytest
+
+from radixserve.config import EngineConfig, SpeculativeConfig
+from radixserve.core.spec_decode import SpecDecodeStats, accepted_length, propose_ngram
+from radixserve.engine_types import SchedulerStats, SpecDecodeCounts, StepOutputs, TokenOutput
+from radixserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
+from radixserve.frontend.output_processor import OutputProcessor
+from radixserve.metrics import ServerMetrics
+from radixserve.sampling_params import SamplingParams
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def _brute(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """The longest suffix n-gram, its earliest earlier occurrence, the k tokens after it."""
+    total = len(tokens)
+    for n in range(max_n, min_n - 1, -1):
+        if n >= total:
+            continue
+        suffix = tokens[total - n:]
+        for s in range(0, total - n):  # occurrences that are not the suffix itself
+            if tokens[s:s + n] == suffix:
+                return tokens[s + n:s + n + k]
+    return []
+
+
+def _propose(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    return propose_ngram(np.asarray(tokens, dtype=np.int32), min_n, max_n, k).tolist()
+
+
+def test_vllm_docstring_example() -> None:
+    # vLLM's NgramProposer.propose docstring: [4,2,3] has no match, [2,3] does
+    assert _propose([1, 2, 3, 4, 2, 3], 2, 3, 4) == [4, 2, 3]
+
+
+def test_longest_ngram_wins_then_its_earliest_occurrence() -> None:
+    # [2,3] occurs first at 0 (followed by 7), but the 3-gram [1,2,3] at 3 is longer
+    assert _propose([2, 3, 7, 1, 2, 3, 8, 1, 2, 3], 1, 3, 3) == [8, 1, 2]
+    # two occurrences of the 2-gram: the earliest one's continuation
+    assert _propose([5, 6, 1, 7, 5, 6, 2, 9, 5, 6], 2, 2, 2) == [1, 7]
+    # an occurrence overlapping the suffix counts (a run of one token)
+    assert _propose([4, 4, 4, 4], 2, 3, 5) == [4]
+
+
+def test_nothing_proposed_below_min_n_or_without_room() -> None:
+    assert _propose([1, 2, 3, 9, 3], 2, 4, 3) == []  # only a 1-gram recurs
+    assert _propose([1, 2, 3, 9, 3], 1, 4, 3) == [9, 3]
+    assert _propose([1, 2, 1, 2], 1, 2, 0) == []
+    assert _propose([7], 1, 1, 3) == []
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_sequences_match_the_brute_force(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    for _ in range(300):
+        n = int(rng.integers(1, 40))
+        vocab = int(rng.integers(2, 6))
+        toks = rng.integers(0, vocab, n).tolist()
+        lo = int(rng.integers(1, 4))
+        hi = lo + int(rng.integers(0, 3))
+        k = int(rng.integers(1, 6))
+        assert _propose(toks, lo, hi, k) == _brute(toks, lo, hi, k), (toks, lo, hi, k)
+
+
+def test_greedy_acceptance() -> None:
+    d = np.array([5, 6, 7])
+    assert accepted_length(d, np.array([5, 6, 7, 8])) == 3  # all, then the bonus token
+    assert accepted_length(d, np.array([5, 9, 7, 8])) == 1
+    assert accepted_length(d, np.array([1, 6, 7, 8])) == 0
+    assert accepted_length(np.array([4]), np.array([4, 2])) == 1
+
+
+def test_acceptance_counters() -> None:
+    st = SpecDecodeStats()
+    st.observe(3, 2)
+    st.observe(2, 0)
+    st.observe(3, 3)
+    assert (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens) == (3, 8, 5)
+    assert st.accepted_per_pos == [2, 2, 1]
+    assert st.mean_accepted_length == pytest.approx(1 + 5 / 3)
+
+
+# ----------------------------------------------------------------------------- config
+def test_config_defaults_and_vllm_lookup_bounds() -> None:
+    c = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 4}')
+    assert (c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max) == (4, 5, 5)
+    c = SpeculativeConfig.parse({"num_speculative_tokens": 2, "prompt_lookup_max": 3})
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (3, 3)
+    c = SpeculativeConfig.parse({"num_speculative_tokens": 2, "prompt_lookup_min": 2,
+                                 "prompt_lookup_max": 4})
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (2, 4)
+    cfg = EngineConfig(speculative_config='{"num_speculative_tokens": 3}')
+    assert isinstance(cfg.speculative_config, SpeculativeConfig)
+
+
+@pytest.mark.parametrize(("value", "field"), [
+    ({"method": "eagle", "num_speculative_tokens": 2}, "speculative_config.method"),
+    ({"method": "ngram"}, "speculative_config.num_speculative_tokens"),
+    ({"num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
+    ({"num_speculative_tokens": 2.5}, "speculative_config.num_speculative_tokens"),
+    ({"num_speculative_tokens": 2, "prompt_lookup_min": 0}, "speculative_config.prompt_lookup_min"),
+    ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+     "speculative_config.prompt_lookup_min"),
+    ({"num_speculative_tokens": 2, "lookahead": 3}, "unknown field 'lookahead'"),
+    ("{not json", "not valid JSON"),
+    ("[1]", "must be a JSON object"),
+])
+def test_bad_configs_name_the_field(value: object, field: str) -> None:
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        SpeculativeConfig.parse(value)  # type: ignore[arg-type]
+
+
+def test_draft_model_is_refused_as_not_implemented() -> None:
+    with pytest.raises(ValueError, match=r"speculative_config\.method='draft_model' is not "
+                                         r"implemented yet"):
+        SpeculativeConfig.parse({"method": "draft_model", "model": "x",
+                                 "num_speculative_tokens": 3})
+    with pytest.raises(ValueError, match=r"speculative_config\.model='x' is not implemented"):
+        SpeculativeConfig.parse({"method": "ngram", "model": "x", "num_speculative_tokens": 3})
+
+
+def test_overlap_is_refused_with_speculation() -> None:
+    with pytest.raises(ValueError, match="disable_overlap=False"):
+        EngineConfig(speculative_config={"num_speculative_tokens": 2}, disable_overlap=False)
+    EngineConfig(speculative_config={"num_speculative_tokens": 2}, disable_overlap=True)
+
+
+def test_cli_flag() -> None:
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    ns = p.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": '
+                       '3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'])
+    cfg = engine_config_from_args(ns)
+    assert cfg.speculative_config == SpeculativeConfig("ngram", 3, 2, 4)
+    assert engine_config_from_args(p.parse_args([])).speculative_config is None
+    with pytest.raises(SystemExit):
+        p.parse_args(["--speculative-config", '{"method": "draft_model", '
+                      '"num_speculative_tokens": 3}'])
+
+
+# ----------------------------------------------------------------------------- metrics
+def test_metrics_count_growth_per_position() -> None:
+    m = ServerMetrics(model_name="m")
+    m.update_from_stats(SchedulerStats(spec_decode=SpecDecodeCounts(
+        num_drafts=4, num_draft_tokens=12, num_accepted_tokens=7, accepted_per_pos=[4, 2, 1])))
+    m.update_from_stats(SchedulerStats(spec_decode=SpecDecodeCounts(
+        num_drafts=5, num_draft_tokens=15, num_accepted_tokens=8, accepted_per_pos=[5, 2, 1])))
+    text = m.render()[0].decode()
+    assert 'radixserve:spec_decode_num_drafts_total{model_name="m"} 5.0' in text
+    assert 'radixserve:spec_decode_num_draft_tokens_total{model_name="m"} 15.0' in text
+    assert 'radixserve:spec_decode_num_accepted_tokens_total{model_name="m"} 8.0' in text
+    assert ('radixserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",'
+            'position="0"} 5.0') in text
+    assert ('radixserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",'
+            'position="2"} 1.0') in text
+
+
+# ----------------------------------------------------------------------------- frontend
+def test_several_tokens_in_one_step_stop_where_one_at_a_time_would(tok) -> None:
+    prompt = tok.encode("List:", add_special_tokens=False)
+    gen = tok.encode(" apples, pears and plums", add_special_tokens=False)
+    rows = [[[t, -0.5]] for t in gen]
+    proc = OutputProcessor(tok)
+    st = proc.add_request("s", prompt, SamplingParams(stop=["pears"], logprobs=0), 0.0)
+    out = proc.process(StepOutputs(step=1, outputs=[TokenOutput(
+        request_id="s", new_token_ids=gen, num_prompt_tokens=len(prompt), logprobs=rows)]))
+    assert out.abort_ids == ["s"]
+    (d,) = out.deltas
+    assert d.finish_reason == "stop" and st.text == " apples, "
+    # the tokens after the one that completed "pears", and their logprob rows, are dropped
+    one = OutputProcessor(tok)
+    ref = one.add_request("s", prompt, SamplingParams(stop=["pears"], logprobs=0), 0.0)
+    for i, t in enumerate(gen):
+        one.process(StepOutputs(step=i + 1, outputs=[TokenOutput(
+            request_id="s", new_token_ids=[t], num_prompt_tokens=len(prompt),
+            logprobs=[rows[i]])]))
+        if ref.finished:
+            break
+    assert st.token_ids == ref.token_ids and len(st.token_ids) < len(gen)
+    assert st.logprob_rows == ref.logprob_rows and len(st.logprob_rows) == len(st.token_ids)
