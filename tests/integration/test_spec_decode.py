@@ -199,3 +199,45 @@ def test_default_model_repeating_a_paragraph() -> None:
         assert g.outputs[0].text == w.outputs[0].text
     counts = _spec_counts(spec)
     assert counts.num_accepted_tokens > 0.5 * counts.num_draft_tokens, counts
+
+
+def test_server_flag_reaches_the_engine_process(tmp_path: Path) -> None:
+    """``radixserve serve --speculative-config`` over the null model (it always emits one
+    token, so every draft is accepted): the engine process speculates, the answer is as long
+    as asked, /metrics counts drafts per position, and no page is left behind."""
+    import httpx
+    from server_utils import ServerProcess, metrics_values, wait_idle
+
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}'
+    srv = ServerProcess(["--null-model", "--num-pages", "256", "--speculative-config", spec],
+                        tmp_path)
+    try:
+        srv.wait_ready()
+        r = httpx.post(srv.base_url + "/v1/completions", timeout=60, json={
+            "model": "SmolLM2-135M-Instruct", "prompt": "a b a b", "max_tokens": 21, "temperature": 0,
+            "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 21
+        m = metrics_values(srv.base_url)
+        drafts = m["radixserve:spec_decode_num_drafts_total"]
+        accepted = m["radixserve:spec_decode_num_accepted_tokens_total"]
+        assert drafts > 0 and accepted == m["radixserve:spec_decode_num_draft_tokens_total"]
+        # 21 tokens in fewer verify steps than tokens: several per step
+        assert accepted + drafts <= 21 and drafts < 21
+        text = httpx.get(srv.base_url + "/metrics", timeout=10).text
+        assert 'spec_decode_num_accepted_tokens_per_pos_total{model_name=' in text
+        wait_idle(srv.base_url)
+    finally:
+        srv.stop()
+
+
+def test_server_refuses_the_draft_model_method(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "radixserve.cli", "serve", "--null-model", "--speculative-config",
+         '{"method": "draft_model", "model": "m", "num_speculative_tokens": 3}'],
+        capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "speculative_config.method='draft_model' is not implemented yet" in out.stderr
