@@ -71,6 +71,8 @@ def test_greedy_output_equals_without_speculation(pair: tuple[LLM, LLM]) -> None
     base, spec = pair
     rng = np.random.default_rng(7)
     prompts = _prompts(rng, 12)
+    free = _run(base, prompts, [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)]
+                * len(prompts))
     params = []
     for i in range(len(prompts)):
         kw: dict = {"temperature": 0, "max_tokens": 8 + 5 * i}
@@ -78,13 +80,15 @@ def test_greedy_output_equals_without_speculation(pair: tuple[LLM, LLM]) -> None
             kw["ignore_eos"] = True
         if i % 4 == 1:
             kw["logprobs"] = 2
-        if i % 5 == 2:
-            kw["stop_token_ids"] = [int(t) for t in rng.integers(3, 380, 20)]
+        if i % 5 == 2:  # a stop id the output reaches midway
+            toks = free[i][0][0]
+            kw["stop_token_ids"] = [int(toks[len(toks) // 3])]
         params.append(SamplingParams(**kw))
     before = _spec_counts(spec)
     want = _run(base, prompts, params)
     got = _run(spec, prompts, params)
     assert got == want
+    assert any(isinstance(w[0][2], int) for w in want)  # a stop id ended some output
     after = _spec_counts(spec)
     accepted = after.num_accepted_tokens - before.num_accepted_tokens
     drafted = after.num_draft_tokens - before.num_draft_tokens
