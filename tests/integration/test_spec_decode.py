@@ -179,6 +179,23 @@ def test_small_pool_preempts_and_stays_exact(tmp_path: Path) -> None:
     assert _spec_counts(spec).num_accepted_tokens > 0
 
 
+def test_max_model_len_cuts_drafts_and_output_alike(tmp_path: Path) -> None:
+    """Prompts near ``max_model_len`` with no ``max_tokens``: drafts never run past the
+    context, and each output stops for length where it does without speculation."""
+    path = tiny_model(tmp_path, "qwen3", 0.2)
+    rng = np.random.default_rng(2)
+    prompts = [(p * 20)[:int(rng.integers(30, 46))]
+               for p in (rng.integers(3, 380, 3).tolist() for _ in range(6))]
+    params = [SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)] * len(prompts)
+    base = _llm(path, None, max_model_len=48)
+    spec = _llm(path, SPEC, max_model_len=48)
+    want = _run(base, prompts, params)
+    assert _run(spec, prompts, params) == want
+    assert all(len(p) + len(w[0][0]) == 48 and w[0][1] == "length"
+               for p, w in zip(prompts, want, strict=True))
+    assert _spec_counts(spec).num_accepted_tokens > 0
+
+
 @pytest.mark.slow
 def test_default_model_repeating_a_paragraph() -> None:
     """The default model in its default dtype asked to repeat a paragraph: the copy is
