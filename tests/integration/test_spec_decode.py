@@ -121,13 +121,19 @@ def test_stop_strings_n_and_sampled_requests(pair: tuple[LLM, LLM]) -> None:
         stop = text[len(text) // 2:len(text) // 2 + 5]
         params.append(SamplingParams(temperature=0, max_tokens=30, stop=[stop], n=2,
                                      ignore_eos=True))
-    # a seeded sampled request rides along: it decodes one token per step, as without drafts
-    prompts.append(prompts[1])
-    params.append(SamplingParams(temperature=0.8, seed=11, max_tokens=20))
+    # requests that ride along in the same steps: a seeded sampled one and a penalized one
+    # decode one token per step; a logit_bias one and a min_tokens one speculate (past
+    # min_tokens); their per-row parameters must land on their own rows of logits
+    prompts += [prompts[1], prompts[3], prompts[1], prompts[3]]
+    params += [SamplingParams(temperature=0.8, seed=11, max_tokens=20),
+               SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=20),
+               SamplingParams(temperature=0, logit_bias={7: 3.0, 8: -5.0}, max_tokens=20,
+                              logprobs=1),
+               SamplingParams(temperature=0, min_tokens=6, max_tokens=20)]
     want = _run(base, prompts, params)
     got = _run(spec, prompts, params)
     assert got == want
-    assert any(w[0][1] == "stop" and w[0][2] is not None for w in want[:-1])
+    assert any(w[0][1] == "stop" and w[0][2] is not None for w in want[:-4])
 
 
 def test_abort_while_speculating(pair: tuple[LLM, LLM]) -> None:
