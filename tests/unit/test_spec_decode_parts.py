@@ -189,3 +189,17 @@ def test_several_tokens_in_one_step_stop_where_one_at_a_time_would(tok) -> None:
             break
     assert st.token_ids == ref.token_ids and len(st.token_ids) < len(gen)
     assert st.logprob_rows == ref.logprob_rows and len(st.logprob_rows) == len(st.token_ids)
+
+
+def test_bench_summary_is_the_run_between_two_snapshots() -> None:
+    from radixserve.bench.offline import spec_decode_summary
+
+    before = SpecDecodeCounts(num_drafts=2, num_draft_tokens=6, num_accepted_tokens=3,
+                              accepted_per_pos=[2, 1, 0])
+    after = SpecDecodeCounts(num_drafts=6, num_draft_tokens=18, num_accepted_tokens=11,
+                             accepted_per_pos=[6, 4, 1])
+    s = spec_decode_summary(before, after)
+    assert (s["num_drafts"], s["num_draft_tokens"], s["num_accepted_tokens"]) == (4, 12, 8)
+    assert s["acceptance_rate"] == pytest.approx(8 / 12)
+    assert s["mean_accepted_length"] == pytest.approx(3.0)
+    assert s["acceptance_rate_per_pos"] == pytest.approx([1.0, 0.75, 0.25])
