@@ -23,6 +23,28 @@ KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
 
+def _json_fields(cls: type, value: dict[str, Any] | str, flag: str) -> dict[str, Any]:
+    """A JSON-object flag's value (a dict, or its JSON text) as the dataclass ``cls``'s
+    fields.
+
+    Raises:
+        ValueError: not JSON, not an object, or a field ``cls`` does not have (named, with
+            the known ones).
+    """
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"{flag} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"{flag}: unknown field {unknown[0]!r} "
+                         f"(known: {', '.join(sorted(known))})")
+    return value
+
 @dataclass
 class KVTransferConfig:
     """Prefill/decode disaggregation: the JSON of ``--kv-transfer-config`` (vLLM's flag and
@@ -133,18 +155,7 @@ class KVTransferConfig:
         """
         if isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as e:
-                raise ValueError(f"kv_transfer_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError("kv_transfer_config must be a JSON object")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"kv_transfer_config: unknown field {unknown[0]!r} "
-                             f"(known: {', '.join(sorted(known))})")
+        value = _json_fields(cls, value, "kv_transfer_config")
         kw = {k: v for k, v in value.items() if not (k == "engine_id" and v is None)}
         return cls(**kw)
 
@@ -230,19 +241,7 @@ class SpeculativeConfig:
         """
         if isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError("speculative_config must be a JSON object")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"speculative_config: unknown field {unknown[0]!r} "
-                             f"(known: {', '.join(sorted(known))})")
-        return cls(**value)
+        return cls(**_json_fields(cls, value, "speculative_config"))
 
 
 @dataclass

@@ -32,6 +32,17 @@ from radixserve.entrypoints.openai.errors import OpenAIError
 from radixserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 
+def unsupported_error(bad: list[str], why: str = "") -> OpenAIError:
+    """The 400 for request fields this server cannot honour: names them all (``param`` the
+    first), with ``why`` where a field has a reason of its own."""
+    many = len(bad) > 1
+    return OpenAIError(
+        f"Unsupported parameter{'s' if many else ''}: {', '.join(bad)}. "
+        + (f"{why}. " if why else "")
+        + f"radixserve does not implement {'them' if many else 'it'} (or not with this value) "
+        "and does not ignore fields that would change the output.", param=bad[0],
+        code="unsupported_parameter")
+
 class OpenAIBaseModel(BaseModel):
     """Base of every nested API model: unknown fields are ignored (message parts, tool
     definitions and the like carry fields other servers add)."""
@@ -336,12 +347,7 @@ class _SamplingRequest(BaseModel):
         """
         bad = self.unsupported_fields()
         if bad:
-            raise OpenAIError(
-                f"Unsupported parameter{'s' if len(bad) > 1 else ''}: {', '.join(bad)}. "
-                "radixserve does not implement "
-                f"{'them' if len(bad) > 1 else 'it'} (or not with this value) and does not "
-                "ignore fields that would change the output.", param=bad[0],
-                code="unsupported_parameter")
+            raise unsupported_error(bad)
         if self.prompt_logprobs is not None and self.stream:
             # vLLM refuses it too: prompt logprobs are not streamed
             raise OpenAIError("prompt_logprobs are not available with stream=true",

@@ -35,6 +35,7 @@ from radixserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     OpenAIBaseModel,
     _valid_text,
+    unsupported_error,
 )
 
 
@@ -282,13 +283,7 @@ class ResponsesRequest(BaseModel):
         """
         bad = self.unsupported_fields()
         if bad:
-            why = "; ".join(self._WHY[b] for b in bad if b in self._WHY)
-            raise OpenAIError(
-                f"Unsupported parameter{'s' if len(bad) > 1 else ''}: {', '.join(bad)}. "
-                + (f"{why}. " if why else "")
-                + f"radixserve does not implement {'them' if len(bad) > 1 else 'it'} (or not "
-                "with this value) and does not ignore fields that would change the output.",
-                param=bad[0], code="unsupported_parameter")
+            raise unsupported_error(bad, "; ".join(self._WHY[b] for b in bad if b in self._WHY))
         if self.tools is not None and not self.tools:
             self.tools = None  # OpenAI's clients send an empty list for "no tools"
         choice = self.tool_choice
