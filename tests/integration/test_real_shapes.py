@@ -9,6 +9,7 @@ reference, batched and alone."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from radixserve import LLM, SamplingParams
 from radixserve.bench.make_model import make_model
@@ -37,9 +38,16 @@ def test_fast_paths_hold_at_real_shapes(tmp_path, shape: str, layers: int,
             a.vocab_size) == expect
     has = (runner.packed_weights and runner.kernels is not None
            and runner.kernels.has_linear_kernel(runner.dtype))
-    if runner.paths.paths["linear"] == "amx":  # the AMX kind in bfloat16: no oneDNN to match
+    linear = runner.paths.paths["linear"]
+    if linear in ("amx", "bf16-weights"):
+        # the AMX kind in bfloat16 (no oneDNN to match), or float32 activations over the bf16
+        # checkpoint's weights as shipped (the kind without native bf16): radixserve's own
+        # GEMM for every row count, and the fused stack over it
         assert runner.paths.paths["decode_layers"] == "fused", \
             runner.paths.reasons["decode_layers"]
+        if linear == "bf16-weights":
+            assert runner.dtype == runner.model.norm.dtype == torch.float32
+            assert runner.paths.paths["weights"] == "bfloat16"
     elif has:
         # every real shape was probed; whether the kernel reproduces oneDNN there is the
         # machine's answer (on the AMX kind oneDNN's bf16 GEMM runs on tiles, and no K
@@ -54,8 +62,10 @@ def test_fast_paths_hold_at_real_shapes(tmp_path, shape: str, layers: int,
         assert runner.paths.paths["decode_layers"] == ("fused" if all(found) else "per-op"), \
             runner.paths.reasons["decode_layers"]
     # the per-op reference: oneDNN's GEMM, which the packed kernel reproduces; on the AMX kind
-    # the AMX GEMM per op (it owns its sums; oneDNN's tile GEMM is not reproducible)
-    amx = runner.paths.paths["linear"] == "amx"
+    # the AMX GEMM per op (it owns its sums; oneDNN's tile GEMM is not reproducible). Under
+    # bf16 weights, the reference widens them at load and runs oneDNN's float32 GEMM: the
+    # kernel takes oneDNN's K blocking, so the bits must agree there too
+    amx = linear == "amx"
     ref = LLM(**kw, fused_decode=False, **({} if amx else {"cpu_linear_kernel": False}))
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     prompts = [{"prompt_token_ids": list(range(100 + 7 * i, 140 + 11 * i))} for i in range(4)]

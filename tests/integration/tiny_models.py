@@ -14,11 +14,14 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM"}
 
 
-def tiny_model(tmp_path: Path, arch: str, initializer_range: float = 0.02) -> str:
+def tiny_model(tmp_path: Path, arch: str, initializer_range: float = 0.02,
+               save_dtype: torch.dtype = torch.float32) -> str:
     """Write a 3-layer model of ``arch`` ("llama", "qwen2", "qwen3") under ``tmp_path/arch``:
     hidden 64, 4 query heads, 2 KV heads of 16, intermediate 160 (these split 1, 2 or 4 ways
     under tensor parallelism). Weights are seeded (the same every call); Qwen2 gets random
-    Q/K/V biases and Qwen3 random q/k-norm weights, so those paths matter. Returns the folder."""
+    Q/K/V biases and Qwen3 random q/k-norm weights, so those paths matter. The safetensors hold
+    ``save_dtype`` (a bfloat16 checkpoint, as most are shipped, with torch.bfloat16). Returns
+    the folder."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
@@ -40,7 +43,7 @@ def tiny_model(tmp_path: Path, arch: str, initializer_range: float = 0.02) -> st
             layer.self_attn.q_norm.weight.data.uniform_(0.5, 1.5)
             layer.self_attn.k_norm.weight.data.uniform_(0.5, 1.5)
     path = Path(tmp_path) / arch
-    model.save_pretrained(path)
+    model.to(save_dtype).save_pretrained(path)
     write_tokenizer_stub(str(path))
     return str(path)
 

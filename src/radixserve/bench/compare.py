@@ -647,6 +647,7 @@ def decode_floor(doc: dict[str, Any], files: Any, dtype: str, threads: int) -> d
     from radixserve.model_executor.loader import load_hf_config
     from radixserve.model_executor.memory_fit import weight_bytes
     from radixserve.model_executor.models.llama import ModelArgs
+    from radixserve.model_executor.weight_storage import checkpoint_matrix_dtypes
 
     try:
         args = ModelArgs.from_hf(load_hf_config(files.folder))
@@ -655,13 +656,17 @@ def decode_floor(doc: dict[str, Any], files: Any, dtype: str, threads: int) -> d
     import torch
 
     # a GGUF's engines read its blocks (radixserve in its "gguf" form, llama.cpp always):
-    # the bytes of the file; a folder's, the weights in the serving dtype
+    # the bytes of the file; a folder's, the weights as radixserve holds them: the serving
+    # dtype, or a bf16 checkpoint's own bf16 under float32 (``model_executor.weight_storage``)
     gguf = doc.get("config", {}).get("gguf")
+    held = dtype
+    if not gguf and dtype == "float32" and checkpoint_matrix_dtypes(files.folder) == {"BF16"}:
+        held = "bfloat16 weights, float32 activations"
     wbytes = (Path(gguf).stat().st_size if gguf
-              else weight_bytes(args, getattr(torch, dtype)))
+              else weight_bytes(args, torch.bfloat16 if held != dtype else getattr(torch, dtype)))
     bw = measure_read_bandwidth(threads=threads)
     floor = decode_floor_ms(wbytes, bw.gb_per_s)
-    out: dict[str, Any] = {"weight_bytes": wbytes, "dtype": "gguf file" if gguf else dtype,
+    out: dict[str, Any] = {"weight_bytes": wbytes, "dtype": "gguf file" if gguf else held,
                            "read_bandwidth": bw.as_dict(), "floor_ms": floor, "tpot_x_floor": {}}
     for eng, v in doc.get("serve", {}).items():
         runs = sorted(v.get("runs") or [], key=lambda x: x["max_concurrency"])

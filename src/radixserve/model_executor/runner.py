@@ -31,7 +31,7 @@ from radixserve.model_executor.device_policy import (
 )
 from radixserve.model_executor.forward_batch import ForwardBatch, SampleResult
 from radixserve.model_executor.kernels.cpu import CpuKernels
-from radixserve.model_executor.memory_fit import fit_dtype
+from radixserve.model_executor.memory_fit import fit_dtype, weight_bytes
 from radixserve.model_executor.models.decode_stack import DecodeStack
 from radixserve.model_executor.models.llama import CausalLM, ModelArgs, rope_inv_freq
 from radixserve.model_executor.parallel.group import TensorParallelGroup
@@ -49,6 +49,7 @@ from radixserve.model_executor.quantization import (
 from radixserve.model_executor.sampler import prompt_logprob_rows, sample
 from radixserve.model_executor.shadow import ShadowChecker, reference_copy
 from radixserve.model_executor.step_runner import ModelInfo
+from radixserve.model_executor.weight_storage import bf16_weights_reason
 
 log = logging.getLogger(__name__)
 
@@ -140,10 +141,24 @@ class ModelRunner:
                                                       self.device, self.shard.size)
         if quantization == "gguf" and config.quantization is None:
             quantization, quant_why = self._auto_gguf_form(config, files.gguf, args)
+        bf16_no = bf16_weights_reason(
+            linear_kernel=config.cpu_linear_kernel, pack_weights=config.pack_weights,
+            attention_backend=config.attention_backend, device=self.device,
+            quantization=quantization, gguf=files.gguf, folder=files.folder,
+            local=self.shard.local_args(args), vocab_rows=self.shard.vocab_rows)
+
+        def served_bytes(dt: torch.dtype) -> int:
+            if dt == torch.float32 and bf16_no is None:
+                return weight_bytes(args, torch.bfloat16)
+            return served_weight_bytes(args, dt, quantization, files.gguf)
+
         self.dtype, dtype_change = fit_dtype(
             config.dtype, resolve_dtype(config.dtype, self.device), args, self.device,
-            self.shard.size, bytes_for=lambda dt: served_weight_bytes(args, dt, quantization,
-                                                                       files.gguf))
+            self.shard.size, bytes_for=served_bytes)
+        #: the embedding's, LM head's and projections' dtype where not ``dtype``: bf16
+        #: checkpoint weights held as shipped under float32 activations (``weight_storage``)
+        self.weight_dtype = (torch.bfloat16 if bf16_no is None and self.dtype == torch.float32
+                             else None)
         self.args = args
         page_size = config.page_size
         kv_heads = self.shard.num_kv_heads
@@ -168,6 +183,11 @@ class ModelRunner:
                                   else "triton" if use_triton else "torch")
         paths = ForwardPaths()
         paths.pick("quantization", quantization or "none", quant_why)
+        if self.dtype == torch.float32 and self.device.type == "cpu" and quantization is None:
+            paths.pick("weights", "bfloat16" if self.weight_dtype else "float32",
+                       "the checkpoint's bf16 weights held as shipped, widened to float32 in "
+                       "registers by radixserve's GEMM (exact; half the bytes per step)"
+                       if self.weight_dtype else f"widened to float32 at load: {bf16_no}")
         if dtype_change is not None:
             paths.pick("dtype", str(self.dtype).removeprefix("torch."), dtype_change)
             log.warning("--dtype auto: %s", dtype_change)
@@ -188,7 +208,7 @@ class ModelRunner:
                          self.kernels, self.attention_backend, self.shard, self.dtype,
                          self.device, quantization,
                          None if quantization is None else _quant_kernels(self.kernels),
-                         layer_ops)
+                         layer_ops, self.weight_dtype)
         model.load_weights(checkpoint_weights(files, args.num_heads, args.num_kv_heads))
         self.model = model.eval()
         if config.shadow_rate > 0 and quantization is not None:
@@ -271,6 +291,17 @@ class ModelRunner:
         m, a = self.model, self.args
         if m.quantization is not None:
             return self._pack_quantized(config, hint, paths)
+        if self.weight_dtype is not None:
+            assert self.kernels is not None
+            m.use_bf16_weight_linears(self.kernels, hint)
+            found = {f"{n}x{k}": kb for (n, k), kb in m.kernel_k_blocks.items()}
+            paths.pick("linear", "bf16-weights", "radixserve's float32 GEMM over the bf16 "
+                       "weights for every row count: one reduction order per output, so rows "
+                       "do not change with the batch")
+            paths.pick("linear_kernel", "radixserve", f"K blocking per [N, K], oneDNN's "
+                       f"float32 one where found (None: K): {found}")
+            paths.pick("decode_layers", *enable_decode_stack(m, config.fused_decode))
+            return True
         amx_ok = False
         if (self.dtype == torch.bfloat16 and config.cpu_linear_kernel
                 and self.kernels is not None and self.kernels.amx.available):

@@ -140,6 +140,10 @@ class CpuKernels:
             fn.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, c_int]
             fn.restype = c_int
             self._linear[dt] = fn
+        fn = lib.rs_linear_f32_bf16w
+        fn.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, c_int]
+        fn.restype = c_int
+        self._linear_bf16w = fn
         fn = lib.rs_decode_layers
         fn.argtypes = [c_int, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, i64,
                        i64, i64, i64, i64, i64, i64, c_float, c_float, c_int]
@@ -419,6 +423,23 @@ class CpuKernels:
                                  torch.get_num_threads())
         if rc:
             raise RuntimeError(f"{dtype} linear kernel failed with code {rc}")
+
+    def linear_f32_bf16w(self, x_ptr: int, w_ptr: int, out_ptr: int, m: int, n: int, k: int,
+                         k_block: int) -> None:
+        """``out = x @ W.T`` in float32 for bfloat16 weights packed ``[N/64][K][64]``
+        (``layers.bf16_weight_linear``), each output one chain of float32 FMAs restarted every
+        ``k_block`` inputs: the float32 kernel's bits over the widened weight. On raw
+        addresses: x float32 [M, K], out float32 [M, N] (N % 64 == 0), both contiguous; the
+        caller checks them.
+
+        Raises:
+            RuntimeError: the kernel's error code (1 bad sizes, 3 out of memory, 5 a build
+                without AVX2 + FMA).
+        """
+        rc = self._linear_bf16w(x_ptr, w_ptr, out_ptr, m, n, k, k_block,
+                                torch.get_num_threads())
+        if rc:
+            raise RuntimeError(f"bf16-weight linear kernel failed with code {rc}")
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

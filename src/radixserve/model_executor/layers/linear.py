@@ -49,8 +49,14 @@ def batch_invariant(fn: LinearFn) -> LinearFn:
 
 def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> LinearFn:
     """``x [M, K] -> [M, N]`` with ``weight [N, K]`` as stored (any device); row results do
-    not depend on M (see ``batch_invariant``)."""
-    return batch_invariant(lambda x: F.linear(x, weight, bias))
+    not depend on M (see ``batch_invariant``). A weight held in another dtype than x (bf16
+    weights under float32 activations, ``layers.bf16_weight_linear``) is widened per call:
+    the reference path's cost, exact."""
+    def call(x: torch.Tensor) -> torch.Tensor:
+        w = weight if weight.dtype == x.dtype else weight.to(x.dtype)
+        return F.linear(x, w, bias)
+
+    return batch_invariant(call)
 
 
 #: builds radixserve's kernel path of a packed weight: (packed, weight, bias) -> a callable

@@ -9,7 +9,8 @@ once per step here instead of once per op.
 
 It applies where every op of the per-op path is one of those kernels: each projection either
 packed weights (bf16 or float32) through radixserve's linear kernel (``packed_kernel``), the AMX
-GEMM (``layers.amx_linear``) or GGUF blocks through the quantized kernels (``layers.quantized``,
+GEMM (``layers.amx_linear``), bf16 weights under float32 (``layers.bf16_weight_linear``) or GGUF
+blocks through the quantized kernels (``layers.quantized``,
 every segment quantized), the "cpu"
 attention backend, no tensor parallelism, no Q/K norm, a Q/K/V bias added after the product
 (as the packed and the quantized projections add it; one inside oneDNN's GEMM cannot be), and a
@@ -30,6 +31,7 @@ from radixserve.model_executor.attention.paged_attention import (
 )
 from radixserve.model_executor.kernels.cpu import CpuKernels
 from radixserve.model_executor.layers.amx_linear import AmxLinear
+from radixserve.model_executor.layers.bf16_weight_linear import Bf16WeightLinear
 from radixserve.model_executor.layers.packed_kernel import PackedLinearKernel
 from radixserve.model_executor.layers.quantized import QuantizedLinear
 
@@ -42,6 +44,9 @@ FIELDS = 13
 QUANTIZED = -1
 #: ... and one on the AMX GEMM (``DL_AMX``: the field before it is the packed weight)
 AMX = -2
+#: the flag added to the K blocking of a projection whose weights are bfloat16 under float32
+#: activations (``DL_W_BF16``, ``layers.bf16_weight_linear``)
+W_BF16 = 1 << 40
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
@@ -57,7 +62,8 @@ def _fused_projection(op: object) -> str | None:
         if any(s.ggml_type is None for s in op.segments):
             return "a projection has rows of a GGUF type without a kernel (held dense)"
         return None
-    if isinstance(op, AmxLinear) or isinstance(getattr(op, "kernel", None), PackedLinearKernel):
+    if (isinstance(op, AmxLinear | Bf16WeightLinear)
+            or isinstance(getattr(op, "kernel", None), PackedLinearKernel)):
         return None
     return "needs every projection on radixserve's linear kernels or GGUF blocks"
 
@@ -81,7 +87,8 @@ class DecodeStack:
         #: the most rows of a step the stack takes (the packed linear kernel's; the quantized
         #: kernels run every decode batch on the per-op path too)
         caps = [getattr(layer, n).kernel.max_rows for layer in layers for n in PROJECTIONS
-                if not isinstance(getattr(layer, n), QuantizedLinear | AmxLinear)]
+                if not isinstance(getattr(layer, n),
+                                  QuantizedLinear | AmxLinear | Bf16WeightLinear)]
         self.max_rows = min(caps) if caps else 1 << 30
         #: [L, FIELDS] int64, built for one set of KV tensors (``_table``)
         self._table: np.ndarray | None = None
@@ -147,6 +154,8 @@ class DecodeStack:
             return seg.ctypes.data, QUANTIZED
         if isinstance(op, AmxLinear):
             return op.ptr, AMX
+        if isinstance(op, Bf16WeightLinear):
+            return op.ptr, op.k_block | W_BF16
         kernel = op.kernel  # type: ignore[attr-defined]
         return kernel.ptr, kernel.k_block
 

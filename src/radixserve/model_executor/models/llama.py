@@ -24,13 +24,14 @@ from radixserve.model_executor.kernels.amx import AmxKernels
 from radixserve.model_executor.kernels.cpu import CpuKernels
 from radixserve.model_executor.kernels.quant import SUPPORTED_TYPES, QuantKernels, block_info
 from radixserve.model_executor.layers.amx_linear import AmxLinear
+from radixserve.model_executor.layers.bf16_weight_linear import Bf16WeightLinear
 from radixserve.model_executor.layers.linear import (
     KernelFactory,
     LinearFn,
     dense_linear,
     packed_linear,
 )
-from radixserve.model_executor.layers.packed_kernel import packed_kernel_linear
+from radixserve.model_executor.layers.packed_kernel import find_k_block, packed_kernel_linear
 from radixserve.model_executor.layers.quantized import (
     Q8_0,
     QuantizedEmbedding,
@@ -46,6 +47,10 @@ from radixserve.model_executor.parallel.sharding import ShardLayout, single
 #: ``ROPE_INIT_FUNCTIONS``, ``rope_inv_freq``); "dynamic" rescales with the sequence length
 #: and "longrope" switches factors past its original context: neither is implemented
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+#: the most rows of a weight ``find_k_block`` packs in float32 to find oneDNN's K blocking
+#: for a bf16-weight model (``CausalLM.use_bf16_weight_linears``)
+PROBE_MAX_ROWS = 8192
 
 #: how linear weights may be held besides dense: "gguf" (a GGUF's quantized blocks as stored)
 #: or "int8" (Q8_0 blocks made at load from a float checkpoint)
@@ -236,14 +241,18 @@ class DecoderLayer(nn.Module):
         attention_backend: the resolved attention backend (``build_attention``).
         ops: the fused norm / RoPE / activation steps; None: ``kernels`` when given, else
             torch ops.
+        weight_dtype: the four projections' weights' dtype where it differs from the
+            activations' ``dtype`` (bf16 weights under float32, ``layers.bf16_weight_linear``).
     """
 
     def __init__(self, a: ModelArgs, kernels: CpuKernels | None = None,
                  attention_backend: str | None = None, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", ops: LayerOps | None = None) -> None:
+                 device: torch.device | str = "cpu", ops: LayerOps | None = None,
+                 weight_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.a = a
         f = {"dtype": dtype, "device": device}
+        wf = {"dtype": weight_dtype or dtype, "device": device}
         #: the tensor-parallel group when sharded (``CausalLM.join_group``): the row-parallel
         #: outputs (o, down) are partial sums to all-reduce
         self.tp: TensorParallelGroup | None = None
@@ -251,13 +260,13 @@ class DecoderLayer(nn.Module):
         self.q_size, self.kv_size = q, kv
         self.input_norm = nn.Parameter(torch.ones(a.hidden_size, **f))
         self.post_norm = nn.Parameter(torch.ones(a.hidden_size, **f))
-        self.qkv = nn.Parameter(torch.empty(q + 2 * kv, a.hidden_size, **f))
+        self.qkv = nn.Parameter(torch.empty(q + 2 * kv, a.hidden_size, **wf))
         self.qkv_bias = nn.Parameter(torch.zeros(q + 2 * kv, **f)) if a.qkv_bias else None
-        self.o = nn.Parameter(torch.empty(a.hidden_size, q, **f))
+        self.o = nn.Parameter(torch.empty(a.hidden_size, q, **wf))
         self.q_norm = nn.Parameter(torch.ones(a.head_dim, **f)) if a.qk_norm else None
         self.k_norm = nn.Parameter(torch.ones(a.head_dim, **f)) if a.qk_norm else None
-        self.gate_up = nn.Parameter(torch.empty(2 * a.intermediate_size, a.hidden_size, **f))
-        self.down = nn.Parameter(torch.empty(a.hidden_size, a.intermediate_size, **f))
+        self.gate_up = nn.Parameter(torch.empty(2 * a.intermediate_size, a.hidden_size, **wf))
+        self.down = nn.Parameter(torch.empty(a.hidden_size, a.intermediate_size, **wf))
         scale = a.head_dim ** -0.5
         backend = attention_backend or ("torch" if kernels is None else "cpu")
         self.attn = build_attention(backend, a.num_heads, a.num_kv_heads, a.head_dim, scale,
@@ -316,6 +325,18 @@ class DecoderLayer(nn.Module):
                 continue
             w = self.get_parameter(n)
             setattr(self, n + "_proj", AmxLinear(amx, w.data, bias.get(n), emulate))
+            w.data = torch.empty(0, dtype=w.dtype)
+
+    def use_bf16_weight_linears(self, kernels: CpuKernels,
+                                k_blocks: dict[tuple[int, int], int]) -> None:
+        """Run the four projections on the float32 GEMM over their bfloat16 weights
+        (``layers.bf16_weight_linear``), for every row count, and free the dense weights;
+        ``k_blocks`` gives each [N, K]'s K blocking."""
+        bias = {"qkv": self.qkv_bias}
+        for n in _LINEAR_PARAMS:
+            w = self.get_parameter(n)
+            setattr(self, n + "_proj", Bf16WeightLinear(kernels, w.data, bias.get(n),
+                                                        k_blocks[tuple(w.shape)]))
             w.data = torch.empty(0, dtype=w.dtype)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
@@ -383,6 +404,9 @@ class CausalLM(nn.Module):
             this rank's slices; ``join_group`` must follow before the first forward.
         dtype, device: where the parameters live, from the start (the serving dtype: a
             checkpoint is never held in another dtype on the way, see ``load_weights``).
+        weight_dtype: the embedding's, LM head's and projections' dtype where it differs
+            from ``dtype``: bfloat16 under float32 activations, the weights held as a bf16
+            checkpoint ships them (``use_bf16_weight_linears``); None: ``dtype``.
         quantization: None (every weight dense in ``dtype``), "gguf" (a GGUF's quantized
             projections, embedding and LM head kept in their blocks) or "int8" (the
             projections and an untied LM head quantized to Q8_0 at load); see
@@ -400,7 +424,8 @@ class CausalLM(nn.Module):
                  attention_backend: str | None = None,
                  shard: ShardLayout | None = None, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", quantization: str | None = None,
-                 quant: QuantKernels | None = None, layer_ops: LayerOps | None = None) -> None:
+                 quant: QuantKernels | None = None, layer_ops: LayerOps | None = None,
+                 weight_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.a = a
         self.shard = shard or single(a)
@@ -422,16 +447,20 @@ class CausalLM(nn.Module):
         local = self.shard.local_args(a)
         rows = self.shard.vocab_rows
         f = {"dtype": dtype, "device": device}
+        wf = {"dtype": weight_dtype or dtype, "device": device}
         self.tp: TensorParallelGroup | None = None
-        self.embed = nn.Parameter(torch.empty(rows, a.hidden_size, **f))
+        self.embed = nn.Parameter(torch.empty(rows, a.hidden_size, **wf))
+        #: the tied embedding looked up in the LM head's packed bf16 weights
+        #: (``use_bf16_weight_linears``), else None
+        self.embed_rows: Bf16WeightLinear | None = None
         self.layers = nn.ModuleList(DecoderLayer(local, kernels, attention_backend, dtype,
-                                                 device, layer_ops)
+                                                 device, layer_ops, weight_dtype)
                                     for _ in range(a.num_layers))
         self.kernels = kernels
         self.ops: LayerOps | None = layer_ops if layer_ops is not None else kernels
         self.norm = nn.Parameter(torch.ones(a.hidden_size, **f))
         self.lm_head = None if a.tie_word_embeddings else nn.Parameter(
-            torch.empty(rows, a.hidden_size, **f))
+            torch.empty(rows, a.hidden_size, **wf))
         self._lm_head_proj: LinearFn | None = None
         #: decode steps' layers in one C call (``models.decode_stack``, set by the runner),
         #: or None: per op
@@ -501,6 +530,42 @@ class CausalLM(nn.Module):
             if self.lm_head is not None:
                 self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype)
 
+    def use_bf16_weight_linears(self, kernels: CpuKernels, batch_hint: int) -> None:
+        """Every projection and the LM head on the float32 GEMM over their bfloat16 weights
+        (``layers.bf16_weight_linear``), for every row count; the dense weights are freed, a
+        tied embedding too (its rows are then looked up in the LM head's packed weights).
+        Call after the weights are loaded, on a model made with ``weight_dtype`` bfloat16.
+
+        Each [N, K]'s K blocking is oneDNN's float32 one where ``find_k_block`` finds it
+        (each row then gets the float32 oneDNN path's bits), else K; ``kernel_k_blocks``
+        records what oneDNN's probe found (None: not reproduced). The LM head is probed at
+        ``PROBE_MAX_ROWS`` rows: a full-size float32 probe of a 152k-row head would cost up to
+        2 GiB of transient memory.
+
+        Raises:
+            ValueError: a model whose weights are not bfloat16 under float32 activations, or
+                an output size that is not a multiple of 64.
+        """
+        w_head = self.embed if self.lm_head is None else self.lm_head
+        if self.norm.dtype != torch.float32 or w_head.dtype != torch.bfloat16:
+            raise ValueError(f"bf16-weight linears need bfloat16 weights under float32, got "
+                             f"{w_head.dtype} under {self.norm.dtype}")
+        shapes = {tuple(layer.get_parameter(n).shape) for layer in self.layers
+                  for n in _LINEAR_PARAMS} | {tuple(w_head.shape)}
+        blocks: dict[tuple[int, int], int] = {}
+        for n, k in shapes:
+            kb = find_k_block(kernels, min(n, PROBE_MAX_ROWS), k, batch_hint, torch.float32)
+            self.kernel_k_blocks[(n, k)] = kb
+            blocks[(n, k)] = k if kb is None else kb
+        for layer in self.layers:
+            layer.use_bf16_weight_linears(kernels, blocks)
+        if self.lm_head_q is None:
+            head = Bf16WeightLinear(kernels, w_head.data, None, blocks[tuple(w_head.shape)])
+            self._lm_head_proj = head
+            w_head.data = torch.empty(0, dtype=w_head.dtype)
+            if self.lm_head is None:
+                self.embed_rows = head
+
     def join_group(self, group: TensorParallelGroup) -> None:
         """Sharded model: run its collectives over ``group`` (size must match the shard's).
 
@@ -543,12 +608,19 @@ class CausalLM(nn.Module):
         if self.embed_q is not None:
             return self.embed_q(input_ids)
         if self.tp is None:
-            return F.embedding(input_ids, self.embed)
+            return self._embed_rows(input_ids)
         lo, hi = self.shard.vocab
         mine = (input_ids >= lo) & (input_ids < hi)
-        h = F.embedding((input_ids - lo) * mine, self.embed)
+        h = self._embed_rows((input_ids - lo) * mine)
         h.mul_(mine.unsqueeze(1).to(h.dtype))
         return self.tp.all_reduce(h)
+
+    def _embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of this rank's embedding in the activation dtype."""
+        if self.embed_rows is not None:
+            return self.embed_rows.rows(ids)
+        h = F.embedding(ids, self.embed)
+        return h if h.dtype == self.norm.dtype else h.to(self.norm.dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] -> float32 logits [S, vocab] (vocab-parallel: every rank gets

@@ -1184,23 +1184,43 @@ typedef __m256 f32v;
 #define RS_F32_GEMM 0
 #endif
 
+#if RS_F32_GEMM == 2
+/* 16 bfloat16 weights widened to float32: exact (a bf16 is a float32's high half) */
+#define F32_LOAD_BF16(p)                                                                       \
+    _mm512_castsi512_ps(                                                                       \
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#elif RS_F32_GEMM == 1
+#define F32_LOAD_BF16(p)                                                                       \
+    _mm256_castsi256_ps(                                                                       \
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#endif
+
 #if RS_F32_GEMM
 _Static_assert(F32_MR <= 6, "TILE_BY_ROWS covers 1..6 rows");
 #define F32_TILE (F32_NT * F32_VW) /* outputs per tile: 64 (AVX-512) or 16 (AVX2) */
+/* One tile of rows x F32_TILE outputs. The weights at wb, k-major with row stride ws, are
+ * float32 (wbf 0) or bfloat16 widened as they are loaded (wbf 1); either way each output is
+ * the same chain of float32 FMAs, so the two give the same bits for bf16-exact weights. */
 static inline __attribute__((always_inline)) void f32_tile(
-        const int mr, const float *x, int64_t K, const float *wb, int64_t kblk, float *tot,
-        const char *pf, int64_t *pf_off, int64_t pf_end, int64_t pf_lines) {
+        const int mr, const float *x, int64_t K, const void *wb, const int wbf, int64_t ws,
+        int64_t kblk, float *tot, const char *pf, int64_t *pf_off, int64_t pf_end,
+        int64_t pf_lines) {
     for (int64_t k0 = 0; k0 < K; k0 += kblk) {
         const int64_t k1 = k0 + kblk < K ? k0 + kblk : K;
         f32v a[F32_MR][F32_NT];
         for (int r = 0; r < mr; ++r)
             for (int u = 0; u < F32_NT; ++u) a[r][u] = F32_ZERO();
         for (int64_t k = k0; k < k1; ++k) {
-            const float *wk = wb + k * GEMV_NB;
             for (int64_t l = 0; l < pf_lines && *pf_off < pf_end; ++l, *pf_off += 64)
                 __builtin_prefetch(pf + *pf_off, 0, 3);
             f32v b[F32_NT];
-            for (int u = 0; u < F32_NT; ++u) b[u] = F32_LOAD(wk + u * F32_VW);
+            if (wbf) {
+                const uint16_t *wk = (const uint16_t *)wb + k * ws;
+                for (int u = 0; u < F32_NT; ++u) b[u] = F32_LOAD_BF16(wk + u * F32_VW);
+            } else {
+                const float *wk = (const float *)wb + k * ws;
+                for (int u = 0; u < F32_NT; ++u) b[u] = F32_LOAD(wk + u * F32_VW);
+            }
             for (int r = 0; r < mr; ++r) {
                 const f32v xv = F32_SET1(x[r * K + k]);
                 for (int u = 0; u < F32_NT; ++u) a[r][u] = F32_FMA(xv, b[u], a[r][u]);
@@ -1213,44 +1233,138 @@ static inline __attribute__((always_inline)) void f32_tile(
             }
     }
 }
-#endif
+/* One row x a whole 64-output block (AVX2's F32_TILE is a quarter of one): at one row the
+ * kernel is bound by streaming the weights, which this reads front to back, 128 or 256 bytes
+ * per k, where the quarter tiles would cross each block four times. Same FMAs per output. */
+static inline __attribute__((always_inline)) void f32_row64(
+        const float *x, int64_t K, const void *wb, const int wbf, int64_t kblk, float *tot,
+        const char *pf, int64_t *pf_off, int64_t pf_end, int64_t pf_lines) {
+    enum { NV = GEMV_NB / F32_VW };
+    for (int64_t k0 = 0; k0 < K; k0 += kblk) {
+        const int64_t k1 = k0 + kblk < K ? k0 + kblk : K;
+        f32v a[NV];
+        for (int u = 0; u < NV; ++u) a[u] = F32_ZERO();
+        for (int64_t k = k0; k < k1; ++k) {
+            for (int64_t l = 0; l < pf_lines && *pf_off < pf_end; ++l, *pf_off += 64)
+                __builtin_prefetch(pf + *pf_off, 0, 3);
+            const f32v xv = F32_SET1(x[k]);
+            if (wbf) {
+                const uint16_t *wk = (const uint16_t *)wb + k * GEMV_NB;
+                for (int u = 0; u < NV; ++u) a[u] = F32_FMA(xv, F32_LOAD_BF16(wk + u * F32_VW), a[u]);
+            } else {
+                const float *wk = (const float *)wb + k * GEMV_NB;
+                for (int u = 0; u < NV; ++u) a[u] = F32_FMA(xv, F32_LOAD(wk + u * F32_VW), a[u]);
+            }
+        }
+        for (int u = 0; u < NV; ++u)
+            F32_STORE(tot + u * F32_VW, k0 == 0 ? a[u] : F32_ADD(F32_LOAD(tot + u * F32_VW), a[u]));
+    }
+}
+#define F32_TILE_W(R, ...) f32_tile(R, __VA_ARGS__, 0, GEMV_NB, kblk, tot, pf, &pf_off, \
+                                    pf_end, pf_lines)
+#define BF16_TILE_W(R, ...) f32_tile(R, __VA_ARGS__, 1, GEMV_NB, kblk, tot, pf, &pf_off, \
+                                     pf_end, pf_lines)
+#define SCRATCH_TILE_W(R, ...) f32_tile(R, __VA_ARGS__, 0, F32_TILE, kblk, tot, pf, &pf_off, \
+                                        pf_end, pf_lines)
 
-int rs_linear_f32_packed(const float *x, const float *w, float *y, int64_t M, int64_t N,
-                         int64_t K, int64_t kblk, int num_threads) {
-#if RS_F32_GEMM
+/* The float32 GEMM over weights packed [N/64][K][64], float32 (wbf 0) or bfloat16 (wbf 1).
+ * With bf16 weights, a thread with more than one row tile of a panel widens that panel
+ * (K x F32_TILE) into its own float32 scratch once and runs the tiles over it, so prefill-sized
+ * calls pay the widening once per panel rather than once per tile; the FMAs are the same. */
+static int linear_f32_core(const float *x, const void *w, const int wbf, float *y, int64_t M,
+                           int64_t N, int64_t K, int64_t kblk, int num_threads) {
     if (M <= 0 || N <= 0 || N % GEMV_NB || K <= 0 || kblk <= 0) return 1;
+    const size_t es = wbf ? 2 : 4;
     const int64_t blocks = N / GEMV_NB, tiles = (M + F32_MR - 1) / F32_MR;
-    const int64_t halves = GEMV_NB / F32_TILE, block_bytes = K * GEMV_NB * 4;
+    const int row64 = M == 1; /* one row: whole blocks (f32_row64) */
+    const int64_t halves = row64 ? 1 : GEMV_NB / F32_TILE;
+    const int64_t block_bytes = K * GEMV_NB * (int64_t)es;
     const int64_t steps = tiles * halves * K; /* k steps per block, over which to prefetch */
     const int64_t pf_lines = (block_bytes / 64 + steps - 1) / steps;
+    int rc = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float tot[F32_MR * F32_TILE];
+        float tot[F32_MR * F32_TILE > GEMV_NB ? F32_MR * F32_TILE : GEMV_NB];
+        float *scratch = NULL;
         int64_t w0, w1;
         const int64_t per_block = halves * tiles;
         thread_share(blocks * per_block, &w0, &w1);
+        if (wbf && tiles > 1) {
+            scratch = (float *)malloc(sizeof(float) * (size_t)K * F32_TILE);
+            if (scratch == NULL) {
+#pragma omp atomic write
+                rc = 3;
+                w1 = w0; /* this thread computes nothing */
+            }
+        }
         for (int64_t nb = w0 / per_block; nb * per_block < w1; ++nb) {
-            const float *blk = w + nb * K * GEMV_NB;
-            const char *pf = (const char *)(blk + K * GEMV_NB);
+            const char *blk = (const char *)w + (size_t)nb * (size_t)block_bytes;
+            const char *pf = blk + block_bytes;
             int64_t pf_off = 0;
             /* the next block, where this share goes on to it */
             const int64_t pf_end = (nb + 1) * per_block < w1 ? block_bytes : 0;
             for (int64_t hf = 0; hf < halves; ++hf) {
-                const float *wb = blk + hf * F32_TILE;
+                const void *wb = blk + es * (size_t)(hf * F32_TILE);
                 int64_t t0, t1;
                 share_tiles((nb * halves + hf) * tiles, tiles, w0, w1, &t0, &t1);
+                const int widen = wbf && t1 - t0 > 1;
+                if (widen) {
+                    const uint16_t *src = (const uint16_t *)wb;
+                    for (int64_t k = 0; k < K; ++k)
+                        for (int u = 0; u < F32_NT; ++u)
+                            F32_STORE(scratch + k * F32_TILE + u * F32_VW,
+                                      F32_LOAD_BF16(src + k * GEMV_NB + u * F32_VW));
+                }
                 for (int64_t m0 = t0 * F32_MR; m0 < M && m0 < t1 * F32_MR; m0 += F32_MR) {
                     const int64_t mr = M - m0 < F32_MR ? M - m0 : F32_MR;
                     const float *xm = x + m0 * K;
-                    TILE_BY_ROWS(f32_tile, mr, xm, K, wb, kblk, tot, pf, &pf_off, pf_end, pf_lines);
+                    if (row64) {
+                        if (wbf)
+                            f32_row64(xm, K, wb, 1, kblk, tot, pf, &pf_off, pf_end, pf_lines);
+                        else
+                            f32_row64(xm, K, wb, 0, kblk, tot, pf, &pf_off, pf_end, pf_lines);
+                        memcpy(y + nb * GEMV_NB, tot, sizeof(float) * GEMV_NB);
+                        continue;
+                    }
+                    if (widen)
+                        TILE_BY_ROWS(SCRATCH_TILE_W, mr, xm, K, scratch);
+                    else if (wbf)
+                        TILE_BY_ROWS(BF16_TILE_W, mr, xm, K, wb);
+                    else
+                        TILE_BY_ROWS(F32_TILE_W, mr, xm, K, wb);
                     for (int64_t r = 0; r < mr; ++r)
                         memcpy(y + (m0 + r) * N + nb * GEMV_NB + hf * F32_TILE,
                                tot + r * F32_TILE, sizeof(float) * F32_TILE);
                 }
             }
         }
+        free(scratch);
     }
-    return 0;
+    return rc;
+}
+#endif
+
+int rs_linear_f32_packed(const float *x, const float *w, float *y, int64_t M, int64_t N,
+                         int64_t K, int64_t kblk, int num_threads) {
+#if RS_F32_GEMM
+    return linear_f32_core(x, w, 0, y, M, N, K, kblk, num_threads);
+#else
+    (void)x, (void)w, (void)y, (void)M, (void)N, (void)K, (void)kblk, (void)num_threads;
+    return 5;
+#endif
+}
+
+/* `rs_linear_f32_packed` over bfloat16 weights in the same [N/64][K][64] layout (radixserve's
+ * own packing, `layers.bf16_weight_linear`): float32 activations and sums, half the weight
+ * bytes read. A bf16 weight widened to float32 is exact, so each row gets the bits the float32
+ * kernel gives it over the widened weight: a bf16 checkpoint served in float32 keeps its
+ * arithmetic and reads half the bytes per decode step.
+ *   x: M x K float32; w: N x K bf16 values, packed; y: M x N float32; N % 64 == 0.
+ * Returns 0; 1 on bad sizes; 3 out of memory; 5 where the build has no AVX2 + FMA. */
+int rs_linear_f32_bf16w(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N,
+                        int64_t K, int64_t kblk, int num_threads) {
+#if RS_F32_GEMM
+    return linear_f32_core(x, w, 1, y, M, N, K, kblk, num_threads);
 #else
     (void)x, (void)w, (void)y, (void)M, (void)N, (void)K, (void)kblk, (void)num_threads;
     return 5;
@@ -1288,6 +1402,9 @@ int rs_quant_linear(int wtype, const uint8_t *w, int64_t N, int64_t K, int xdt, 
 #define DL_AMX (-2)
 int rs_amx_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *packed,
                        int64_t N, uint16_t *y, int64_t ldy, int flags, int num_threads);
+/* kblk with DL_W_BF16 set (float32 only): w is bfloat16 weights packed as the float32 ones,
+ * run by rs_linear_f32_bf16w with the K blocking in the low bits */
+#define DL_W_BF16 ((int64_t)1 << 40)
 
 static int linear_packed(int dtype, const void *x, int64_t w, void *y, int64_t M, int64_t N,
                          int64_t K, int64_t kblk, int num_threads) {
@@ -1303,6 +1420,10 @@ static int linear_packed(int dtype, const void *x, int64_t w, void *y, int64_t M
         }
         return 0;
     }
+    if (kblk > 0 && (kblk & DL_W_BF16))
+        return dtype == 0 ? rs_linear_f32_bf16w(x, (const uint16_t *)(intptr_t)w, y, M, N, K,
+                                                kblk & ~DL_W_BF16, num_threads)
+                          : 1;
     if (kblk == DL_AMX)
         return dtype == 1 ? rs_amx_linear_bf16(x, M, K, (const uint16_t *)(intptr_t)w, N, y, N, 0,
                                                num_threads)
