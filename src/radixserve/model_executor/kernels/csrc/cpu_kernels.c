@@ -1260,6 +1260,34 @@ static inline __attribute__((always_inline)) void f32_row64(
             F32_STORE(tot + u * F32_VW, k0 == 0 ? a[u] : F32_ADD(F32_LOAD(tot + u * F32_VW), a[u]));
     }
 }
+/* Steps [kc0, kc1) of one tile's sums over a widened panel (row stride F32_TILE), the
+ * accumulators taken from and left in `acc` (zeroed first where `fresh`): splitting a chain at
+ * any k this way changes no bit, the partial sums only pass through memory unrounded. */
+static inline __attribute__((always_inline)) void f32_tile_kc(
+        const int mr, const float *x, int64_t K, const float *panel, int64_t kc0, int64_t kc1,
+        float *acc, int fresh) {
+    f32v a[F32_MR][F32_NT];
+    for (int r = 0; r < mr; ++r)
+        for (int u = 0; u < F32_NT; ++u)
+            a[r][u] = fresh ? F32_ZERO() : F32_LOAD(acc + r * F32_TILE + u * F32_VW);
+    for (int64_t k = kc0; k < kc1; ++k) {
+        const float *wk = panel + k * F32_TILE;
+        f32v b[F32_NT];
+        for (int u = 0; u < F32_NT; ++u) b[u] = F32_LOAD(wk + u * F32_VW);
+        for (int r = 0; r < mr; ++r) {
+            const f32v xv = F32_SET1(x[r * K + k]);
+            for (int u = 0; u < F32_NT; ++u) a[r][u] = F32_FMA(xv, b[u], a[r][u]);
+        }
+    }
+    for (int r = 0; r < mr; ++r)
+        for (int u = 0; u < F32_NT; ++u) F32_STORE(acc + r * F32_TILE + u * F32_VW, a[r][u]);
+}
+#define KC_TILE_W(R, xm, kc0, kc1, acc, fresh) \
+    f32_tile_kc(R, xm, K, scratch, kc0, kc1, acc, fresh)
+/* inputs per pass over a widened panel's row tiles: 256 x F32_TILE float32 weights (16 KiB on
+ * AVX2) stay in L1 while every tile of the share runs them */
+#define F32_KC 256
+
 #define F32_TILE_W(R, ...) f32_tile(R, __VA_ARGS__, 0, GEMV_NB, kblk, tot, pf, &pf_off, \
                                     pf_end, pf_lines)
 #define BF16_TILE_W(R, ...) f32_tile(R, __VA_ARGS__, 1, GEMV_NB, kblk, tot, pf, &pf_off, \
@@ -1269,8 +1297,11 @@ static inline __attribute__((always_inline)) void f32_row64(
 
 /* The float32 GEMM over weights packed [N/64][K][64], float32 (wbf 0) or bfloat16 (wbf 1).
  * With bf16 weights, a thread with more than one row tile of a panel widens that panel
- * (K x F32_TILE) into its own float32 scratch once and runs the tiles over it, so prefill-sized
- * calls pay the widening once per panel rather than once per tile; the FMAs are the same. */
+ * (K x F32_TILE) into its own float32 scratch once and runs all its tiles over it F32_KC inputs
+ * at a time (f32_tile_kc), so the weights each pass reads stay in L1 while the rows stream
+ * through: over Qwen2.5-0.5B's projections at 256 and 2048 rows, 1.3-1.9x the tile-by-tile
+ * order on the Zen 3 kind with other work on the machine. The FMAs are the same, in the same
+ * order per output, whatever the path. */
 static int linear_f32_core(const float *x, const void *w, const int wbf, float *y, int64_t M,
                            int64_t N, int64_t K, int64_t kblk, int num_threads) {
     if (M <= 0 || N <= 0 || N % GEMV_NB || K <= 0 || kblk <= 0) return 1;
@@ -1289,9 +1320,11 @@ static int linear_f32_core(const float *x, const void *w, const int wbf, float *
         int64_t w0, w1;
         const int64_t per_block = halves * tiles;
         thread_share(blocks * per_block, &w0, &w1);
+        float *part = NULL; /* the share's tiles' running sums of one panel (kc passes) */
         if (wbf && tiles > 1) {
             scratch = (float *)malloc(sizeof(float) * (size_t)K * F32_TILE);
-            if (scratch == NULL) {
+            part = (float *)malloc(sizeof(float) * (size_t)tiles * F32_MR * F32_TILE);
+            if (scratch == NULL || part == NULL) {
 #pragma omp atomic write
                 rc = 3;
                 w1 = w0; /* this thread computes nothing */
@@ -1314,6 +1347,33 @@ static int linear_f32_core(const float *x, const void *w, const int wbf, float *
                         for (int u = 0; u < F32_NT; ++u)
                             F32_STORE(scratch + k * F32_TILE + u * F32_VW,
                                       F32_LOAD_BF16(src + k * GEMV_NB + u * F32_VW));
+                }
+                if (widen) {
+                    /* kblk blocks, each in F32_KC passes over all the share's tiles; a block's
+                     * sums are then added into y as f32_tile adds them into tot */
+                    const int64_t m_end = M < t1 * F32_MR ? M : t1 * F32_MR;
+                    for (int64_t k0 = 0; k0 < K; k0 += kblk) {
+                        const int64_t k1 = k0 + kblk < K ? k0 + kblk : K;
+                        for (int64_t kc0 = k0; kc0 < k1; kc0 += F32_KC) {
+                            const int64_t kc1 = kc0 + F32_KC < k1 ? kc0 + F32_KC : k1;
+                            for (int64_t m0 = t0 * F32_MR; m0 < m_end; m0 += F32_MR) {
+                                const int64_t mr = M - m0 < F32_MR ? M - m0 : F32_MR;
+                                float *acc = part + (m0 - t0 * F32_MR) * F32_TILE;
+                                TILE_BY_ROWS(KC_TILE_W, mr, x + m0 * K, kc0, kc1, acc,
+                                             kc0 == k0);
+                            }
+                        }
+                        for (int64_t m = t0 * F32_MR; m < m_end; ++m) {
+                            const float *acc = part + (m - t0 * F32_MR) * F32_TILE;
+                            float *yr = y + m * N + nb * GEMV_NB + hf * F32_TILE;
+                            for (int u = 0; u < F32_NT; ++u)
+                                F32_STORE(yr + u * F32_VW,
+                                          k0 == 0 ? F32_LOAD(acc + u * F32_VW)
+                                                  : F32_ADD(F32_LOAD(yr + u * F32_VW),
+                                                            F32_LOAD(acc + u * F32_VW)));
+                        }
+                    }
+                    continue;
                 }
                 for (int64_t m0 = t0 * F32_MR; m0 < M && m0 < t1 * F32_MR; m0 += F32_MR) {
                     const int64_t mr = M - m0 < F32_MR ? M - m0 : F32_MR;
@@ -1339,6 +1399,7 @@ static int linear_f32_core(const float *x, const void *w, const int wbf, float *
             }
         }
         free(scratch);
+        free(part);
     }
     return rc;
 }
