@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: venv serve serve-fleet test test-unit lint bench-peers clean
+.PHONY: venv serve serve-fleet test test-unit lint browser bench-peers clean
 
 venv: $(STAMP)
 
@@ -30,8 +30,19 @@ ARGS ?=
 serve-fleet: $(STAMP)
 	$(BIN)/radixserve fleet --workers $(N) --host $(HOST) --port $(PORT) -- $(ARGS)
 
+# Headless Chromium and its driver for the chat page's browser test (test_chat_page.py), from
+# Debian's packages where missing; sudo only when not root. Without apt-get it says so and the
+# test skips (outside CI, where it fails instead).
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+browser:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then :; \
+	elif command -v apt-get >/dev/null; then \
+		$(SUDO) apt-get update -qq && \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; \
+	else echo "note: no apt-get: install chromium and chromedriver for test_chat_page.py"; fi
+
 # Everything: lint, import layers (the contracts in pyproject.toml), unit and integration tests.
-test: lint
+test: lint browser
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
 # The inner loop (about a minute): lint, import layers and the unit tests, which never load the

@@ -7,7 +7,7 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/resp
 "dead" after the engine died),
 ``GET /metrics`` (Prometheus), ``POST /tokenize``, ``POST /detokenize``, ``GET /version``, and
 the gateway-facing ``GET /server_info``, ``GET /model_info``, ``GET /v1/loads``,
-``POST /flush_cache`` (``worker_info.py``).
+``POST /flush_cache`` (``worker_info.py``), and the chat page at ``GET /`` (``chat_page.py``).
 
 The app starts the engine client in the background when it starts (so /health can answer 503
 while the model loads), loads the tokenizer named by the engine's Hello, and only then serves
@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response
 
 import radixserve
 from radixserve.config import ServerConfig
+from radixserve.entrypoints.openai.chat_page import register_chat_page
 from radixserve.entrypoints.openai.errors import OpenAIError, add_exception_handlers
 from radixserve.entrypoints.openai.middleware import (
     APIKeyMiddleware,
@@ -259,6 +260,7 @@ def build_app(server_config: ServerConfig, client: AsyncEngineClient) -> FastAPI
         return Response(body, media_type=content_type)
 
     register_worker_routes(app, state)  # /server_info, /model_info, /v1/loads, /flush_cache
+    register_chat_page(app)  # / (open, like /health: its /v1 calls carry the key)
 
     @app.post("/tokenize")
     async def tokenize(raw: Request) -> Response:
