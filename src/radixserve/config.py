@@ -171,10 +171,12 @@ class SpeculativeConfig:
     """Speculative decoding: the JSON of ``--speculative-config`` (vLLM's flag and field names)
     or the offline ``LLM(speculative_config=...)``.
 
-    Each step a running greedy request may carry up to ``num_speculative_tokens`` draft tokens,
-    proposed by prompt lookup over its own prompt and output (the n-gram method); the model
-    verifies them in one forward and keeps the longest prefix equal to its own argmax, plus
-    its token at the first mismatch (or the bonus token when every draft matched).
+    Each step a running request (one without an output constraint) may carry up to
+    ``num_speculative_tokens`` draft tokens, proposed by prompt lookup over its own prompt and
+    output (the n-gram method); the model verifies them in one forward and keeps the longest
+    prefix equal to its own picks (the argmax, or for a sampled request rejection sampling,
+    which keeps the target's distribution), plus its token at the first mismatch (or the
+    bonus token when every draft matched).
 
     Attributes:
         method: "ngram" (prompt lookup).

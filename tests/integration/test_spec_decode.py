@@ -4,7 +4,8 @@ the machine's default dtype (the engine is batch invariant, so a verify row comp
 decode row computes). Every step runs ``Scheduler.check_integrity`` (pages of rejected drafts
 released, nothing leaked); max_tokens, EOS and stop ids, stop strings, ignore_eos, n > 1,
 logprobs, abort, preemption in a small pool, and prefix hits on pages that verify steps wrote
-all give what they give without speculation. Sampled requests do not speculate."""
+all give what they give without speculation. Sampled requests speculate too
+(``test_spec_decode_sampled.py``)."""
 
 from __future__ import annotations
 
@@ -121,9 +122,9 @@ def test_stop_strings_n_and_sampled_requests(pair: tuple[LLM, LLM]) -> None:
         stop = text[len(text) // 2:len(text) // 2 + 5]
         params.append(SamplingParams(temperature=0, max_tokens=30, stop=[stop], n=2,
                                      ignore_eos=True))
-    # requests that ride along in the same steps: a seeded sampled one and a penalized one
-    # decode one token per step; a logit_bias one and a min_tokens one speculate (past
-    # min_tokens); their per-row parameters must land on their own rows of logits
+    # requests that ride along in the same steps and speculate too: a seeded sampled one, a
+    # penalized one, a logit_bias one and a min_tokens one; their per-row parameters must
+    # land on their own rows of logits
     prompts += [prompts[1], prompts[3], prompts[1], prompts[3]]
     params += [SamplingParams(temperature=0.8, seed=11, max_tokens=20),
                SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=20),

@@ -89,6 +89,7 @@ def build_batch(requests: list[Request], num_decodes: int, num_new: list[int],
                 else list(itertools.compress(requests, sample.tolist())))
     srows = rows if samplers is requests else rows[sample]
     drafts = None
+    row_drafts = None
     if nd is None:
         logits_indices = (ends - 1)[sample]
         lrows, lsamplers = srows, samplers
@@ -105,11 +106,16 @@ def build_batch(requests: list[Request], num_decodes: int, num_new: list[int],
         lsamplers = [r for r, c in zip(samplers, sper.tolist(), strict=True) for _ in range(c)]
         drafts = [input_ids[e - k:e].astype(np.int32)
                   for e, k in zip(ends[sample].tolist(), nd[sample].tolist(), strict=True)]
+        # per row of logits the draft token it verifies: row j of a verify request checks
+        # its draft j; the request's last row (the bonus) and plain rows check none (-1)
+        row_drafts = np.full(m, -1, dtype=np.int64)
+        for f, d in zip((first[sample]).tolist(), drafts, strict=True):
+            row_drafts[f:f + len(d)] = d
     forward = ForwardBatch(
         num_decodes=num_decodes, rows=rows, num_new=n, seq_lens=seq_lens, sample=sample,
         input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
         page_table=page_table[rows, :max_pages], logits_indices=logits_indices,
-        sampling=_sampling_batch(lsamplers, lrows, tables, live),
+        sampling=_sampling_batch(lsamplers, lrows, tables, live, row_drafts),
         prompt_logprobs=(_prompt_logprobs(requests, num_decodes, start, seq_lens, ends, tables)
                          if live.prompt_logprobs else None),
         num_draft=nd)
@@ -152,14 +158,21 @@ def _prompt_logprobs(requests: list[Request], num_decodes: int, start: np.ndarra
 
 
 def _sampling_batch(samplers: list[Request], rows: np.ndarray, t: RowTables,
-                    live: LiveIndex) -> SamplingBatch:
+                    live: LiveIndex, row_drafts: np.ndarray | None = None) -> SamplingBatch:
     """The sampling rows' parameters: gathered from the row tables, only the parts some live
     request needs; snapshots of request state (outputs for penalties, counts for
-    ``min_tokens``) are taken now, when the step is scheduled."""
+    ``min_tokens``) are taken now, when the step is scheduled.
+
+    ``row_drafts`` (int64 [S], speculative decoding: the draft token each row verifies, -1
+    for none) gives a verify request's row j the state it has once its drafts 0..j-1 are
+    accepted, which is the only case in which row j's token is used: those drafts count as
+    generated for its penalties and ``min_tokens``."""
     if not (live.random or live.logprobs or live.penalty or live.min_tokens or live.structured
             or live.logit_bias):
         return ALL_GREEDY
     sp = SamplingBatch()
+    # prior[i]: the drafts before row i in its verify request (0 for plain rows)
+    prior = None if row_drafts is None else _draft_offsets(row_drafts)
     if live.random:
         greedy = t.greedy[rows]
         if not greedy.all():
@@ -168,6 +181,7 @@ def _sampling_batch(samplers: list[Request], rows: np.ndarray, t: RowTables,
             sp.top_p, sp.min_p = t.top_p[rows], t.min_p[rows]
             if live.seeded:
                 sp.generators = [t.generators[r] for r in rows.tolist()]
+            sp.draft_tokens = row_drafts
     if live.logprobs:
         lp = t.logprobs[rows]
         if (lp >= 0).any():
@@ -175,6 +189,9 @@ def _sampling_batch(samplers: list[Request], rows: np.ndarray, t: RowTables,
     if live.penalty:
         outs = {i: list(r.output_token_ids) for i, r in enumerate(samplers)
                 if r.needs_penalty_tokens}
+        if prior is not None and row_drafts is not None:
+            for i, out in outs.items():
+                out.extend(row_drafts[i - int(prior[i]):i].tolist())
         if outs:
             sp.penalty_outputs = outs
             sp.penalty_prompts = {i: samplers[i].prompt_token_ids for i in outs}
@@ -183,7 +200,8 @@ def _sampling_batch(samplers: list[Request], rows: np.ndarray, t: RowTables,
             sp.frequency_penalty = t.frequency_penalty[rows]
     if live.min_tokens:
         blocked = {i: r.min_tokens_blocked for i, r in enumerate(samplers)
-                   if r.min_tokens_blocked and len(r.output_token_ids) < r.params.min_tokens}
+                   if r.min_tokens_blocked and len(r.output_token_ids)
+                   + (0 if prior is None else int(prior[i])) < r.params.min_tokens}
         if blocked:
             sp.blocked_tokens = blocked
     if live.logit_bias:
@@ -197,3 +215,12 @@ def _sampling_batch(samplers: list[Request], rows: np.ndarray, t: RowTables,
             # ``EngineCore._run``): they depend on the previous step's tokens
             sp.grammars = grammars
     return sp
+
+
+def _draft_offsets(row_drafts: np.ndarray) -> np.ndarray:
+    """int64 [S] per row of logits how many rows of its verify request precede it (its
+    position in the draft; 0 for plain rows and first rows), from ``row_drafts`` (int64 [S],
+    -1 on rows that verify no draft: each request's last row)."""
+    idx = np.arange(row_drafts.shape[0], dtype=np.int64)
+    starts = np.concatenate([[True], row_drafts[:-1] < 0])  # rows that follow no draft row
+    return idx - np.maximum.accumulate(np.where(starts, idx, 0))

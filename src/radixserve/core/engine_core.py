@@ -126,13 +126,12 @@ class EngineCore:
         #: decode requests and prefill tokens of the last step scheduled
         self.last_num_decodes = self.last_num_prefill_tokens = 0
         self.check_integrity_each_step = False
-        self._logged_no_spec = False
         if spec is not None:
             # a step's accepted tokens must be known before the next one is scheduled
             self.overlap = False
             log.info("speculative decoding: %s, %d draft tokens, n-grams of %d..%d tokens; "
-                     "greedy requests only (others decode one token per step), steps without "
-                     "overlap", spec.method, spec.num_speculative_tokens,
+                     "sampled requests by rejection sampling, constrained ones without drafts; "
+                     "steps without overlap", spec.method, spec.num_speculative_tokens,
                      spec.prompt_lookup_min, spec.prompt_lookup_max)
         elif config.disable_overlap is None:  # auto: see EngineConfig.disable_overlap
             self.overlap = getattr(runner.device, "type", "cpu") == "cuda"
@@ -204,13 +203,6 @@ class EngineCore:
                 raise RequestRejected(str(e), "structured_outputs") from None
         req = Request(er.request_id, prompt, sp, eos, max_tokens, generator=gen,
                       grammar=grammar)
-        if self.proposer is not None and not sp.greedy:
-            # greedy acceptance would change a sampled request's distribution; rejection
-            # sampling is not implemented, so it decodes one token per step
-            (log.info if not self._logged_no_spec else log.debug)(
-                "request %s samples (temperature %s): decoded without speculation (only greedy "
-                "requests speculate)", er.request_id, sp.temperature)
-            self._logged_no_spec = True
         kv_params = er.kv_transfer_params
         if kv_params is None and sp.extra_args:  # vLLM's offline way to pass them
             kv_params = sp.extra_args.get("kv_transfer_params")

@@ -1,11 +1,12 @@
 """Speculative decoding, engine side: the n-gram (prompt lookup) proposer, which requests may
-speculate, greedy acceptance of a verified draft, and the acceptance counters.
+speculate, acceptance of a verified draft, and the acceptance counters.
 
 A speculating request is scheduled with its last sampled token plus its k draft tokens as
 k + 1 query tokens over its paged KV (a short prefill chunk whose k + 1 positions all give
-logits: ``core/batch.py``); the target's argmax at each position verifies the draft token that
-follows it (``StepResolver``), and the KV slots of rejected drafts are rolled back
-(``Scheduler.roll_back``).
+logits: ``core/batch.py``); the target's pick at each position (the argmax, or for a sampled
+request a draw that realises rejection sampling: ``model_executor/sampler.py``) verifies the
+draft token that follows it (``StepResolver``), and the KV slots of rejected drafts are rolled
+back (``Scheduler.roll_back``).
 """
 
 from __future__ import annotations
@@ -65,14 +66,12 @@ def propose_ngram(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndar
 
 
 def may_speculate(req: Request) -> bool:
-    """Whether ``req``'s next tokens may be drafted and verified: greedy (temperature 0) with
-    nothing that depends on the tokens before each position (no penalties, no output
-    constraint) and past ``min_tokens`` (its masks change with the output count). Other
-    requests decode one token per step as without speculation: rejection sampling, which would
-    keep a sampled request's distribution, is not implemented."""
-    p = req.params
-    return (p.greedy and not req.needs_penalty_tokens and req.grammar is None
-            and len(req.output_token_ids) >= p.min_tokens and req.kv_transfer_params is None)
+    """Whether ``req``'s next tokens may be drafted and verified: any request but one with an
+    output constraint (its grammar would have to advance through drafts and back) or a KV
+    transfer. Greedy rows accept drafts equal to their argmax; random rows are verified by
+    rejection sampling (``sampler``: exact in distribution); penalties and ``min_tokens``
+    see each verify row's drafts before it as generated (``core.batch``)."""
+    return req.grammar is None and req.kv_transfer_params is None
 
 
 class NgramProposer:
@@ -89,8 +88,9 @@ class NgramProposer:
 
 
 def accepted_length(drafts: np.ndarray, targets: np.ndarray) -> int:
-    """Greedy acceptance: how many leading drafts equal the target's argmax at the position
-    before them.
+    """Acceptance: how many leading drafts equal the target's pick at the position before
+    them (its argmax for a greedy request; for a sampled one the sampler's rejection-sampling
+    pick, which equals the draft exactly when the draft is accepted).
 
     Args:
         drafts: int [k] the draft tokens verified.

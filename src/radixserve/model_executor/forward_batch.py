@@ -71,6 +71,12 @@ class SamplingBatch:
             right before the forward (they depend on the previous step's tokens).
         constraints: the step's output constraints, which the sampler offers its picks to
             and masks refused rows with; None when no row is constrained.
+        draft_tokens: int64 [S] speculative decoding: per row the draft token its pick is
+            checked against (row j of a request verifying k drafts checks draft j; the
+            request's rows are consecutive, its last row, the bonus, and every plain row
+            hold -1); None when no random row verifies drafts. The sampler draws a seeded
+            row only while the rows before it in its request matched their drafts (see
+            ``sampler.sample``).
     """
 
     temperature: np.ndarray | None = None
@@ -89,6 +95,7 @@ class SamplingBatch:
     logit_bias: dict[int, tuple[np.ndarray, np.ndarray]] | None = None
     grammars: list[Any] | None = None
     constraints: StepConstraints | None = None
+    draft_tokens: np.ndarray | None = None
 
 
 #: The sampling parameters of a step whose rows are all greedy and plain.

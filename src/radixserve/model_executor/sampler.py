@@ -10,6 +10,20 @@ default ``raw_logprobs``).
 Sampling draws ``argmax(probs / q)`` with ``q ~ Exp(1)`` (the exponential race, equivalent to
 sampling from ``probs``; vLLM's and SGLang's samplers use it too). A seeded request draws its
 ``q`` row from its own ``torch.Generator``, so its tokens do not depend on the batch around it.
+
+Speculative decoding (``SamplingBatch.draft_tokens``): a request verifying k draft tokens has
+k + 1 rows, row j giving the target's distribution p_j after drafts 0..j-1; the engine accepts
+the leading drafts equal to their rows' picks, then takes the first differing pick (or the
+last row's, the bonus). For a random row this is rejection sampling (Leviathan et al. 2023,
+"Fast Inference from Transformers via Speculative Decoding", Algorithm 1; vLLM's
+``RejectionSampler``) with the n-gram proposer's draft distribution, a point mass q on the
+draft x: accepting x with probability min(1, p(x) / q(x)) = p(x), else drawing from
+norm(max(p - q, 0)) = p without x, is the same as drawing y ~ p and accepting iff y == x
+(P(y == x) = p(x); given y != x, y ~ p restricted to the other tokens). So each row picks
+as an ordinary decode row does, and every output token, accepted or not, is one draw from the
+target's processed distribution at its position. A seeded row draws only while the rows before
+it matched (a rejected row ends its request's draws), so a seeded request uses one draw per
+output token, in order: its tokens are the ones it gets without speculation.
 """
 
 from __future__ import annotations
@@ -193,13 +207,24 @@ def _pick(logits: torch.Tensor, sp: SamplingBatch, generator: torch.Generator | 
     probs = _filtered(logits, sp, rand)
     q = torch.empty_like(probs)
     gens = sp.generators
+    drafts = sp.draft_tokens
     unseeded = []
+    # a seeded row after a draft row draws only if that row drew and picked its draft: the
+    # request's output ends at the first mismatch, so a later row's draw would be wasted and
+    # shift the seeded stream (unseeded rows draw all at once: their stream is shared anyway)
+    matched = True
     for j, i in enumerate(rand.tolist()):
         g = None if gens is None else gens[i]
-        if g is not None:
-            q[j].exponential_(generator=g)
-        else:
+        if g is None:
             unseeded.append(j)
+            continue
+        follows_draft = drafts is not None and i > 0 and drafts[i - 1] >= 0
+        if follows_draft and not matched:
+            q[j].fill_(1.0)  # never drawn: its pick is not used
+            continue
+        q[j].exponential_(generator=g)
+        if drafts is not None and drafts[i] >= 0:
+            matched = int((probs[j] / q[j]).argmax()) == int(drafts[i])
     if unseeded:
         u = torch.tensor(unseeded, dtype=torch.int64, device=dev)
         q[u] = torch.empty(len(unseeded), probs.shape[1], device=dev
