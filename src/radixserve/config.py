@@ -420,6 +420,8 @@ class EngineConfig:
 
 #: Largest request body the HTTP server accepts by default (bytes).
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024**2
+#: ``--tool-call-parser`` values (vLLM's names; read by ``entrypoints.openai.tool_calls``).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
 
 
 @dataclass
@@ -446,6 +448,19 @@ class ServerConfig:
         log_stats_interval_s: seconds between stats lines.
         log_format: "text" or "json" (one JSON object per line).
         log_prompts: include the prompt text in request lines (never logged otherwise).
+        extra_model_names: more names clients may use (``--served-model-name`` after the
+            first); each is listed by /v1/models.
+        chat_template: a Jinja chat template that replaces the tokenizer's (the text of
+            ``--chat-template``), or None.
+        tool_call_parser: the format "auto" tool calls are read in (``TOOL_CALL_PARSERS``;
+            None: Hermes, radixserve's default).
+        enable_auto_tool_choice: ``tool_choice`` "auto" with ``tool_call_parser`` (vLLM's
+            ``--enable-auto-tool-choice``; it needs a parser).
+        allowed_origins: CORS origins (``*`` for any); None: no CORS headers at all.
+        allow_credentials / allowed_methods / allowed_headers: the rest of the CORS policy
+            (vLLM's flags), used only with ``allowed_origins``.
+        ssl_keyfile / ssl_certfile / ssl_ca_certs: serve HTTPS (uvicorn's; key and
+            certificate come together; CA certificates to verify clients, optional).
     """
 
     host: str = "127.0.0.1"
@@ -463,8 +478,30 @@ class ServerConfig:
     log_stats_interval_s: float = 10.0
     log_format: str = "text"
     log_prompts: bool = False
+    extra_model_names: tuple[str, ...] = ()
+    chat_template: str | None = None
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    allowed_origins: tuple[str, ...] | None = None
+    allow_credentials: bool = False
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
 
     def __post_init__(self) -> None:
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            # vLLM's rule and words
+            raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser={self.tool_call_parser!r} is not one of "
+                             f"{', '.join(TOOL_CALL_PARSERS)}")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("--ssl-keyfile and --ssl-certfile go together (HTTPS needs both "
+                             "the key and its certificate)")
+        if self.ssl_ca_certs is not None and self.ssl_keyfile is None:
+            raise ValueError("--ssl-ca-certs needs --ssl-keyfile and --ssl-certfile")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port={self.port} must be in [0, 65535]")
         if self.max_request_bytes < 1:

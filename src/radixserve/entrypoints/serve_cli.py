@@ -21,8 +21,14 @@ import os
 import signal
 import sys
 from collections.abc import Generator
+from pathlib import Path
 
-from radixserve.config import DEFAULT_MAX_REQUEST_BYTES, EngineConfig, ServerConfig
+from radixserve.config import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    TOOL_CALL_PARSERS,
+    EngineConfig,
+    ServerConfig,
+)
 from radixserve.logs import configure_logging
 
 log = logging.getLogger("radixserve.serve")
@@ -45,8 +51,32 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="larger request bodies get 413 (default 8MiB)")
     p.add_argument("--max-concurrent-requests", type=int, default=None,
                    help="generation requests in flight at most; more get 429 (default: no limit)")
-    p.add_argument("--served-model-name", default=None,
-                   help="model name clients use (default: the model's own name)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   action=_ServedNames,
+                   help="model name(s) clients use; responses carry the first, requests may "
+                        "name any (default: the model's own name)")
+    p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="a Jinja chat template replacing the model's: a file, or the template "
+                        "itself")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="tool_choice 'auto' read by --tool-call-parser (needs it)")
+    p.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                   help="the model family's tool-call format (vLLM's names; default: Hermes "
+                        "where the template writes it or ignores tools)")
+    p.add_argument("--allowed-origins", type=_str_list, default=None, metavar="ORIGINS",
+                   help="CORS: origins allowed, a JSON list or comma-separated ('*': any; "
+                        "default: no CORS headers)")
+    p.add_argument("--allow-credentials", action="store_true",
+                   help="CORS: allow credentials (with --allowed-origins)")
+    p.add_argument("--allowed-methods", type=_str_list, default=["*"], metavar="METHODS",
+                   help="CORS: methods allowed (default '*')")
+    p.add_argument("--allowed-headers", type=_str_list, default=["*"], metavar="HEADERS",
+                   help="CORS: request headers allowed (default '*')")
+    p.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key")
+    p.add_argument("--ssl-certfile", default=None,
+                   help="serve HTTPS with this certificate (chain)")
+    p.add_argument("--ssl-ca-certs", default=None,
+                   help="with HTTPS: CA certificates that verify client certificates")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--log-format", default="text", choices=["text", "json"],
@@ -82,12 +112,64 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_serve)
 
 
+class _ServedNames(argparse.Action):
+    """``--served-model-name A [B ...]``: ``served_model_name`` is the first (the name
+    responses carry), ``served_model_names`` all of them (vLLM's flag)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, ns: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> None:
+        names = list(values) if isinstance(values, list) else [str(values)]
+        ns.served_model_names = names
+        setattr(ns, self.dest, names[0])
+
+
+def _str_list(text: str) -> list[str]:
+    """A JSON list of strings (vLLM's form, ``'["https://a.example"]'``) or a
+    comma-separated list."""
+    import json
+
+    if text.lstrip().startswith("["):
+        try:
+            items = json.loads(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {e}") from None
+        if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
+            raise argparse.ArgumentTypeError("expected a JSON list of strings")
+        return items
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def load_chat_template(value: str) -> str:
+    """``--chat-template``'s template: the file's text, or the value itself when it holds
+    template syntax (vLLM reads it the same way).
+
+    Raises:
+        ValueError: a value that looks like a path but names no readable file.
+    """
+    path = Path(value).expanduser()
+    if path.is_file():
+        try:
+            return path.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--chat-template: cannot read {value}: {e}") from None
+    if any(c in value for c in "{}\n"):
+        return value
+    raise ValueError(f"--chat-template: {value!r} is not a file, nor a template (no "
+                     "braces or newlines in it)")
+
+
+#: Flags of the HTTP server that a --grpc or --zmq-worker process has no use for.
+_HTTP_ONLY = ("chat_template", "enable_auto_tool_choice", "tool_call_parser",
+              "allowed_origins", "ssl_keyfile", "ssl_certfile", "ssl_ca_certs")
+
+
 def cmd_serve(ns: argparse.Namespace) -> int:
     from radixserve.entrypoints.engine_args import engine_config_from_args
 
     try:
         engine_config = engine_config_from_args(ns)
         engine_config.model = ns.model
+        names = getattr(ns, "served_model_names", None) or []
         server_config = ServerConfig(
             host=ns.host, port=ns.port, api_key=ns.api_key or None,
             max_request_bytes=ns.max_request_bytes,
@@ -96,10 +178,29 @@ def cmd_serve(ns: argparse.Namespace) -> int:
             null_step_ms=ns.null_step_ms, shutdown_timeout_s=ns.shutdown_timeout,
             log_requests=not ns.disable_log_requests, log_stats=not ns.disable_log_stats,
             log_stats_interval_s=ns.log_stats_interval, log_format=ns.log_format,
-            log_prompts=ns.log_prompts)
+            log_prompts=ns.log_prompts, extra_model_names=tuple(names[1:]),
+            chat_template=(None if ns.chat_template is None
+                           else load_chat_template(ns.chat_template)),
+            tool_call_parser=ns.tool_call_parser,
+            enable_auto_tool_choice=ns.enable_auto_tool_choice,
+            allowed_origins=(None if ns.allowed_origins is None
+                             else tuple(ns.allowed_origins)),
+            allow_credentials=ns.allow_credentials,
+            allowed_methods=tuple(ns.allowed_methods),
+            allowed_headers=tuple(ns.allowed_headers),
+            ssl_keyfile=ns.ssl_keyfile, ssl_certfile=ns.ssl_certfile,
+            ssl_ca_certs=ns.ssl_ca_certs)
     except ValueError as e:
         print(f"radixserve: error: {e}", file=sys.stderr)
         return 2
+    if ns.grpc or ns.zmq_worker is not None:
+        http_only = [f"--{k.replace('_', '-')}" for k in _HTTP_ONLY
+                     if getattr(ns, k) not in (None, False)]
+        if http_only:
+            print(f"radixserve: error: {', '.join(http_only)} are options of the HTTP "
+                  "server; a --grpc or --zmq-worker process serves no OpenAI API (the "
+                  "gateway in front does)", file=sys.stderr)
+            return 2
     if ns.zmq_worker is not None and (ns.grpc or ns.metrics_port is not None
                                       or server_config.api_key):
         print("radixserve: error: --zmq-worker runs the engine core alone: --grpc, "
@@ -170,6 +271,9 @@ async def _serve(server_config: ServerConfig, engine_config: EngineConfig,
                             log_level=log_level, lifespan="on", access_log=False,
                             timeout_graceful_shutdown=max(1, int(server_config.graceful_timeout_s)),
                             timeout_keep_alive=5,
+                            ssl_keyfile=server_config.ssl_keyfile,
+                            ssl_certfile=server_config.ssl_certfile,
+                            ssl_ca_certs=server_config.ssl_ca_certs,
                             # JSON lines: uvicorn's loggers go through the root handler
                             **({"log_config": None} if server_config.log_format == "json"
                                else {}))

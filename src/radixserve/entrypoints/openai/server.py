@@ -11,8 +11,8 @@ the gateway-facing ``GET /server_info``, ``GET /model_info``, ``GET /v1/loads``,
 
 The app starts the engine client in the background when it starts (so /health can answer 503
 while the model loads), loads the tokenizer named by the engine's Hello, and only then serves
-generation requests. Middlewares: API-key auth on ``/v1/*`` (when configured) and the body-size
-limit (413).
+generation requests. Middlewares: API-key auth on ``/v1/*`` (when configured), the body-size
+limit (413), and CORS with ``--allowed-origins``.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 import radixserve
@@ -138,6 +139,9 @@ class AppState:
             from radixserve.model_executor.loader import load_tokenizer
 
             hf_tok = await asyncio.to_thread(load_tokenizer, info.folder)
+            if self.config.chat_template is not None:
+                # --chat-template: every chat request and /tokenize renders with it
+                hf_tok.chat_template = self.config.chat_template
             client.set_tokenizer(hf_tok)
             name = self.config.served_model_name or info.model_name
             aliases = {info.model_name, info.folder}
@@ -153,13 +157,17 @@ class AppState:
                 served_model_name=name, model_aliases=frozenset(aliases), metrics=metrics,
                 max_concurrent_requests=cfg.max_concurrent_requests,
                 sampling_defaults=defaults,
-                request_log=RequestLogger(cfg.log_requests, cfg.log_prompts))
+                request_log=RequestLogger(cfg.log_requests, cfg.log_prompts),
+                served_model_names=(name, *cfg.extra_model_names),
+                tool_call_parser=cfg.tool_call_parser,
+                enable_auto_tool_choice=cfg.enable_auto_tool_choice)
             self.metrics = metrics
             if cfg.log_stats:
                 self.stats_task = asyncio.ensure_future(
                     StatsLogger(cfg.log_stats_interval_s).run(lambda: client.stats))
-            log.info("ready: serving %s (max_model_len %d) on http://%s:%d", name,
-                     info.max_model_len, self.config.host, self.config.port)
+            log.info("ready: serving %s (max_model_len %d) on %s://%s:%d", name,
+                     info.max_model_len, "https" if cfg.ssl_certfile else "http",
+                     self.config.host, self.config.port)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - any start failure ends the server
@@ -206,7 +214,15 @@ def build_app(server_config: ServerConfig, client: AsyncEngineClient) -> FastAPI
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=server_config.max_request_bytes)
     if server_config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=server_config.api_key)
-    app.add_middleware(RequestIdMiddleware)  # outermost: every answer carries the id
+    app.add_middleware(RequestIdMiddleware)  # every answer carries the id
+    if server_config.allowed_origins is not None:
+        # outermost: a browser's preflight (OPTIONS, no API key) is answered here, and every
+        # answer, a 401 included, carries the CORS headers the browser needs to read it
+        app.add_middleware(CORSMiddleware, allow_origins=list(server_config.allowed_origins),
+                           allow_credentials=server_config.allow_credentials,
+                           allow_methods=list(server_config.allowed_methods),
+                           allow_headers=list(server_config.allowed_headers),
+                           expose_headers=["X-Request-Id"])
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request) -> Any:
@@ -220,20 +236,23 @@ def build_app(server_config: ServerConfig, client: AsyncEngineClient) -> FastAPI
     async def responses(raw: Request) -> Any:
         return await create_response(raw, state.ready())
 
-    def model_card(s: ServingState) -> ModelCard:
-        return ModelCard(id=s.served_model_name, root=s.info.folder,
+    def model_card(s: ServingState, name: str | None = None) -> ModelCard:
+        return ModelCard(id=name or s.served_model_name, root=s.info.folder,
                          max_model_len=s.info.max_model_len)
 
     @app.get("/v1/models")
     async def models() -> Any:
-        return JSONResponse(ModelList(data=[model_card(state.ready())]).model_dump())
+        s = state.ready()
+        names = s.served_model_names or (s.served_model_name,)
+        return JSONResponse(ModelList(data=[model_card(s, n) for n in names]).model_dump())
 
     # ``:path``: an alias may be a folder or a Hugging Face repo id, slashes included
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> Any:
         s = state.ready()
         s.check_model(model_id)  # 404 model_not_found for a name this server does not serve
-        return JSONResponse(model_card(s).model_dump())
+        name = model_id if model_id in s.served_model_names else None
+        return JSONResponse(model_card(s, name).model_dump())
 
     @app.get("/health")
     async def health() -> Response:

@@ -180,7 +180,8 @@ async def prepare_chat(raw: Request, state: ServingState, req: ChatCompletionReq
     template_kwargs: dict[str, Any] = {"chat_template": req.chat_template,
                                        "documents": req.documents}
     tok = state.tokenizer
-    tools = tool_prompt(req, tok, messages, template_kwargs)
+    tools = tool_prompt(req, tok, messages, template_kwargs, state.tool_call_parser,
+                        state.enable_auto_tool_choice)
     try:
         text = tok.chat_prompt(tools.messages, req.add_generation_prompt,
                                req.chat_template_kwargs, tools=tools.template_tools,
@@ -200,7 +201,8 @@ async def prepare_chat(raw: Request, state: ServingState, req: ChatCompletionReq
         assert field is not None
         await state.check_constraint(structured, field)
     sp = sampling_params_for(req, len(ids), state.info.max_model_len, None, prompt_field,
-                             structured, state.sampling_defaults)
+                             structured, state.sampling_defaults,
+                             vocab_size=state.info.vocab_size)
     rid = request_id_for(raw, req.request_id)
     requests = engine_requests(rid, [ids], sp, arrival, req.kv_transfer_params)
     return ChatPlan(rid, requests, sp, ToolOutput.for_request(req, tools))

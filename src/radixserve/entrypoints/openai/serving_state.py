@@ -36,6 +36,10 @@ class ServingState:
         request_log: the per-request log lines.
         running_ids: ids of the API requests in flight (a client's id must be unique among
             them: ``X-Request-Id`` / ``request_id``).
+        served_model_names: every ``--served-model-name`` (the first is
+            ``served_model_name``, the one responses carry); each is listed by /v1/models.
+        tool_call_parser: ``--tool-call-parser`` (None: Hermes, radixserve's default).
+        enable_auto_tool_choice: ``--enable-auto-tool-choice``.
     """
 
     client: AsyncEngineClient
@@ -50,6 +54,9 @@ class ServingState:
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     request_log: RequestLogger = field(default_factory=RequestLogger)
     running_ids: set[str] = field(default_factory=set)
+    served_model_names: tuple[str, ...] = ()
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
     _compiler_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def _compiler(self) -> GrammarCompiler:
@@ -80,7 +87,8 @@ class ServingState:
 
     def check_model(self, model: str | None) -> None:
         """Raises OpenAIError 404 for a model name this server does not serve (None is fine)."""
-        if model is None or model == self.served_model_name or model in self.model_aliases:
+        if (model is None or model == self.served_model_name or model in self.model_aliases
+                or model in self.served_model_names):
             return
         raise OpenAIError(f"The model `{model}` does not exist. This server serves "
                           f"`{self.served_model_name}`.", 404, param="model",
