@@ -117,7 +117,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         ignore_eos: keep generating after EOS.
         logprobs: return the chosen token's logprob and the top ``logprobs`` (0..20) per step.
         prompt_logprobs: per prompt position after the first, the logprob of the prompt's
-            token there and the top ``prompt_logprobs`` (0..20) alternatives (vLLM's field). Such
+            token there and the top ``prompt_logprobs`` (0..20) alternatives (vLLM's field; -1:
+            every token of the vocabulary, as in vLLM, resolved by the engine core). Such
             a request takes no radix-cache prefix hit: every prompt position is recomputed, as
             vLLM does, since a cached prefix keeps KV, not logits.
         logit_bias: token id -> value in [-100, 100] added to that token's logit before
@@ -191,8 +192,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             _check(0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", self.logprobs,
                    f"must be in [0, {MAX_LOGPROBS}]")
         if self.prompt_logprobs is not None:
-            _check(0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
-                   self.prompt_logprobs, f"must be in [0, {MAX_LOGPROBS}]")
+            _check(-1 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
+                   self.prompt_logprobs,
+                   f"must be in [0, {MAX_LOGPROBS}], or -1 for the whole vocabulary")
         if self.stop_token_ids is not None:
             for t in self.stop_token_ids:
                 _check(0 <= t <= MAX_INT32, "stop_token_ids", t,

@@ -7,6 +7,7 @@ no wire format. The offline ``LLM`` drives it in-process; the engine-core proces
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -201,6 +202,11 @@ class EngineCore:
                     sp.structured_outputs, None if er.eos_token_ids is None else sorted(eos))
             except GrammarError as e:
                 raise RequestRejected(str(e), "structured_outputs") from None
+        if sp.prompt_logprobs == -1:
+            # vLLM's "the whole vocabulary": a copy whose count is the vocabulary size, set
+            # past the 0..20 range check that guards what clients may ask for by number
+            sp = copy.copy(sp)
+            sp.prompt_logprobs = self.vocab_size
         req = Request(er.request_id, prompt, sp, eos, max_tokens, generator=gen,
                       grammar=grammar)
         kv_params = er.kv_transfer_params

@@ -105,6 +105,13 @@ def error_from_validation(exc: ValidationError | RequestValidationError) -> Open
         return OpenAIError(f"Invalid JSON body: {err.get('msg', '')}")
     param = ".".join(loc) or None
     msg = err.get("msg", "invalid value")
+    if "type" in err:
+        # pydantic's own line (vLLM relays it): clients match on the error type
+        # (``greater_than_equal``, ``less_than_equal``, ``int_parsing``, ...)
+        value = repr(err.get("input"))
+        value = value if len(value) <= 60 else value[:40] + "..." + value[-10:]
+        msg += (f" [type={err['type']}, input_value={value}, "
+                f"input_type={type(err.get('input')).__name__}]")
     if len(errors) > 1:
         msg += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
     return OpenAIError(f"{param}: {msg}" if param else msg, param=param)

@@ -29,7 +29,13 @@ from pydantic import (
 )
 
 from radixserve.entrypoints.openai.errors import OpenAIError
-from radixserve.sampling_params import SamplingParams, StructuredOutputsParams
+from radixserve.sampling_params import (
+    MAX_INT32,
+    MAX_SEED,
+    MIN_SEED,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 
 def unsupported_error(bad: list[str], why: str = "") -> OpenAIError:
@@ -267,7 +273,9 @@ class _SamplingRequest(BaseModel):
     top_p: float = 1.0
     top_k: int = -1
     min_p: float = 0.0
-    seed: int | None = None
+    # pydantic's range check, so the 400 reads as vLLM's (``greater_than_equal`` /
+    # ``less_than_equal``); the bounds are what ``torch.Generator`` takes
+    seed: int | None = Field(default=None, ge=MIN_SEED, le=MAX_SEED)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -386,21 +394,35 @@ class _SamplingRequest(BaseModel):
         return bool(self.include_usage and self.stream_options
                     and self.stream_options.continuous_usage_stats)
 
-    def logit_bias_ids(self) -> dict[int, float] | None:
+    def logit_bias_ids(self, vocab_size: int | None = None) -> dict[int, float] | None:
         """``logit_bias`` with integer token ids.
 
+        Args:
+            vocab_size: the model's vocabulary size; keys must be below it (None: checked
+                against 2**31-1 here, against the vocabulary by the engine core).
+
         Raises:
-            ValueError: a key that is not an integer (message starts with ``logit_bias=``).
+            ValueError: keys that are not token ids (not integers, negative, or not in the
+                vocabulary), all of them named in one message that starts with
+                ``logit_bias=`` (vLLM lists every out-of-vocabulary id the same way).
         """
         if not self.logit_bias:
             return None
         out = {}
+        bad: list[str] = []
+        hi = MAX_INT32 + 1 if vocab_size is None else vocab_size
         for k, v in self.logit_bias.items():
             try:
-                out[int(k)] = float(v)
+                t = int(k)
             except ValueError:
-                raise ValueError(f"logit_bias={k!r} keys must be token ids (integers as "
-                                 "strings)") from None
+                bad.append(k)
+                continue
+            if not 0 <= t < hi:
+                bad.append(k)
+            out[t] = float(v)
+        if bad:
+            raise ValueError(f"logit_bias={bad!r}: these keys are not token ids of the "
+                             f"vocabulary [0, {hi}) (keys are token ids, integers as strings)")
         return out
 
     def _sampling_params(

@@ -182,7 +182,8 @@ async def create_completion(raw: Request, state: ServingState) -> Any:
         await state.check_constraint(structured, field)
     sp = sampling_params_for(req, longest, state.info.max_model_len,
                              DEFAULT_COMPLETION_MAX_TOKENS, "prompt", structured,
-                             state.sampling_defaults)
+                             state.sampling_defaults,
+                             vocab_size=state.info.vocab_size)
     rid = request_id_for(raw, req.request_id)
     requests = engine_requests(rid, prompts, sp, arrival, req.kv_transfer_params)
     fmt = CompletionFormatter(state, f"cmpl-{rid}", sp.n, req.echo, texts,

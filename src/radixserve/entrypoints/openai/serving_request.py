@@ -48,7 +48,8 @@ async def parse_body(raw: Request, model: type[M]) -> M:
 def sampling_params_for(req: Any, prompt_len: int, max_model_len: int,
                         default_max_tokens: int | None, prompt_field: str,
                         structured: StructuredOutputsParams | None = None,
-                        defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+                        defaults: Mapping[str, Any] | None = None,
+                        vocab_size: int | None = None) -> SamplingParams:
     """Build the engine's SamplingParams.
 
     A prompt too long on its own is the engine core's to reject (``EngineCore.add_request``
@@ -65,6 +66,8 @@ def sampling_params_for(req: Any, prompt_len: int, max_model_len: int,
         structured: the output constraint (``constraints.structured_outputs_for``).
         defaults: the model's sampling defaults (``--generation-config``) for the fields the
             request leaves unset; their ``max_tokens`` replaces ``default_max_tokens``.
+        vocab_size: the model's vocabulary: every ``logit_bias`` key outside it is named in
+            one 400 here (the engine core would name only the largest).
 
     Raises:
         OpenAIError: 400 naming the numbers when prompt + max_tokens exceeds the context, or a
@@ -77,6 +80,8 @@ def sampling_params_for(req: Any, prompt_len: int, max_model_len: int,
     if default is not None and room >= 1:
         default = min(default, room)
     try:
+        if vocab_size is not None and req.logit_bias:
+            req.logit_bias_ids(vocab_size)
         sp = req.to_sampling_params(default, structured, defaults)
     except ValueError as e:
         raise error_from_value_error(e) from None
