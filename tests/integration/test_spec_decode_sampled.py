@@ -10,7 +10,8 @@ target's distribution exactly.
   (a chi-square test; scipy's critical value when installed, else the Wilson-Hilferty one).
 - A seeded sampled request's tokens with speculation are the tokens it gets without (one
   draw per output token, in order), with logprobs, stop strings, max_tokens, n > 1,
-  penalties, min_tokens and abort; ``check_integrity`` runs after every step.
+  penalties, min_tokens and abort; with drafts that are the output itself, every draft of a
+  penalized or ``min_tokens`` request is accepted. ``check_integrity`` runs after every step.
 """
 
 from __future__ import annotations
@@ -30,6 +31,16 @@ from radixserve.model_executor.sampler import sample
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
         "prompt_lookup_max": 3}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """One torch thread: these tests run many tiny per-sequence kernel calls, whose thread
+    team costs more than the work on a shared machine (results do not depend on it)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def _chi2_critical(df: int, alpha: float = 1e-3) -> float:
@@ -262,6 +273,34 @@ def test_seeded_sampled_output_equals_without_speculation(model_path: str) -> No
     accepted = after.num_accepted_tokens - before.num_accepted_tokens
     drafted = after.num_draft_tokens - before.num_draft_tokens
     assert 0 < accepted < drafted, (accepted, drafted)
+
+
+def test_penalties_and_min_tokens_see_earlier_drafts(model_path: str) -> None:
+    """Drafts that are the output itself (an oracle proposer built from the run without
+    speculation): every draft must be accepted, which holds only if each verify row's
+    penalties count the drafts before it as generated and its ``min_tokens`` mask counts
+    them too."""
+    base = _llm(model_path, None)
+    prompts = _prompts(np.random.default_rng(6), 6)
+    params = [SamplingParams(temperature=0.7, seed=i, max_tokens=24, ignore_eos=True,
+                             presence_penalty=0.8, frequency_penalty=0.5,
+                             repetition_penalty=1.3, logprobs=1) for i in range(3)]
+    # EOS (id 1) made likely, and blocked until the 10th token
+    params += [SamplingParams(temperature=0.7, seed=i, max_tokens=24, min_tokens=10,
+                              logit_bias={1: 4.0}) for i in range(3)]
+    want = _run(base, prompts, params)
+    assert all(w[0][1] == "stop" and len(w[0][0]) >= 10 for w in want[3:])
+    table = {}
+    for p, w in zip(prompts, want, strict=True):
+        out = list(w[0][0])
+        for m in range(1, len(out)):
+            table[tuple(p + out[:m])] = out[m:]
+    spec = _llm(model_path, SPEC)
+    spec.engine.scheduler.proposer = _TableProposer(3, table)  # type: ignore[assignment]
+    assert _run(spec, prompts, params) == want
+    c = spec.engine.get_stats().spec_decode
+    assert c is not None and c.num_draft_tokens > 40
+    assert c.num_accepted_tokens == c.num_draft_tokens, c
 
 
 def test_abort_while_speculating_sampled(model_path: str) -> None:
