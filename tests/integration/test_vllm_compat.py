@@ -186,6 +186,10 @@ def test_prompt_logprobs_where_vllm_puts_them(http: httpx.Client) -> None:
     assert vocab > 40000 and all(len(e) == vocab for e in plp[1:])
     assert sorted(int(t) for t in plp[1]) == list(range(vocab))  # every token of it
     assert sorted(e["rank"] for e in plp[1].values())[:3] == [1, 2, 3]
+    # a prompt whose whole-vocabulary rows would outgrow one response: a 400 saying so
+    big = http.post("/v1/completions", json={"prompt": "word " * 80, "max_tokens": 1,
+                                             "prompt_logprobs": -1})
+    assert big.status_code == 400 and big.json()["error"]["param"] == "prompt_logprobs"
     chat = http.post("/v1/chat/completions", json={
         "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
         "prompt_logprobs": 2}).json()
