@@ -1,9 +1,12 @@
 """The engine core's own request and output types: what ``EngineCore`` takes and returns
-in-process (the offline ``LLM``), and what the frontend's output processor consumes.
+in-process (the offline ``LLM``), what the frontend's output processor consumes, and what
+travels between the two processes: one struct per concept, as vLLM's ``EngineCoreRequest`` and
+``EngineCoreOutputs``.
 
-Plain values: token ids are Python lists or numpy arrays, never packed bytes. The engine-core
-process converts them to and from the wire structs (``transport/messages.py``) at its sockets,
-so the wire format stays at the edge. This module sits below ``core``, ``frontend`` and
+Plain values: token ids are Python lists or numpy arrays. On the wire (``transport/messages.py``
+owns the encoder and decoder) an int32 array goes as its raw little-endian bytes through an
+encode hook, never as per-token objects; the structs are ``array_like`` (positional) and the
+ones that travel alone are tagged. This module sits below ``core``, ``frontend`` and
 ``transport``: all three import it, it imports none of them.
 """
 
@@ -45,8 +48,8 @@ class RequestRejected(ValueError):
         self.code = code
 
 
-class EngineRequest(msgspec.Struct, kw_only=True):
-    """A new request for the engine core.
+class EngineRequest(msgspec.Struct, kw_only=True, tag="req", array_like=True):
+    """A new request for the engine core (the frontend sends it as is).
 
     Attributes:
         request_id: unique among live requests.
@@ -105,7 +108,7 @@ def fan_out(request_id: str, prompts: Sequence[Sequence[int] | np.ndarray],
     return out
 
 
-class TokenOutput(msgspec.Struct, kw_only=True, gc=False):
+class TokenOutput(msgspec.Struct, kw_only=True, gc=False, array_like=True):
     """One request's result from one engine step, when it is more than one plain token:
     its first token, a finish, logprobs, or a rejection.
 
@@ -142,8 +145,8 @@ class TokenOutput(msgspec.Struct, kw_only=True, gc=False):
     kv_transfer_params: dict[str, Any] | None = None
 
 
-class StepOutputs(msgspec.Struct, kw_only=True):
-    """Everything one engine step produced.
+class StepOutputs(msgspec.Struct, kw_only=True, tag="outputs", array_like=True):
+    """Everything one engine step produced (the engine-core process sends one per step).
 
     The common case, a running request that got exactly one token and nothing else, is kept
     column-wise all the way to the output processor: its id in ``decode_request_ids`` and its
@@ -155,6 +158,8 @@ class StepOutputs(msgspec.Struct, kw_only=True):
         outputs: full per-request outputs.
         decode_request_ids: ids of the column-wise outputs, length D.
         decode_token_ids: int32 [D], one token per id.
+        stats: the scheduler's snapshot after this step, attached by the engine-core process
+            when it sends the step (None in-process).
     """
 
     step: int
@@ -162,6 +167,7 @@ class StepOutputs(msgspec.Struct, kw_only=True):
     decode_request_ids: list[str] = []
     decode_token_ids: np.ndarray = msgspec.field(
         default_factory=lambda: np.empty(0, dtype=np.int32))
+    stats: SchedulerStats | None = None
 
     @property
     def num_outputs(self) -> int:

@@ -469,34 +469,23 @@ def test_page_runs_merge_pages_consecutive_on_both_sides() -> None:
 
 
 def test_kv_transfer_params_cross_the_engine_socket_and_fail_as_500() -> None:
-    import msgspec
-
     from radixserve.engine_types import (
         ERROR_KV_TRANSFER_FAILED,
         StepOutputs,
         TokenOutput,
     )
     from radixserve.entrypoints.openai.serving_driver import abort_error
-    from radixserve.transport.messages import (
-        WireRequest,
-        WireStepOutputs,
-        request_from_wire,
-        request_to_wire,
-        step_from_wire,
-        step_to_wire,
-    )
+    from radixserve.transport.messages import ClientMessage, CoreMessage, decoder, encoder
 
     params = {"do_remote_prefill": True, "remote_block_ids": [3, 2], "remote_port": 9}
     er = EngineRequest(request_id="r", prompt_token_ids=np.arange(4, dtype=np.int32),
                        sampling_params=SamplingParams(), kv_transfer_params=params)
-    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(request_to_wire(er)), type=WireRequest)
-    assert request_from_wire(wire).kv_transfer_params == params
+    enc = encoder()
+    assert decoder(ClientMessage).decode(enc.encode(er)).kv_transfer_params == params
     step = StepOutputs(step=1, outputs=[TokenOutput(request_id="r", new_token_ids=[5],
                                                     finish_reason="length",
                                                     kv_transfer_params=params)])
-    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(step_to_wire(step)),
-                                  type=WireStepOutputs)
-    assert step_from_wire(wire).outputs[0].kv_transfer_params == params
+    assert decoder(CoreMessage).decode(enc.encode(step)).outputs[0].kv_transfer_params == params
 
     class Delta:
         error, error_param, error_code = "could not load", None, ERROR_KV_TRANSFER_FAILED

@@ -22,17 +22,9 @@ from radixserve.transport.messages import (
     FlushCache,
     FlushCacheDone,
     Hello,
-    SchedulerStats,
     Shutdown,
-    WireOutput,
-    WireRequest,
-    WireStepOutputs,
-    pack_ids,
-    request_from_wire,
-    request_to_wire,
-    step_from_wire,
-    step_to_wire,
-    unpack_ids,
+    decoder,
+    encoder,
 )
 from radixserve.transport.zmq_io import (
     AsyncClientSockets,
@@ -41,48 +33,63 @@ from radixserve.transport.zmq_io import (
     make_ipc_paths,
 )
 
-encode = msgspec.msgpack.encode
+encode = encoder().encode
+
+
+def ids(values: list[int]) -> np.ndarray:
+    return np.asarray(values, dtype=np.int32)
+
+
+def plain(msgs: list) -> list:
+    """Messages as builtins (arrays as lists) with their types: structs holding numpy arrays
+    have no truthful ``==``."""
+    return [(type(m).__name__, msgspec.to_builtins(m, enc_hook=lambda a: a.tolist()))
+            for m in msgs]
 
 INFO = et.EngineInfo(model_name="SmolLM2", folder="/m", max_model_len=8192, vocab_size=49152,
                      eos_token_ids=[2, 0], dtype="float32", device="cpu", num_pages=640,
                      page_size=16, pid=4242)
 
 CLIENT_MESSAGES = [
-    WireRequest(
+    et.EngineRequest(
         request_id="r1",
-        prompt_token_ids=pack_ids([1, 2, 3, 49151]),
+        prompt_token_ids=ids([1, 2, 3, 49151]),
         sampling_params=SamplingParams(temperature=0.0, max_tokens=8, stop=["\n"], seed=7),
         arrival_time=123.5,
+        eos_token_ids=[9],
     ),
-    WireRequest("r2", pack_ids([]), SamplingParams(seed=-2**63, max_tokens=None), 0.0),
+    et.EngineRequest(request_id="r2", prompt_token_ids=ids([]),
+                     sampling_params=SamplingParams(seed=-2**63, max_tokens=None)),
     AbortRequests(request_ids=["r1", "r2"]),
     Hello(schema_version=SCHEMA_VERSION),
     Shutdown(),
     FlushCache(call_id=3),
 ]
 
-STATS = SchedulerStats(num_running=3, num_waiting=1, kv_pages_used=5, kv_pages_total=20,
+STATS = et.SchedulerStats(num_running=3, num_waiting=1, kv_pages_used=5, kv_pages_total=20,
                        prefix_queried_tokens=100, prefix_hit_tokens=40, num_preemptions=1,
                        prompt_tokens=100, generation_tokens=7,
                        step_timings={"schedule": [1e-4, 2e-4], "forward": [0.01]})
 
 CORE_MESSAGES = [
-    WireStepOutputs(
+    et.StepOutputs(
         step=4,
         outputs=[
-            WireOutput("r1", pack_ids([42]), logprobs=[[[42.0, -0.5], [7.0, -1.5]]],
-                       num_prompt_tokens=4, num_cached_tokens=2),
-            WireOutput("r2", pack_ids([2]), finish_reason="stop", stop_reason=2,
-                       queue_time=0.25),
-            WireOutput("r3", pack_ids([]), finish_reason="abort", error="too long",
-                       error_param="prompt", error_code="context_length_exceeded"),
+            et.TokenOutput(request_id="r1", new_token_ids=[42],
+                           logprobs=[[[42.0, -0.5], [7.0, -1.5]]], num_prompt_tokens=4,
+                           num_cached_tokens=2),
+            et.TokenOutput(request_id="r2", new_token_ids=[2], finish_reason="stop",
+                           stop_reason=2, queue_time=0.25),
+            et.TokenOutput(request_id="r3", finish_reason="abort", error="too long",
+                           error_param="prompt", error_code="context_length_exceeded"),
         ],
         stats=STATS,
     ),
-    WireStepOutputs(step=5, outputs=[]),
+    et.StepOutputs(step=5, outputs=[]),
     # column-wise decodes next to a full output
-    WireStepOutputs(step=6, outputs=[WireOutput("r4", pack_ids([9]), num_prompt_tokens=3)],
-                    decode_request_ids=["r5", "r6"], decode_token_ids=pack_ids([11, 49151])),
+    et.StepOutputs(step=6, outputs=[et.TokenOutput(request_id="r4", new_token_ids=[9],
+                                                   num_prompt_tokens=3)],
+                   decode_request_ids=["r5", "r6"], decode_token_ids=ids([11, 49151])),
     Hello(schema_version=SCHEMA_VERSION, info=INFO),
     EngineError(message="boom"),
     FlushCacheDone(call_id=3, pages_freed=12),
@@ -123,7 +130,9 @@ def test_round_trip_every_message(addrs):
             for msg in CLIENT_MESSAGES:
                 await client.send(msg)
             got = [await asyncio.to_thread(core.recv, 5000) for _ in CLIENT_MESSAGES]
-            assert got == CLIENT_MESSAGES
+            assert plain(got) == plain(CLIENT_MESSAGES)
+            # prompts arrive as int32 arrays over the message's bytes
+            assert got[0].prompt_token_ids.dtype == np.dtype("<i4")
             assert core.recv(timeout_ms=0) is None and core.recv_nowait() == []
 
             await client.send(Shutdown())
@@ -134,7 +143,8 @@ def test_round_trip_every_message(addrs):
             for msg in CORE_MESSAGES:
                 core.send(msg)
             got = [await asyncio.wait_for(client.recv(), 5) for _ in CORE_MESSAGES]
-            assert got == CORE_MESSAGES
+            assert plain(got) == plain(CORE_MESSAGES)
+            assert got[2].decode_token_ids.dtype == np.dtype("<i4")
         finally:
             client.close()
             core.close()
@@ -142,11 +152,12 @@ def test_round_trip_every_message(addrs):
     asyncio.run(main())
 
 
-def test_int32_ids_bytes_round_trip(addrs):
-    ids = np.array([0, 1, 2, 151_935, 2**31 - 1, 7], dtype=np.int64)
-    req = WireRequest("ids", pack_ids(ids), SamplingParams(), 0.0)
-    assert len(req.prompt_token_ids) == 4 * len(ids)
-    assert req.prompt_token_ids == ids.astype("<i4").tobytes()
+def test_int32_ids_travel_as_raw_bytes(addrs):
+    values = np.array([0, 1, 2, 151_935, 2**31 - 1, 7], dtype=np.int64)
+    req = et.EngineRequest(request_id="ids", prompt_token_ids=values,
+                           sampling_params=SamplingParams())
+    buf = encode(req)
+    assert values.astype("<i4").tobytes() in buf  # one bin field, not per-token integers
     big = np.arange(100_000) % 50_000  # large message (zero-copy send path)
 
     async def main():
@@ -155,11 +166,12 @@ def test_int32_ids_bytes_round_trip(addrs):
         try:
             await client.send(req)
             got = await asyncio.to_thread(core.recv, 5000)
-            arr = unpack_ids(got.prompt_token_ids)
-            assert arr.dtype == np.dtype("<i4") and arr.tolist() == ids.tolist()
-            core.send(WireStepOutputs(0, [WireOutput("ids", pack_ids(big))]))
+            arr = got.prompt_token_ids
+            assert arr.dtype == np.dtype("<i4") and arr.tolist() == values.tolist()
+            core.send(et.StepOutputs(step=0, decode_request_ids=[f"r{i}" for i in range(len(big))],
+                                     decode_token_ids=big.astype(np.int32)))
             out = await asyncio.wait_for(client.recv(), 5)
-            assert np.array_equal(unpack_ids(out.outputs[0].new_token_ids), big)
+            assert np.array_equal(out.decode_token_ids, big)
         finally:
             client.close()
             core.close()
@@ -167,21 +179,22 @@ def test_int32_ids_bytes_round_trip(addrs):
     asyncio.run(main())
 
 
-def test_request_conversions_round_trip():
+def test_engine_structs_are_the_wire_structs():
     er = et.EngineRequest(request_id="a", prompt_token_ids=np.array([5, 0, 49151], np.int32),
                           sampling_params=SamplingParams(seed=3), arrival_time=7.5,
                           eos_token_ids=[9])
-    wire = request_to_wire(er)
-    assert wire.prompt_token_ids == np.array([5, 0, 49151], "<i4").tobytes()
-    assert "eos_token_ids" not in WireRequest.__struct_fields__  # the core knows the model's
-    back = request_from_wire(msgspec.msgpack.decode(encode(wire), type=WireRequest))
-    assert back.request_id == "a" and back.arrival_time == 7.5 and back.eos_token_ids is None
+    back = decoder(messages.ClientMessage).decode(encode(er))
+    assert isinstance(back, et.EngineRequest)
+    assert back.request_id == "a" and back.arrival_time == 7.5 and back.eos_token_ids == [9]
     assert back.sampling_params == er.sampling_params
     assert back.prompt_token_ids.dtype == np.int32
     assert back.prompt_token_ids.tolist() == [5, 0, 49151]
+    # no second copy of the concepts on the wire
+    assert not any(n.startswith("Wire") for n in dir(messages))
+    assert not hasattr(messages, "RequestOutput")  # the public one is radixserve.outputs'
 
 
-def test_step_conversions_keep_columns_and_rejections():
+def test_step_outputs_keep_columns_and_rejections():
     step = et.StepOutputs(
         step=7,
         outputs=[et.TokenOutput(request_id="a", new_token_ids=[5], finish_reason="length",
@@ -190,21 +203,22 @@ def test_step_conversions_keep_columns_and_rejections():
                  et.TokenOutput(request_id="z", finish_reason="abort", error="too long",
                                 error_param="prompt", error_code="context_length_exceeded")],
         decode_request_ids=["b", "c", "d"],
-        decode_token_ids=np.array([0, 2**31 - 1, 1000], dtype=np.int32))
-    wire = step_to_wire(step, STATS)
-    assert wire.stats == STATS and wire.decode_token_ids == step.decode_token_ids.tobytes()
-    got = step_from_wire(msgspec.msgpack.decode(encode(wire), type=WireStepOutputs))
-    assert got.step == 7 and got.num_outputs == 5
+        decode_token_ids=np.array([0, 2**31 - 1, 1000], dtype=np.int32), stats=STATS)
+    got = decoder(messages.CoreMessage).decode(encode(step))
+    assert got.step == 7 and got.num_outputs == 5 and got.stats == STATS
     assert got.outputs == step.outputs  # full outputs: every field, error_param/code included
     # the decode column stays one int32 array: no per-token structs on the frontend side
     assert got.decode_request_ids == ["b", "c", "d"]
     assert got.decode_token_ids.dtype == np.int32
     assert got.decode_token_ids.tolist() == [0, 2**31 - 1, 1000]
-    assert not hasattr(messages, "expand_decodes") and not hasattr(WireStepOutputs,
-                                                                    "all_outputs")
-    assert not hasattr(messages, "RequestOutput")  # the public one is radixserve.outputs'
-    empty = step_from_wire(step_to_wire(et.StepOutputs(step=1)))
+    empty = decoder(messages.CoreMessage).decode(encode(et.StepOutputs(step=1)))
     assert empty.num_outputs == 0 and empty.decode_token_ids.shape == (0,)
+
+
+def test_a_non_array_id_field_is_refused_on_decode():
+    bad = msgspec.msgpack.encode(["req", "a", [1, 2], SamplingParams(), 0.0, None, None])
+    with pytest.raises(msgspec.ValidationError):
+        decoder(messages.ClientMessage).decode(bad)
 
 
 def _raw(kind: int, addr: str, bind: bool, ctx: zmq.Context) -> zmq.Socket:

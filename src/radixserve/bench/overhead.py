@@ -41,7 +41,7 @@ from radixserve.core.engine_core import EngineCore
 from radixserve.engine_types import EngineRequest
 from radixserve.model_executor.null_runner import NullRunner
 from radixserve.sampling_params import SamplingParams
-from radixserve.transport.messages import CoreMessage, step_from_wire, step_to_wire
+from radixserve.transport.messages import CoreMessage, decoder
 from radixserve.transport.zmq_io import CoreSockets, cleanup_ipc, make_ipc_paths
 
 PHASES = ("schedule", "prepare", "output", "transport", "total")
@@ -85,11 +85,11 @@ class _Transport:
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.RCVHWM, 0)
         self.pull.connect(self.addrs[1])
-        self.dec = msgspec.msgpack.Decoder(CoreMessage)
+        self.dec = decoder(CoreMessage)
 
     def roundtrip(self, msg: Any) -> Any:
         self.core.send(msg)
-        return step_from_wire(self.dec.decode(self.pull.recv(copy=False).buffer))
+        return self.dec.decode(self.pull.recv(copy=False).buffer)
 
     def close(self) -> None:
         self.pull.close(linger=0)
@@ -141,7 +141,7 @@ def run_case(batch_size: int, mode: str, cfg: OverheadConfig,
             r.num_tokens - r.num_computed != 1 for r in core.scheduler.running):
         step_out = core.step()
         if step_out is not None:
-            transport.roundtrip(step_to_wire(step_out))
+            transport.roundtrip(step_out)
     n_extra = 0
 
     scheduled: list[tuple[int, int]] = []
@@ -156,7 +156,7 @@ def run_case(batch_size: int, mode: str, cfg: OverheadConfig,
         out = core.step()
         t1 = time.perf_counter()
         if out is not None:
-            transport.roundtrip(step_to_wire(out))
+            transport.roundtrip(out)
         t2 = time.perf_counter()
         scheduled.append((core.last_num_decodes, core.last_num_prefill_tokens))
         return t2 - t0, t2 - t1
@@ -238,8 +238,6 @@ def run(batch_sizes: list[int], modes: list[str], cfg: OverheadConfig,
 def machine_info() -> dict[str, Any]:
     """CPU model, core count, load and versions, for the record."""
     import sys
-
-    import msgspec
 
     from radixserve import __version__ as rs_version
 

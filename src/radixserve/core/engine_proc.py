@@ -12,7 +12,7 @@ so no fork ever happens after torch has started threads. The process
    when the model is;
 2. loops: drain the input socket (blocking with a short timeout when idle, non-blocking when
    busy), add requests and aborts, answer ``FlushCache`` at once, run one ``step()``, send
-   one ``WireStepOutputs`` per step with the scheduler's stats attached;
+   its ``StepOutputs`` with the scheduler's stats attached;
 3. exits 0 on ``Shutdown``, SIGTERM or SIGINT, or when its parent is gone (checked every
    ``PARENT_CHECK_S``, and noticed by a send that finds no frontend for ``SEND_TIMEOUT_MS``),
    so no orphan survives a killed frontend; on any other exception it sends
@@ -23,9 +23,8 @@ wire (``run_vllm_engine_process``, ``radixserve serve --zmq-worker URL``): there
 is the server's main process, connects instead of binding, and answers ``ENGINE_CORE_DEAD``
 on exit instead of ``EngineError``.
 
-The wire format stops at the socket: received ``WireRequest``s become
-``engine_types.EngineRequest``s and each step's ``StepOutputs`` becomes one ``WireStepOutputs``
-(``transport.messages``). A request the core rejects (``EngineCore.add_request`` raises
+The engine's own structs cross the socket (``engine_types.EngineRequest`` in, ``StepOutputs``
+out; ``transport.messages`` encodes them). A request the core rejects (``EngineCore.add_request`` raises
 ``RequestRejected``, or any ValueError) becomes one output with ``error``, ``error_param`` and
 ``error_code`` set and ``finish_reason="abort"``; other requests carry on.
 """

@@ -3,7 +3,7 @@
 It starts the engine-core process (``EngineProcess``), handshakes over the ZMQ sockets, and
 runs two tasks on the event loop:
 
-* the output reader: one ``WireStepOutputs`` per engine step -> ``engine_types.StepOutputs``
+* the output reader: one ``engine_types.StepOutputs`` per engine step
   (the decode column stays an int32 array) -> the ``OutputProcessor`` -> each
   ``RequestDelta`` to the ``RequestStream`` that owns its request (an ``asyncio.Queue``);
   requests a stop string finished are aborted in the engine; the latest ``SchedulerStats``
@@ -32,7 +32,7 @@ from typing import Any
 import msgspec
 
 from radixserve.config import EngineConfig
-from radixserve.engine_types import EngineInfo, EngineRequest, SchedulerStats
+from radixserve.engine_types import EngineInfo, EngineRequest, SchedulerStats, StepOutputs
 from radixserve.frontend.engine_process import EngineProcess
 from radixserve.frontend.output_processor import OutputProcessor, RequestDelta, RequestState
 from radixserve.transport.messages import (
@@ -41,9 +41,7 @@ from radixserve.transport.messages import (
     FlushCache,
     FlushCacheDone,
     Shutdown,
-    WireStepOutputs,
-    request_to_wire,
-    step_from_wire,
+    encoder,
 )
 from radixserve.transport.zmq_io import AsyncClientSockets
 
@@ -168,7 +166,7 @@ class AsyncEngineClient:
         self._sockets: AsyncClientSockets | None = None
         self._streams: dict[str, RequestStream] = {}
         self._send_q: asyncio.Queue[bytes | Any] = asyncio.Queue()
-        self._encoder = msgspec.msgpack.Encoder()
+        self._encoder = encoder()
         self._tasks: list[asyncio.Task] = []
         self._closing = False
         self._stopping = False
@@ -324,7 +322,7 @@ class AsyncEngineClient:
         bufs = []
         for r in requests:
             try:
-                bufs.append(self._encoder.encode(request_to_wire(r)))
+                bufs.append(self._encoder.encode(r))
             except (OverflowError, TypeError, UnicodeEncodeError, msgspec.EncodeError) as e:
                 raise RequestEncodeError(f"request cannot be sent to the engine: {e}") from None
         states: list[RequestState] = []
@@ -405,13 +403,13 @@ class AsyncEngineClient:
         streams = self._streams
         while True:
             msg = await sockets.recv()
-            if isinstance(msg, WireStepOutputs):
+            if isinstance(msg, StepOutputs):
                 if msg.stats is not None:
                     self._keep_stats(msg.stats)
                 processor = self._processor
                 if processor is None or not (msg.outputs or msg.decode_request_ids):
                     continue
-                processed = processor.process(step_from_wire(msg))
+                processed = processor.process(msg)
                 if processed.abort_ids:
                     self._send_q.put_nowait(AbortRequests(processed.abort_ids))
                 for d in processed.deltas:

@@ -34,9 +34,8 @@ from radixserve.transport.messages import (
     FlushCacheDone,
     Hello,
     Shutdown,
-    WireRequest,
-    request_from_wire,
-    step_to_wire,
+    decoder,
+    encoder,
 )
 
 #: Longest IPC socket path the OS accepts (sun_path is 108 bytes on Linux, less elsewhere).
@@ -165,8 +164,8 @@ class CoreSockets:
             _open(sock, addr, bind)
         if send_timeout_ms is not None:
             self._out.setsockopt(zmq.SNDTIMEO, send_timeout_ms)
-        self._enc = msgspec.msgpack.Encoder()
-        self._dec = msgspec.msgpack.Decoder(ClientMessage)
+        self._enc = encoder()
+        self._dec = decoder(ClientMessage)
 
     def recv(self, timeout_ms: int | None = None) -> ClientMessage | None:
         """Next message from the frontend.
@@ -206,16 +205,16 @@ class CoreSockets:
     def recv_commands(self, timeout_ms: int | None
                       ) -> list[EngineRequest | AbortRequests | FlushCache | Shutdown]:
         """Every command queued, waiting up to ``timeout_ms`` for the first (0: no wait, None:
-        forever); requests converted to ``EngineRequest`` and repeated Hellos dropped."""
+        forever); repeated Hellos dropped."""
         first = self.recv(timeout_ms)
         if first is None:
             return []
-        return [request_from_wire(m) if isinstance(m, WireRequest) else m
-                for m in (first, *self.recv_nowait()) if not isinstance(m, Hello)]
+        return [m for m in (first, *self.recv_nowait()) if not isinstance(m, Hello)]
 
     def send_step(self, step: StepOutputs, stats: SchedulerStats) -> None:
-        """One ``WireStepOutputs`` for an engine step, with the scheduler's stats."""
-        self.send(step_to_wire(step, stats))
+        """An engine step's ``StepOutputs``, the scheduler's stats attached."""
+        step.stats = stats
+        self.send(step)
 
     def send_flushed(self, call_id: int, pages_freed: int) -> None:
         """Answer a ``FlushCache``."""
@@ -274,8 +273,8 @@ class AsyncClientSockets:
         for sock, addr in ((self._in, input_addr), (self._out, output_addr)):
             _configure(sock, linger_ms)
             _open(sock, addr, bind)
-        self._enc = msgspec.msgpack.Encoder()
-        self._dec = msgspec.msgpack.Decoder(CoreMessage)
+        self._enc = encoder()
+        self._dec = decoder(CoreMessage)
 
     async def send(self, msg: ClientMessage) -> None:
         """Queue one message for the core; returns at once (unbounded high-water mark)."""
