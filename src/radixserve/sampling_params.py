@@ -19,6 +19,11 @@ MAX_N = 128
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
 #: Token ids and token counts travel and are stored as int32.
 MAX_INT32 = 2**31 - 1
+#: Most logprob entries (prompt positions x vocabulary) one ``prompt_logprobs=-1`` request
+#: may ask for: each costs about 100 bytes in the engine's rows and in a JSON response, so this
+#: bounds one near 200 MB (42 positions of a 49,152-token vocabulary). vLLM bounds the same with
+#: ``--max-logprobs`` (20 by default, which refuses -1 altogether).
+MAX_WHOLE_VOCAB_PROMPT_LOGPROBS = 2**21
 #: ``logit_bias`` values are clamped by OpenAI's API to this range.
 MAX_LOGIT_BIAS = 100.0
 
@@ -118,7 +123,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         logprobs: return the chosen token's logprob and the top ``logprobs`` (0..20) per step.
         prompt_logprobs: per prompt position after the first, the logprob of the prompt's
             token there and the top ``prompt_logprobs`` (0..20) alternatives (vLLM's field; -1:
-            every token of the vocabulary, as in vLLM, resolved by the engine core). Such
+            every token of the vocabulary, as in vLLM, resolved by the engine core, which
+            refuses it beyond ``MAX_WHOLE_VOCAB_PROMPT_LOGPROBS`` entries). Such
             a request takes no radix-cache prefix hit: every prompt position is recomputed, as
             vLLM does, since a cached prefix keeps KV, not logits.
         logit_bias: token id -> value in [-100, 100] added to that token's logit before

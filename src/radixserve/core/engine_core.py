@@ -45,6 +45,7 @@ from radixserve.kvcache.manager import KVCacheManager
 from radixserve.kvcache.sizing import pool_max_len
 from radixserve.model_executor.forward_batch import SampleResult
 from radixserve.model_executor.step_runner import StepRunner
+from radixserve.sampling_params import MAX_WHOLE_VOCAB_PROMPT_LOGPROBS
 from radixserve.structured.compiler import GrammarCompiler, GrammarError
 from radixserve.structured.runtime import GrammarRuntime
 
@@ -157,8 +158,10 @@ class EngineCore:
 
         Raises:
             ValueError: empty prompt, token id out of range, prompt of ``max_model_len`` tokens
-                or more, a request that can never fit the KV pool, or ``kv_transfer_params``
-                this engine cannot serve (``RequestRejected`` naming the field).
+                or more, a request that can never fit the KV pool, ``prompt_logprobs=-1``
+                over more than ``MAX_WHOLE_VOCAB_PROMPT_LOGPROBS`` entries, or
+                ``kv_transfer_params`` this engine cannot serve (``RequestRejected`` naming
+                the field).
         """
         prompt = np.asarray(er.prompt_token_ids, dtype=np.int32)
         n = len(prompt)
@@ -203,6 +206,14 @@ class EngineCore:
             except GrammarError as e:
                 raise RequestRejected(str(e), "structured_outputs") from None
         if sp.prompt_logprobs == -1:
+            entries = (n - 1) * self.vocab_size
+            if entries > MAX_WHOLE_VOCAB_PROMPT_LOGPROBS:
+                raise RequestRejected(
+                    f"prompt_logprobs=-1 returns the whole vocabulary ({self.vocab_size} "
+                    f"logprobs) for each of the {n - 1} prompt positions after the first: "
+                    f"{entries} entries, more than one request may ask for "
+                    f"({MAX_WHOLE_VOCAB_PROMPT_LOGPROBS}). Use a shorter prompt, or "
+                    "prompt_logprobs in [0, 20] for the top ones.", "prompt_logprobs")
             # vLLM's "the whole vocabulary": a copy whose count is the vocabulary size, set
             # past the 0..20 range check that guards what clients may ask for by number
             sp = copy.copy(sp)

@@ -45,13 +45,6 @@ async def parse_body(raw: Request, model: type[M]) -> M:
     return req
 
 
-#: Most logprob entries (prompt positions x vocabulary) one ``prompt_logprobs=-1`` request
-#: may return: each costs about 100 bytes in the engine's rows and in the JSON body, so this
-#: bounds a response near 200 MB (42 positions of a 49,152-token vocabulary). vLLM bounds the
-#: same with ``--max-logprobs`` (20 by default, refusing -1 altogether).
-MAX_WHOLE_VOCAB_PROMPT_LOGPROBS = 2**21
-
-
 def sampling_params_for(req: Any, prompt_len: int, max_model_len: int,
                         default_max_tokens: int | None, prompt_field: str,
                         structured: StructuredOutputsParams | None = None,
@@ -74,25 +67,12 @@ def sampling_params_for(req: Any, prompt_len: int, max_model_len: int,
         defaults: the model's sampling defaults (``--generation-config``) for the fields the
             request leaves unset; their ``max_tokens`` replaces ``default_max_tokens``.
         vocab_size: the model's vocabulary: every ``logit_bias`` key outside it is named in
-            one 400 here (the engine core would name only the largest), and
-            ``prompt_logprobs=-1`` (the whole vocabulary) is bounded by
-            ``MAX_WHOLE_VOCAB_PROMPT_LOGPROBS`` entries.
+            one 400 here (the engine core would name only the largest).
 
     Raises:
-        OpenAIError: 400 naming the numbers when prompt + max_tokens exceeds the context or
-            whole-vocabulary prompt logprobs would exceed their bound, or a parameter out of
-            range (``param`` names the field).
+        OpenAIError: 400 naming the numbers when prompt + max_tokens exceeds the context, or a
+            parameter out of range (``param`` names the field).
     """
-    plp = getattr(req, "prompt_logprobs", None)
-    if plp == -1 and vocab_size is not None:
-        entries = (prompt_len - 1) * vocab_size
-        if entries > MAX_WHOLE_VOCAB_PROMPT_LOGPROBS:
-            raise OpenAIError(
-                f"prompt_logprobs=-1 returns the whole vocabulary ({vocab_size} logprobs) for "
-                f"each of the {prompt_len - 1} prompt positions after the first: {entries} "
-                f"entries, more than one response carries ({MAX_WHOLE_VOCAB_PROMPT_LOGPROBS}). "
-                "Use a shorter prompt, or prompt_logprobs in [0, 20] for the top ones.",
-                param="prompt_logprobs")
     room = max_model_len - prompt_len
     default = default_max_tokens
     if defaults and "max_tokens" in defaults:
