@@ -1,10 +1,11 @@
 """Whether a model's weights fit in this machine's memory, checked before any is read.
 
-On a CPU without native bf16 (the AVX2 kind), ``--dtype auto`` means float32, which doubles a
-bf16 checkpoint: a 7B model's 15 GB becomes 30 GB and no longer fits a 24 GB machine. Rather
-than run out of memory twenty seconds into loading, ``auto`` then serves the model in bfloat16
-(decode steps of a model that large are bound by reading the weights, which bf16 halves), and an
-explicit dtype that cannot fit is refused at once, naming the sizes.
+On a CPU without native bf16 (the AVX2 kind), ``--dtype auto`` means float32. A bf16
+checkpoint then keeps its weights in bf16 under float32 activations (``weight_storage``: the
+caller's ``bytes_for`` counts them so); any other checkpoint in float32 may not fit: a 7B
+model's 30 GB exceed a 24 GB machine. Rather than run out of memory twenty seconds into
+loading, ``auto`` then serves the model in bfloat16, and an explicit dtype that cannot fit is
+refused at once, naming the sizes.
 """
 
 from __future__ import annotations
