@@ -185,6 +185,9 @@ class SpeculativeConfig:
             for earlier in the request's tokens, longest first; 1 <= min <= max. vLLM's
             defaults: one left out takes the other's value, both left out are 5.
         model: a draft model (the "draft_model" method); refused: not implemented yet.
+        disable_by_batch_size: no drafts in a step with more running requests than this
+            (vLLM's field): a verify step costs more than it saves once a batch is
+            compute-bound; None (the default) drafts at every batch size.
 
     Raises:
         ValueError: from ``validate`` / ``parse``: an unknown field, a bad value or a method
@@ -196,6 +199,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     model: str | None = None
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -217,7 +221,8 @@ class SpeculativeConfig:
             raise bad("method", f"is not one of {', '.join(SPEC_METHODS + SPEC_METHODS_PLANNED)}")
         if self.num_speculative_tokens is None:
             raise bad("num_speculative_tokens", "must be given (draft tokens per step, >= 1)")
-        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                     "disable_by_batch_size"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise bad(name, "must be an integer >= 1")

@@ -203,6 +203,29 @@ def test_max_model_len_cuts_drafts_and_output_alike(tmp_path: Path) -> None:
     assert _spec_counts(spec).num_accepted_tokens > 0
 
 
+def test_no_drafts_in_batches_larger_than_disable_by_batch_size(tmp_path: Path) -> None:
+    """``disable_by_batch_size`` 2: steps with more running requests draft nothing; once the
+    short requests finish, the rest speculate; output as without speculation."""
+    path = tiny_model(tmp_path, "llama", 0.2)
+    prompts = [p for p in _prompts(np.random.default_rng(8), 12) if len(p) > 8][:4]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
+              for m in (4, 6, 40, 40)]
+    base = _llm(path, None)
+    spec = _llm(path, {**SPEC, "disable_by_batch_size": 2})
+    sched = spec.engine.scheduler
+    seen: list[int] = []
+    draft = sched._draft
+
+    def record(decodes, budget):  # noqa: ANN001, ANN202
+        seen.append(len(sched.running))
+        return draft(decodes, budget)
+
+    sched._draft = record  # type: ignore[method-assign]
+    assert _run(spec, prompts, params) == _run(base, prompts, params)
+    assert seen and max(seen) <= 2
+    assert _spec_counts(spec).num_drafts > 0
+
+
 @pytest.mark.slow
 def test_default_model_repeating_a_paragraph() -> None:
     """The default model in its default dtype asked to repeat a paragraph: the copy is

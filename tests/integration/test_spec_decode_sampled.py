@@ -140,6 +140,9 @@ class _TableProposer:
         self.k = k
         self.table = table
 
+    def active(self, batch_size: int) -> bool:
+        return True
+
     def propose(self, tokens: np.ndarray, most: int) -> np.ndarray:
         return np.asarray(self.table.get(tuple(tokens.tolist()), [])[:most], dtype=np.int32)
 

@@ -113,6 +113,8 @@ def test_config_defaults_and_vllm_lookup_bounds() -> None:
     ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      "speculative_config.prompt_lookup_min"),
     ({"num_speculative_tokens": 2, "lookahead": 3}, "unknown field 'lookahead'"),
+    ({"num_speculative_tokens": 2, "disable_by_batch_size": 0},
+     "speculative_config.disable_by_batch_size"),
     ("{not json", "not valid JSON"),
     ("[1]", "must be a JSON object"),
 ])
@@ -203,3 +205,11 @@ def test_bench_summary_is_the_run_between_two_snapshots() -> None:
     assert s["acceptance_rate"] == pytest.approx(8 / 12)
     assert s["mean_accepted_length"] == pytest.approx(3.0)
     assert s["acceptance_rate_per_pos"] == pytest.approx([1.0, 0.75, 0.25])
+
+
+def test_disable_by_batch_size() -> None:
+    from radixserve.core.spec_decode import NgramProposer
+
+    capped = NgramProposer(SpeculativeConfig(num_speculative_tokens=2, disable_by_batch_size=4))
+    assert capped.active(1) and capped.active(4) and not capped.active(5)
+    assert NgramProposer(SpeculativeConfig(num_speculative_tokens=2)).active(10_000)

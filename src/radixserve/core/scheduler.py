@@ -229,7 +229,7 @@ class Scheduler:
         budget -= len(decodes)
         verifies: list[Request] = []
         drafts: list[int] = []
-        if self.proposer is not None and decodes:
+        if self.proposer is not None and decodes and self.proposer.active(len(self.running)):
             decodes, verifies, drafts = self._draft(decodes, budget)
             budget -= sum(drafts)
         # 2. chunks of running requests still in prefill (only those step 1 passed over can be)

@@ -81,6 +81,13 @@ class NgramProposer:
         self.k = int(config.num_speculative_tokens or 0)
         self.min_n = int(config.prompt_lookup_min or 1)
         self.max_n = int(config.prompt_lookup_max or self.min_n)
+        self.disable_by_batch_size = config.disable_by_batch_size
+
+    def active(self, batch_size: int) -> bool:
+        """Whether a step with ``batch_size`` running requests drafts at all
+        (``SpeculativeConfig.disable_by_batch_size``)."""
+        cap = self.disable_by_batch_size
+        return cap is None or batch_size <= cap
 
     def propose(self, tokens: np.ndarray, most: int) -> np.ndarray:
         """int32 [<= min(k, most)] draft tokens to follow ``tokens`` (int32 [L])."""
