@@ -1284,9 +1284,10 @@ static inline __attribute__((always_inline)) void f32_tile_kc(
 }
 #define KC_TILE_W(R, xm, kc0, kc1, acc, fresh) \
     f32_tile_kc(R, xm, K, scratch, kc0, kc1, acc, fresh)
-/* inputs per pass over a widened panel's row tiles: 256 x F32_TILE float32 weights (16 KiB on
- * AVX2) stay in L1 while every tile of the share runs them */
-#define F32_KC 256
+/* inputs per pass over a widened panel's row tiles: F32_KC x F32_TILE float32 weights, 16 KiB
+ * (AVX2: 256 inputs x 16 outputs; AVX-512: 64 x 64), stay in L1 while every tile of the share
+ * runs them */
+#define F32_KC (4096 / F32_TILE)
 
 #define F32_TILE_W(R, ...) f32_tile(R, __VA_ARGS__, 0, GEMV_NB, kblk, tot, pf, &pf_off, \
                                     pf_end, pf_lines)
