@@ -43,7 +43,7 @@ browser:
 
 # Everything: lint, import layers (the contracts in pyproject.toml), unit and integration tests.
 test: lint browser
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=30 tests
 
 # The inner loop (about a minute): lint, import layers and the unit tests, which never load the
 # real model.
