@@ -29,6 +29,7 @@ import json
 import secrets
 import string
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -460,7 +461,8 @@ class _WholeOutputStream(ToolCallStream):
     were whole; then only the rest is content)."""
 
     def __init__(self, parser: ToolCallParser, starts: tuple[str, ...],
-                 calls: Any) -> None:
+                 calls: Callable[[str, bool], tuple[list[dict[str, Any]], int, bool]]
+                 ) -> None:
         super().__init__(parser)
         self.starts = starts
         self.calls_of = calls
