@@ -5,7 +5,9 @@ and the official ``openai`` client: HTTPS with a self-signed certificate made he
 reading hand-written calls (the output forced by ``structured_outputs``), prompt logprobs
 where vLLM puts them (``-1``: the whole vocabulary), token id fields, continuous usage on a
 prompt prefilled in 32-token chunks, a chat stream cut inside an emoji, and the
-``logit_bias`` / ``seed`` errors."""
+``logit_bias`` / ``seed`` errors; and a server per ``--tool-call-parser`` mistral and
+pythonic, each with its family's template style, reading hand-written calls whole and
+streamed."""
 
 from __future__ import annotations
 
@@ -278,3 +280,50 @@ def test_logit_bias_and_seed_errors(http: httpx.Client) -> None:
         r = http.post("/v1/completions", json={"prompt": "Hi", "seed": seed})
         assert r.status_code == 400
         assert r.json()["error"]["param"] == "seed" and kind in r.json()["error"]["message"]
+
+
+#: family -> (a chat template that renders tools its way, a hand-written output, its content)
+FAMILIES = {
+    "mistral": ("{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]"
+                "{% endif %}{% for m in messages %}[INST]{{ m.content }}[/INST]{% endfor %}",
+                'Checking. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": '
+                '"Oslo"}}]', "Checking. "),
+    "pythonic": ("{% if tools %}Answer with [func_name(param=value)] to call:"
+                 "{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n{% endif %}"
+                 "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant: {% endif %}",
+                 '[get_weather(city="Oslo")]', None),
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_parser_through_a_server(tmp_path: Path, family: str) -> None:
+    template, output, content = FAMILIES[family]
+    (tmp_path / "t.jinja").write_text(template)
+    s = ServerProcess(["--num-pages", "64", "--max-num-seqs", "4", "--chat-template",
+                       str(tmp_path / "t.jinja"), "--enable-auto-tool-choice",
+                       "--tool-call-parser", family], tmp_path)
+    try:
+        s.wait_ready()
+        c = OpenAI(base_url=s.base_url + "/v1", api_key="x", max_retries=0, timeout=300)
+        kw = dict(model="SmolLM2-135M-Instruct", tools=[WEATHER], temperature=0,
+                  max_tokens=60, messages=[{"role": "user", "content": "Weather in Oslo?"}],
+                  extra_body={"structured_outputs": {"choice": [output]}})
+        ch = c.chat.completions.create(**kw).choices[0]
+        assert ch.finish_reason == "tool_calls" and ch.message.content == content
+        (call,) = ch.message.tool_calls
+        assert (call.function.name, json.loads(call.function.arguments)) == (
+            "get_weather", {"city": "Oslo"})
+        if family == "mistral":
+            assert len(call.id) == 9 and call.id.isalnum()
+        text, calls, finish = "", [], None
+        for chunk in c.chat.completions.create(**kw, stream=True):
+            d = chunk.choices[0].delta
+            text += d.content or ""
+            calls += [(t.function.name, t.function.arguments) for t in d.tool_calls or []]
+            finish = chunk.choices[0].finish_reason or finish
+        assert finish == "tool_calls" and text == (content or "")
+        assert [(n, json.loads(a)) for n, a in calls] == [("get_weather", {"city": "Oslo"})]
+    finally:
+        s.stop()
