@@ -210,8 +210,25 @@ def test_decode_floor():
     assert decode_floor_ms(15_000_000_000, 30.0) == pytest.approx(500.0)
     bw = measure_read_bandwidth(buffer_bytes=64 << 20, runs=2, threads=1)
     assert bw.gb_per_s > 0.1 and len(bw.runs_gb_per_s) == 2
+    # the streaming reader runs where the C kernels build (every x86 kind) and is a reader
+    assert len(bw.stream_runs_gb_per_s) == 2
+    assert bw.gb_per_s == pytest.approx(max(bw.runs_gb_per_s + bw.stream_runs_gb_per_s),
+                                        abs=0.01)
     with pytest.raises(ValueError):
         measure_read_bandwidth(buffer_bytes=1 << 20)
+
+
+def test_stream_read_reads_every_value():
+    import torch
+
+    from radixserve.model_executor.kernels.cpu import CpuKernels
+
+    k = CpuKernels.load()
+    assert k is not None
+    x = torch.arange(1000 * 33 + 7, dtype=torch.float32) % 5  # a tail past the 32-wide loop
+    assert k.stream_read(x) == pytest.approx(float(x.double().sum()))
+    with pytest.raises(ValueError):
+        k.stream_read(x.double())
 
 
 def test_bench_quant_kernels_cli(tmp_path, capsys):

@@ -150,6 +150,10 @@ class CpuKernels:
         fn.restype = c_int
         #: ``rs_decode_layers`` (``models/decode_stack.py`` checks and calls it)
         self.decode_layers = fn
+        fn = lib.rs_stream_read
+        fn.argtypes = [ptr, i64, c_int]
+        fn.restype = ctypes.c_double
+        self._stream_read = fn
         fn = lib.rs_has_f32_gemm
         fn.argtypes = []
         fn.restype = c_int
@@ -423,6 +427,17 @@ class CpuKernels:
                                  torch.get_num_threads())
         if rc:
             raise RuntimeError(f"{dtype} linear kernel failed with code {rc}")
+
+    def stream_read(self, x: torch.Tensor) -> float:
+        """Read every value of a contiguous float32 tensor once, front to back, on torch's
+        thread count (the read bandwidth probe of ``bench.bandwidth``); returns their sum.
+
+        Raises:
+            ValueError: x not a contiguous float32 CPU tensor.
+        """
+        if x.dtype != torch.float32 or not x.is_contiguous() or x.device.type != "cpu":
+            raise ValueError("stream_read needs a contiguous float32 CPU tensor")
+        return self._stream_read(x.data_ptr(), x.numel(), torch.get_num_threads())
 
     def linear_f32_bf16w(self, x_ptr: int, w_ptr: int, out_ptr: int, m: int, n: int, k: int,
                          k_block: int) -> None:

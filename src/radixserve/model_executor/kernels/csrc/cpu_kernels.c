@@ -1433,6 +1433,30 @@ int rs_linear_f32_bf16w(const float *x, const uint16_t *w, float *y, int64_t M, 
 #endif
 }
 
+/* The memory read bandwidth probe (`bench.bandwidth`): every float of x read once, front to
+ * back, in contiguous per-thread shares, into four independent 8-wide sums per thread (so
+ * the loads, not an add chain, bound it), as a decode step streams its weights. Returns the
+ * sum (so the reads cannot be elided). */
+double rs_stream_read(const float *x, int64_t n, int num_threads) {
+    double total = 0;
+#pragma omp parallel num_threads(num_threads) reduction(+ : total)
+    {
+        int64_t w0, w1;
+        thread_share(n / 32, &w0, &w1);
+        v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        for (int64_t i = w0 * 32; i < w1 * 32; i += 32) {
+            a0 += load8(x + i);
+            a1 += load8(x + i + 8);
+            a2 += load8(x + i + 16);
+            a3 += load8(x + i + 24);
+        }
+        const v8f s = a0 + a1 + a2 + a3;
+        for (int j = 0; j < 8; ++j) total += s[j];
+    }
+    for (int64_t i = n / 32 * 32; i < n; ++i) total += x[i];
+    return total;
+}
+
 /* whether `rs_linear_f32_packed` is built: 2 with AVX-512, 1 with AVX2 + FMA, 0 not */
 int rs_has_f32_gemm(void) { return RS_F32_GEMM; }
 
