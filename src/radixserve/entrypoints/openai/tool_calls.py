@@ -382,10 +382,7 @@ class _HermesStream(ToolCallStream):
         while True:
             start = buf.find(TOOL_CALL_START, self.pos)
             if start < 0:
-                keep = 0 if final else _partial_suffix(buf, TOOL_CALL_START, self.pos)
-                if len(buf) - keep > self.pos:
-                    out.append(("content", buf[self.pos:len(buf) - keep]))
-                self.pos = len(buf) - keep
+                self.pos = _flush_content(buf, self.pos, TOOL_CALL_START, final, out)
                 return out
             if start > self.pos:
                 out.append(("content", buf[self.pos:start]))
@@ -650,10 +647,7 @@ class _MistralStream(ToolCallStream):
             if not self.in_calls:
                 start = buf.find(TOOL_CALLS_TOKEN, self.pos)
                 if start < 0:
-                    keep = 0 if final else _partial_suffix(buf, TOOL_CALLS_TOKEN, self.pos)
-                    if len(buf) - keep > self.pos:
-                        out.append(("content", buf[self.pos:len(buf) - keep]))
-                    self.pos = len(buf) - keep
+                    self.pos = _flush_content(buf, self.pos, TOOL_CALLS_TOKEN, final, out)
                     return out
                 if start > self.pos:
                     out.append(("content", buf[self.pos:start]))
@@ -849,6 +843,15 @@ class ToolStreamer:
         if final and not self.calls and self.buf.strip():
             out.append({"content": self.buf})  # not an array of calls after all (cut short)
         return out
+
+
+def _flush_content(buf: str, pos: int, marker: str, final: bool, out: list[Event]) -> int:
+    """Emit ``buf[pos:]`` as content where no ``marker`` follows, holding back (unless
+    ``final``) a tail that could be the marker's start; returns the new position."""
+    keep = 0 if final else _partial_suffix(buf, marker, pos)
+    if len(buf) - keep > pos:
+        out.append(("content", buf[pos:len(buf) - keep]))
+    return len(buf) - keep
 
 
 def _partial_suffix(text: str, marker: str, lo: int) -> int:
