@@ -160,10 +160,9 @@ class KVTransferConfig:
         return cls(**kw)
 
 
-#: ``speculative_config.method`` values: "ngram" (prompt lookup) is implemented;
-#: "draft_model" is vLLM's name for a second, smaller model and is refused until it exists.
-SPEC_METHODS = ("ngram",)
-SPEC_METHODS_PLANNED = ("draft_model",)
+#: ``speculative_config.method`` values (vLLM's names): "ngram" (prompt lookup) and
+#: "draft_model" (a second, smaller model sharing the target's tokenizer).
+SPEC_METHODS = ("ngram", "draft_model")
 
 
 @dataclass
@@ -173,18 +172,22 @@ class SpeculativeConfig:
 
     Each step a running request (one without an output constraint) may carry up to
     ``num_speculative_tokens`` draft tokens, proposed by prompt lookup over its own prompt and
-    output (the n-gram method); the model verifies them in one forward and keeps the longest
+    output (the n-gram method) or by k greedy steps of a draft model (the draft-model
+    method); the model verifies them in one forward and keeps the longest
     prefix equal to its own picks (the argmax, or for a sampled request rejection sampling,
     which keeps the target's distribution), plus its token at the first mismatch (or the
     bonus token when every draft matched).
 
     Attributes:
-        method: "ngram" (prompt lookup).
+        method: "ngram" (prompt lookup) or "draft_model" (``model`` drafts greedily).
         num_speculative_tokens: draft tokens per request and step (k), >= 1.
         prompt_lookup_min / prompt_lookup_max: the suffix n-gram lengths (in tokens) searched
             for earlier in the request's tokens, longest first; 1 <= min <= max. vLLM's
             defaults: one left out takes the other's value, both left out are 5.
-        model: a draft model (the "draft_model" method); refused: not implemented yet.
+        model: the draft model of the "draft_model" method (what ``EngineConfig.model``
+            accepts: a Hugging Face folder or a GGUF file); required by that method and
+            refused by the other. It must share the target's tokenizer (checked at start-up:
+            ``model_executor.draft``).
         disable_by_batch_size: no drafts in a step with more running requests than this
             (vLLM's field): a verify step costs more than it saves once a batch is
             compute-bound; None (the default) drafts at every batch size.
@@ -213,12 +216,17 @@ class SpeculativeConfig:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"speculative_config.{name}={getattr(self, name)!r} {why}")
 
-        if self.method in SPEC_METHODS_PLANNED or self.model is not None:
-            name = "method" if self.method in SPEC_METHODS_PLANNED else "model"
-            raise bad(name, "is not implemented yet: only the n-gram (prompt lookup) method "
-                            "is, as {\"method\": \"ngram\"}")
         if self.method not in SPEC_METHODS:
-            raise bad("method", f"is not one of {', '.join(SPEC_METHODS + SPEC_METHODS_PLANNED)}")
+            raise bad("method", f"is not one of {', '.join(SPEC_METHODS)}")
+        if self.method == "draft_model":
+            if not self.model:
+                raise bad("model", "must name the draft model (a folder or GGUF file) for "
+                                   "the draft_model method")
+            for name in ("prompt_lookup_min", "prompt_lookup_max"):
+                if getattr(self, name) is not None:
+                    raise bad(name, "belongs to the ngram method, not draft_model")
+        elif self.model is not None:
+            raise bad("model", "is for the draft_model method; the ngram method has no model")
         if self.num_speculative_tokens is None:
             raise bad("num_speculative_tokens", "must be given (draft tokens per step, >= 1)")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
@@ -226,6 +234,8 @@ class SpeculativeConfig:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise bad(name, "must be an integer >= 1")
+        if self.method != "ngram":
+            return
         # vLLM's rule: one bound given, the other follows it; neither, max 5 and min 5
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if lo is None and hi is None:
@@ -330,7 +340,8 @@ class EngineConfig:
             machine (cached; "gguf" where the dequantized weights would not fit), else dense;
             "gguf" serves the file's quantized
             blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) through radixserve's kernels; "int8"
-            quantizes a float checkpoint's projections to int8 blocks (ggml's Q8_0) at load;
+            quantizes a float checkpoint's projections and LM head to int8 per output channel
+            at load (weight-only);
             "none" holds every weight dense in ``dtype`` (a GGUF dequantized at load).
         speculative_config: speculative decoding (a ``SpeculativeConfig``, or its dict / JSON
             string, converted on construction); None: off. Steps then run without overlap
@@ -412,6 +423,12 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r} is not one of "
                              f"{', '.join(ATTENTION_BACKENDS)}")
+        spec = self.speculative_config
+        if spec is not None and spec.method == "draft_model" and (
+                self.tensor_parallel_size > 1 or self.kv_transfer_config is not None):
+            # the draft's KV pool mirrors one unsharded pool; loaded pages would lack draft KV
+            raise ValueError("speculative_config with the draft_model method is not supported "
+                             "with tensor_parallel_size > 1 or kv_transfer_config yet")
         if self.speculative_config is not None and self.disable_overlap is False:
             raise ValueError("speculative_config needs steps run one after the other: "
                              "disable_overlap=False (--no-disable-overlap) cannot be combined "

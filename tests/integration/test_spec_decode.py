@@ -282,7 +282,7 @@ def test_server_flag_reaches_the_engine_process(tmp_path: Path) -> None:
         srv.stop()
 
 
-def test_server_refuses_the_draft_model_method(tmp_path: Path) -> None:
+def test_server_refuses_the_draft_model_method_over_the_null_model(tmp_path: Path) -> None:
     import subprocess
     import sys
 
@@ -291,4 +291,4 @@ def test_server_refuses_the_draft_model_method(tmp_path: Path) -> None:
          '{"method": "draft_model", "model": "m", "num_speculative_tokens": 3}'],
         capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
-    assert "speculative_config.method='draft_model' is not implemented yet" in out.stderr
+    assert "the draft_model method needs a model runner with a KV pool" in out.stderr

@@ -123,13 +123,23 @@ def test_bad_configs_name_the_field(value: object, field: str) -> None:
         SpeculativeConfig.parse(value)  # type: ignore[arg-type]
 
 
-def test_draft_model_is_refused_as_not_implemented() -> None:
-    with pytest.raises(ValueError, match=r"speculative_config\.method='draft_model' is not "
-                                         r"implemented yet"):
-        SpeculativeConfig.parse({"method": "draft_model", "model": "x",
+def test_draft_model_fields() -> None:
+    c = SpeculativeConfig.parse({"method": "draft_model", "model": "x",
                                  "num_speculative_tokens": 3})
-    with pytest.raises(ValueError, match=r"speculative_config\.model='x' is not implemented"):
+    assert (c.model, c.num_speculative_tokens, c.prompt_lookup_min) == ("x", 3, None)
+    with pytest.raises(ValueError, match=r"speculative_config\.model=None must name the draft"):
+        SpeculativeConfig.parse({"method": "draft_model", "num_speculative_tokens": 3})
+    with pytest.raises(ValueError, match=r"speculative_config\.prompt_lookup_max=2 belongs to "
+                                         r"the ngram method"):
+        SpeculativeConfig.parse({"method": "draft_model", "model": "x",
+                                 "num_speculative_tokens": 3, "prompt_lookup_max": 2})
+    with pytest.raises(ValueError, match=r"speculative_config\.model='x' is for the "
+                                         r"draft_model method"):
         SpeculativeConfig.parse({"method": "ngram", "model": "x", "num_speculative_tokens": 3})
+    spec = {"method": "draft_model", "model": "x", "num_speculative_tokens": 3}
+    with pytest.raises(ValueError, match="draft_model method is not supported with "
+                                         "tensor_parallel_size > 1 or kv_transfer_config"):
+        EngineConfig(speculative_config=spec, tensor_parallel_size=2)
 
 
 def test_overlap_is_refused_with_speculation() -> None:

@@ -21,7 +21,7 @@ from radixserve.core.batch import ScheduledBatch
 from radixserve.core.request import Request
 from radixserve.core.resolver import StepResolver
 from radixserve.core.scheduler import Scheduler
-from radixserve.core.spec_decode import NgramProposer
+from radixserve.core.spec_decode import DraftModelProposer, NgramProposer, Proposer
 from radixserve.engine_types import (
     ERROR_KV_TRANSFER_FAILED,
     FINISH_ABORT,
@@ -112,7 +112,20 @@ class EngineCore:
             self.kv_connector = create_scheduler_connector(kv_cfg, config.page_size,
                                                            self.kv_worker)
         spec = config.speculative_config
-        self.proposer = None if spec is None else NgramProposer(spec)
+        #: the draft model's runner ("draft_model" method): it runs every step after the
+        #: target (``_run``) so its KV pool, indexed by the same pages, stays consistent
+        self.draft = None
+        self.proposer: Proposer | None = None
+        if spec is not None and spec.method == "draft_model":
+            if not hasattr(runner, "forward_logits"):
+                raise ValueError("speculative_config: the draft_model method needs a model "
+                                 "runner with a KV pool (not the null model)")
+            from radixserve.model_executor.draft import DraftRunner
+
+            self.draft = DraftRunner(config, minfo, num_pages)
+            self.proposer = DraftModelProposer(spec, self.draft, config.page_size)
+        elif spec is not None:
+            self.proposer = NgramProposer(spec)
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
             config.schedule_policy, connector=self.kv_connector,
@@ -131,10 +144,11 @@ class EngineCore:
         if spec is not None:
             # a step's accepted tokens must be known before the next one is scheduled
             self.overlap = False
-            log.info("speculative decoding: %s, %d draft tokens, n-grams of %d..%d tokens; "
-                     "sampled requests by rejection sampling, constrained ones without drafts; "
-                     "steps without overlap", spec.method, spec.num_speculative_tokens,
-                     spec.prompt_lookup_min, spec.prompt_lookup_max)
+            how = (f"draft model {spec.model}" if spec.method == "draft_model" else
+                   f"n-grams of {spec.prompt_lookup_min}..{spec.prompt_lookup_max} tokens")
+            log.info("speculative decoding: %s, %d draft tokens, %s; sampled requests by "
+                     "rejection sampling, constrained ones without drafts; steps without "
+                     "overlap", spec.method, spec.num_speculative_tokens, how)
         elif config.disable_overlap is None:  # auto: see EngineConfig.disable_overlap
             self.overlap = getattr(runner.device, "type", "cpu") == "cuda"
         else:
@@ -407,6 +421,8 @@ class EngineCore:
             # this thread's sampler accepted into the matchers (overlap-safe)
             step = fb.sampling.constraints = self.grammars.step(grammars)
         result = self.runner.execute(fb)
+        if self.draft is not None:
+            self.draft.mirror(fb)
         if fb.num_draft is None:  # (speculation runs without overlap: nothing reads it)
             self._last_sampled[fb.rows[fb.sample]] = result.token_ids
         if step is not None:

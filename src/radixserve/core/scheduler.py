@@ -29,7 +29,7 @@ from radixserve.core.batch import ScheduledBatch, build_batch
 from radixserve.core.live_index import LiveIndex
 from radixserve.core.request import Request, Status
 from radixserve.core.row_tables import RowTables
-from radixserve.core.spec_decode import NgramProposer, may_speculate
+from radixserve.core.spec_decode import DraftModelProposer, Proposer, may_speculate
 from radixserve.engine_types import FINISH_ABORT
 from radixserve.kv_transfer.base import KVConnectorOutput, KVConnectorScheduler
 from radixserve.kvcache.manager import HeldPages, KVCacheManager
@@ -68,7 +68,7 @@ class Scheduler:
                  max_model_len: int, policy: str = "fcfs",
                  connector: KVConnectorScheduler | None = None,
                  kv_load_failure_policy: str = "recompute",
-                 proposer: NgramProposer | None = None) -> None:
+                 proposer: Proposer | None = None) -> None:
         self.kv = kv
         self.proposer = proposer
         self.page_size = kv.page_size
@@ -424,6 +424,10 @@ class Scheduler:
         preempts anyone). The drafts are written into the token table after the request's
         tokens, where the step's input ids are read from.
 
+        The n-gram proposer drafts first and takes pages for what it found; the draft model
+        takes pages first (its decode steps write their KV there), then drafts every
+        speculating request of the step in one batch per position.
+
         Returns:
             (the plain decodes, the verify requests, their draft counts), in ``running``
             order within each list.
@@ -434,6 +438,7 @@ class Scheduler:
         plain: list[Request] = []
         verifies: list[Request] = []
         counts: list[int] = []
+        by_model = isinstance(proposer, DraftModelProposer)
         for req in decodes:
             n_tok = req.num_tokens
             # room: budget, max_model_len, and max_tokens (a token past it is never output)
@@ -442,18 +447,26 @@ class Scheduler:
             if most <= 0 or not may_speculate(req):
                 plain.append(req)
                 continue
-            d = proposer.propose(table[req.row, :n_tok], most)
-            k = int(d.shape[0])
+            d = None if by_model else proposer.propose(table[req.row, :n_tok], most)
+            k = min(proposer.k, most) if d is None else int(d.shape[0])
             if k and not self._grow(req, n_tok + k):
                 # no page for every draft: keep those that fit in the pages held
                 k = min(k, req.num_pages * ps - n_tok)
             if k <= 0:
                 plain.append(req)
                 continue
-            table[req.row, n_tok:n_tok + k] = d[:k]
+            if d is not None:
+                table[req.row, n_tok:n_tok + k] = d[:k]
             verifies.append(req)
             counts.append(k)
             budget -= k
+        if by_model and verifies:
+            assert isinstance(proposer, DraftModelProposer)
+            n_toks = [r.num_tokens for r in verifies]
+            drafts = proposer.propose_batch(table, self.tables.page_table,
+                                            [r.row for r in verifies], n_toks, counts)
+            for req, n_tok, d in zip(verifies, n_toks, drafts, strict=True):
+                table[req.row, n_tok:n_tok + len(d)] = d
         return plain, verifies, counts
 
     def roll_back(self, req: Request) -> None:

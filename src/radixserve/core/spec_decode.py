@@ -1,5 +1,5 @@
-"""Speculative decoding, engine side: the n-gram (prompt lookup) proposer, which requests may
-speculate, acceptance of a verified draft, and the acceptance counters.
+"""Speculative decoding, engine side: the n-gram (prompt lookup) and draft-model proposers,
+which requests may speculate, acceptance of a verified draft, and the acceptance counters.
 
 A speculating request is scheduled with its last sampled token plus its k draft tokens as
 k + 1 query tokens over its paged KV (a short prefill chunk whose k + 1 positions all give
@@ -12,6 +12,7 @@ back (``Scheduler.roll_back``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -74,13 +75,16 @@ def may_speculate(req: Request) -> bool:
     return req.grammar is None and req.kv_transfer_params is None
 
 
-class NgramProposer:
-    """Drafts for the requests of a step (``SpeculativeConfig`` with method "ngram")."""
+class ProposerBase:
+    """What every proposer has: its k and when a step drafts at all.
+
+    Attributes:
+        k: most draft tokens per request and step (``num_speculative_tokens``).
+        disable_by_batch_size: see ``SpeculativeConfig``.
+    """
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.k = int(config.num_speculative_tokens or 0)
-        self.min_n = int(config.prompt_lookup_min or 1)
-        self.max_n = int(config.prompt_lookup_max or self.min_n)
         self.disable_by_batch_size = config.disable_by_batch_size
 
     def active(self, batch_size: int) -> bool:
@@ -89,9 +93,88 @@ class NgramProposer:
         cap = self.disable_by_batch_size
         return cap is None or batch_size <= cap
 
+
+class NgramProposer(ProposerBase):
+    """Drafts for the requests of a step (``SpeculativeConfig`` with method "ngram"), one
+    request at a time, before pages are taken for them (a request without a recurring n-gram
+    takes none)."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        super().__init__(config)
+        self.min_n = int(config.prompt_lookup_min or 1)
+        self.max_n = int(config.prompt_lookup_max or self.min_n)
+
     def propose(self, tokens: np.ndarray, most: int) -> np.ndarray:
         """int32 [<= min(k, most)] draft tokens to follow ``tokens`` (int32 [L])."""
         return propose_ngram(tokens, self.min_n, self.max_n, min(self.k, most))
+
+
+class DraftModel(Protocol):
+    """What the draft-model proposer drives (``model_executor.draft.DraftRunner``)."""
+
+    def greedy_step(self, tokens: np.ndarray, positions: np.ndarray,
+                    page_table: np.ndarray) -> np.ndarray:
+        """int64 [B] the draft's argmax after writing the KV of ``tokens`` (int [B]) at
+        ``positions`` (int [B]) through ``page_table`` (int32 [B, P])."""
+        ...
+
+
+class DraftModelProposer(ProposerBase):
+    """Drafts by a draft model (``SpeculativeConfig`` with method "draft_model"): k greedy
+    decode steps of the draft for all the step's speculating requests together, after their
+    pages are taken (the draft writes its KV for the drafted positions there).
+
+    The draft's pool shares the target's page ids and has seen every token the target
+    computed (``DraftRunner.mirror``), so a request's draft KV is valid below its
+    ``num_computed``; the first step feeds its last sampled token, each next step the draft's
+    previous token. Proposals are greedy: a point-mass proposal, which the verify step's
+    acceptance (argmax, or rejection sampling for sampled requests) handles exactly.
+
+    Args:
+        config: the speculative configuration (``num_speculative_tokens``,
+            ``disable_by_batch_size``).
+        draft: the draft model.
+        page_size: tokens per KV page.
+    """
+
+    def __init__(self, config: SpeculativeConfig, draft: DraftModel, page_size: int) -> None:
+        super().__init__(config)
+        self.draft = draft
+        self.page_size = page_size
+
+    def propose_batch(self, token_table: np.ndarray, page_table: np.ndarray,
+                      rows: list[int], num_tokens: list[int], counts: list[int]
+                      ) -> list[np.ndarray]:
+        """Draft ``counts[i]`` tokens for each request of the step.
+
+        Args:
+            token_table: int32 [R, L] the tables' token ids (a request's row holds its
+                ``num_tokens[i]`` tokens).
+            page_table: int32 [R, P] the tables' pages; request i holds pages for
+                ``num_tokens[i] + counts[i]`` tokens.
+            rows: the requests' rows; num_tokens: their token counts (the last one not yet
+                computed); counts: drafts wanted, each >= 1.
+
+        Returns:
+            per request int32 [counts[i]] draft tokens.
+        """
+        n = np.asarray(num_tokens, dtype=np.int64)
+        want = np.asarray(counts, dtype=np.int64)
+        r = np.asarray(rows, dtype=np.int64)
+        out = np.zeros((len(rows), int(want.max())), dtype=np.int32)
+        cur = token_table[r, n - 1].astype(np.int64)
+        width = -(-int((n + want).max()) // self.page_size)  # pages of the longest
+        for j in range(out.shape[1]):
+            live = np.flatnonzero(want > j)  # requests still drafting, in order
+            nxt = self.draft.greedy_step(cur[live], n[live] - 1 + j,
+                                         page_table[r[live], :width])
+            out[live, j] = nxt
+            cur[live] = nxt
+        return [out[i, :want[i]] for i in range(len(rows))]
+
+
+#: a proposer of either method
+Proposer = NgramProposer | DraftModelProposer
 
 
 def accepted_length(drafts: np.ndarray, targets: np.ndarray) -> int:

@@ -46,7 +46,9 @@ _HELP = {"kv_transfer_config": "prefill/decode disaggregation as vLLM's JSON, e.
          "(default auto)",
          "speculative_config": "speculative decoding as vLLM's JSON, e.g. "
          '\'{"method":"ngram","num_speculative_tokens":3,"prompt_lookup_max":4,'
-         '"prompt_lookup_min":2}\' (sampled requests by rejection sampling; see SpeculativeConfig)'}
+         '"prompt_lookup_min":2}\' or \'{"method":"draft_model","model":PATH,'
+         '"num_speculative_tokens":3}\' (sampled requests by rejection sampling; see '
+         'SpeculativeConfig)'}
 
 
 def parse_kv_transfer_config(text: str) -> KVTransferConfig:
