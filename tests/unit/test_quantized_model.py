@@ -1,5 +1,5 @@
-"""A GGUF served in its quantized blocks (``--quantization gguf``) and a float checkpoint
-quantized to int8 at load (``--quantization int8``), on tiny random models built here.
+"""A GGUF served in its quantized blocks (``--quantization gguf``), on tiny random models built
+here (int8 per output channel: ``tests/integration/test_int8_weights.py``).
 
 The reference is the same file served dense (``--quantization none``): gguf-py dequantizes
 every block to float32 and the model runs float32 ``F.linear``, so the two differ only by the
@@ -186,33 +186,6 @@ def test_fused_decode_stack_runs_blocks_with_the_per_op_bits(tmp_path, arch, dty
         if fused:
             assert calls and max(calls) == len(PROMPTS), calls
     assert runs[True] == runs[False]
-
-
-def test_int8_quantization_of_a_float_checkpoint(tmp_path):
-    """``--quantization int8`` holds the projections as Q8_0 blocks made at load and stays
-    within a bound of the float model."""
-    f32 = tmp_path / "f32.gguf"
-    write_tiny_gguf("qwen2", f32, tie=False, hidden=128, intermediate=256)
-    from radixserve.model_executor.loader import gguf_to_hf_folder
-    from radixserve.model_executor.loader.gguf_weights import iter_gguf_weights
-
-    folder = gguf_to_hf_folder(f32, cache_dir=tmp_path / "cache")
-    # a safetensors folder of the same weights (int8 quantizes float checkpoints, not GGUFs)
-    from safetensors.torch import save_file
-
-    state = {n: t.full().contiguous() for n, t in iter_gguf_weights(f32, 4, 2)}
-    save_file(state, str(folder / "model.safetensors"))
-    int8 = LLM(str(folder), dtype="float32", num_pages=64, quantization="int8")
-    runner = int8.engine.runner
-    assert {m.kind for m in runner.model.layers[0].quantized.values()} == {"Q8_0"}
-    assert runner.model.lm_head_q is not None and runner.model.embed_q is None
-    got = _prompt_logprobs(int8, PROMPTS)
-    want = _prompt_logprobs(LLM(str(folder), dtype="float32", num_pages=64), PROMPTS)
-    diffs = [abs(g - w) for gs, ws in zip(got, want, strict=True)
-             for g, w in zip(gs, ws, strict=True)]
-    # weights and activations both rounded to int8 per 32 values (~0.4% each): same bound
-    # as the GGUF test's reasoning
-    assert max(diffs) < 0.1, max(diffs)
 
 
 def test_quantization_refusals(mixed_gguf, tmp_path):

@@ -4,8 +4,9 @@
   Q5_K, Q6_K) by radixserve's quantized kernels; other types are dequantized. The default for a
   GGUF on CPU: a decode step reads every weight once, so 4-bit blocks read ~4x fewer bytes than
   bfloat16 (vLLM's ``--quantization gguf`` is the same choice on GPU).
-* ``int8``: the projections (and an untied LM head) of a float checkpoint quantized to ggml's
-  Q8_0 at load (int8 with a float16 scale per 32 values); CPU only.
+* ``int8``: the projections and the LM head of a float checkpoint quantized at load to int8
+  with one float32 scale per output channel, weight-only (activations stay float:
+  ``layers.int8_weight_linear``); CPU only.
 * ``none``: every weight dense in the serving dtype (a GGUF is dequantized at load).
 """
 
@@ -50,19 +51,19 @@ def choose_quantization(asked: str | None, gguf: Path | None, device: torch.devi
                          "GGUF file (served in its own blocks with --quantization gguf)")
     if asked is None and gguf is None:
         return None, "an unquantized checkpoint: weights dense in the serving dtype"
-    why = _unavailable(device, shards)
+    why = _unavailable(device, shards, asked == "int8")
     if why is not None:
         if asked is not None:
             raise ValueError(f"--quantization {asked}: {why}")
         return None, f"the GGUF is dequantized at load: {why}"
     if asked == "int8":
-        return "int8", ("--quantization int8: projections in Q8_0 blocks (int8, a float16 "
-                        "scale per 32 values) through radixserve's kernels")
+        return "int8", ("--quantization int8: projections and LM head weight-only int8, a "
+                        "float32 scale per output channel, through radixserve's float32 GEMM")
     return "gguf", ("the GGUF's quantized tensors served in their blocks through radixserve's "
                     "kernels" + (" (--quantization gguf)" if asked else ""))
 
 
-def _unavailable(device: torch.device, shards: int) -> str | None:
+def _unavailable(device: torch.device, shards: int, int8: bool) -> str | None:
     if device.type != "cpu":
         return f"quantized kernels run on CPU, not {device.type}"
     if shards > 1:
@@ -70,20 +71,28 @@ def _unavailable(device: torch.device, shards: int) -> str | None:
     kernels = CpuKernels.load()
     if kernels is None:
         return "radixserve's C kernels could not be built here (see the log)"
+    if int8 and not kernels.quant.has_int8w:
+        return "int8 weights run on radixserve's float32 GEMM, which needs AVX2 + FMA"
     return None
 
 
 def served_weight_bytes(a: ModelArgs, dtype: torch.dtype, quantization: str | None,
                         gguf: Path | None) -> int:
     """Bytes the served weights take: the GGUF file's size for "gguf" (an upper bound: dense
-    fall-back rows of a type without kernels take more), Q8_0's 34 bytes per 32 values for
-    "int8" projections beside a dense embedding, else ``weight_bytes``."""
+    fall-back rows of a type without kernels take more); for "int8" one byte per projection
+    and LM head value plus a float32 scale per output, the embedding dense in ``dtype`` (a
+    tied LM head is an int8 copy of it); else ``weight_bytes``."""
     if quantization == "gguf" and gguf is not None:
         return gguf.stat().st_size
     if quantization == "int8":
         embed = a.vocab_size * a.hidden_size
-        dense_values = weight_bytes(a, torch.int8) - embed
-        return dense_values * 34 // 32 + embed * torch.empty(0, dtype=dtype).element_size()
+        int8_values = weight_bytes(a, torch.int8) - embed
+        if a.tie_word_embeddings:
+            int8_values += embed
+        outputs = a.num_layers * (a.num_heads * a.head_dim + 2 * a.num_kv_heads * a.head_dim
+                                  + a.hidden_size + 2 * a.intermediate_size + a.hidden_size)
+        scales = 4 * (outputs + a.vocab_size)
+        return int8_values + scales + embed * torch.empty(0, dtype=dtype).element_size()
     return weight_bytes(a, dtype)
 
 

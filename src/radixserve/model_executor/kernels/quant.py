@@ -35,7 +35,7 @@ SUPPORTED_TYPES: dict[int, str] = {
 }
 _DT = {torch.float32: 0, torch.bfloat16: 1}
 _ERRORS = {1: "bad type or sizes", 2: "a row id out of range (nothing written)",
-           3: "out of memory"}
+           3: "out of memory", 5: "a build without AVX2 + FMA"}
 
 
 def block_info(ggml_type: int) -> tuple[int, int]:
@@ -83,6 +83,31 @@ class QuantKernels:
         #: the tiles this build runs: "avx2" (AVX2 + FMA + F16C) or "portable" (plain C, the
         #: same bits, slower)
         self.isa = "avx2" if fn() == 1 else "portable"
+        fn = lib.rs_linear_f32_i8w
+        fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, c_int]
+        fn.restype = c_int
+        self._int8w = fn
+        #: whether the float32 GEMM (AVX2 + FMA or AVX-512) that runs int8 weights is built
+        self.has_int8w = bool(lib.rs_has_f32_gemm())
+
+    def linear_int8w(self, x_ptr: int, w_ptr: int, scale_ptr: int, out_ptr: int, m: int,
+                     n: int, k: int, k_block: int) -> None:
+        """``out = (x @ Wq.T) * scale`` in float32 for int8 weights packed ``[N/64][K][64]``
+        with one float32 scale per output (``layers.int8_weight_linear``): each output one
+        chain of float32 FMAs over the widened int8 values, restarted every ``k_block``
+        inputs, times its scale; the same chain for every M. On raw addresses: x float32
+        [M, K], out float32 [M, N] (N % 64 == 0), scale float32 [N], all contiguous; the
+        caller checks them.
+
+        Raises:
+            RuntimeError: the kernel's error code (1 bad sizes, 3 out of memory, 5 a build
+                without AVX2 + FMA).
+        """
+        rc = self._int8w(x_ptr, w_ptr, scale_ptr, out_ptr, m, n, k, k_block,
+                         torch.get_num_threads())
+        if rc:
+            raise RuntimeError(f"int8-weight linear kernel failed with code {rc} "
+                               f"({_ERRORS.get(rc, 'unknown')})")
 
     def linear(self, ggml_type: int, w: torch.Tensor, x: torch.Tensor, out: torch.Tensor, *,
                portable: bool = False) -> None:

@@ -1,5 +1,6 @@
 """Linear layers whose weights stay quantized: ggml blocks (GGUF Q4_0, Q4_1, Q8_0, Q4_K, Q5_K,
-Q6_K) read from the file as they are, or int8 made at load (``--quantization int8``).
+Q6_K) read from the file as they are (int8 per output channel made at load, ``--quantization
+int8``, is ``layers.int8_weight_linear``).
 
 A projection is a list of row segments, each in its own format: llama.cpp's ``Q4_K_M`` files
 store ``attn_v`` (and ``ffn_down``) of some layers in Q6_K and ``attn_q``/``attn_k`` in Q4_K, so
@@ -22,10 +23,6 @@ from gguf import GGMLQuantizationType
 
 from radixserve.model_executor.kernels.quant import QuantKernels, block_info, row_bytes
 
-#: ggml's Q8_0: blocks of 32 int8 values and one float16 scale (34 bytes); ``--quantization
-#: int8`` stores linears in it
-Q8_0 = 8
-
 
 @dataclass
 class Segment:
@@ -33,15 +30,18 @@ class Segment:
 
     Attributes:
         lo, hi: output rows (features) this segment computes.
-        ggml_type: the ggml type of ``data``, or None for dense rows.
-        data: uint8 ``[hi - lo, row_bytes]`` ggml blocks, or ``[hi - lo, K]`` dense rows in the
-            serving dtype.
+        ggml_type: the ggml type of ``data``, None for dense rows, or ``INT8_CHANNEL``
+            (``layers.int8_weight_linear``) for int8 rows with a scale each.
+        data: uint8 ``[hi - lo, row_bytes]`` ggml blocks, ``[hi - lo, K]`` dense rows in the
+            serving dtype, or int8 ``[hi - lo, K]``.
+        scale: float32 ``[hi - lo]``, the int8 rows' scales; else None.
     """
 
     lo: int
     hi: int
     ggml_type: int | None
     data: torch.Tensor
+    scale: torch.Tensor | None = None
 
 
 class QuantizedLinear:
@@ -149,21 +149,3 @@ class QuantizedEmbedding:
         out = torch.empty(ids.shape[0], self.dim, dtype=self.dtype)
         self.quant.dequantize_rows(self.ggml_type, self.data, ids.contiguous(), out)
         return out
-
-
-def quantize_q8_0(rows: torch.Tensor) -> torch.Tensor:
-    """Float rows ``[R, K]`` (K a multiple of 32) -> uint8 ``[R, K / 32 * 34]`` Q8_0 blocks:
-    per block of 32, ``d = max|x| / 127`` as float16 and ``round(x / d)`` as int8 (ggml's
-    ``quantize_row_q8_0_ref``, here gguf-py's ``quants.quantize``).
-
-    Raises:
-        ValueError: K not a multiple of 32.
-    """
-    import numpy as np
-    from gguf.quants import quantize
-
-    if rows.shape[1] % 32:
-        raise ValueError(f"int8 (Q8_0) needs rows of a multiple of 32 values, not "
-                         f"{rows.shape[1]}")
-    q = quantize(rows.float().numpy(), GGMLQuantizationType.Q8_0)
-    return torch.from_numpy(np.ascontiguousarray(q, dtype=np.uint8))

@@ -9,9 +9,9 @@ once per step here instead of once per op.
 
 It applies where every op of the per-op path is one of those kernels: each projection either
 packed weights (bf16 or float32) through radixserve's linear kernel (``packed_kernel``), the AMX
-GEMM (``layers.amx_linear``), bf16 weights under float32 (``layers.bf16_weight_linear``) or GGUF
-blocks through the quantized kernels (``layers.quantized``,
-every segment quantized), the "cpu"
+GEMM (``layers.amx_linear``), bf16 weights under float32 (``layers.bf16_weight_linear``), int8
+per output channel (``layers.int8_weight_linear``) or GGUF blocks through the quantized kernels
+(``layers.quantized``, every segment quantized), the "cpu"
 attention backend, no tensor parallelism, no Q/K norm, a Q/K/V bias added after the product
 (as the packed and the quantized projections add it; one inside oneDNN's GEMM cannot be), and a
 step of decodes only with at most the packed kernel's ``max_rows`` rows. Any other step runs the
@@ -32,6 +32,7 @@ from radixserve.model_executor.attention.paged_attention import (
 from radixserve.model_executor.kernels.cpu import CpuKernels
 from radixserve.model_executor.layers.amx_linear import AmxLinear
 from radixserve.model_executor.layers.bf16_weight_linear import Bf16WeightLinear
+from radixserve.model_executor.layers.int8_weight_linear import Int8WeightLinear
 from radixserve.model_executor.layers.packed_kernel import PackedLinearKernel
 from radixserve.model_executor.layers.quantized import QuantizedLinear
 
@@ -47,6 +48,9 @@ AMX = -2
 #: the flag added to the K blocking of a projection whose weights are bfloat16 under float32
 #: activations (``DL_W_BF16``, ``layers.bf16_weight_linear``)
 W_BF16 = 1 << 40
+#: ... and one held in int8 per output channel (``DL_INT8``: the field before it is the
+#: address of ``Int8WeightLinear.table``)
+INT8 = -3
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
@@ -62,7 +66,7 @@ def _fused_projection(op: object) -> str | None:
         if any(s.ggml_type is None for s in op.segments):
             return "a projection has rows of a GGUF type without a kernel (held dense)"
         return None
-    if (isinstance(op, AmxLinear | Bf16WeightLinear)
+    if (isinstance(op, AmxLinear | Bf16WeightLinear | Int8WeightLinear)
             or isinstance(getattr(op, "kernel", None), PackedLinearKernel)):
         return None
     return "needs every projection on radixserve's linear kernels or GGUF blocks"
@@ -88,7 +92,8 @@ class DecodeStack:
         #: kernels run every decode batch on the per-op path too)
         caps = [getattr(layer, n).kernel.max_rows for layer in layers for n in PROJECTIONS
                 if not isinstance(getattr(layer, n),
-                                  QuantizedLinear | AmxLinear | Bf16WeightLinear)]
+                                  QuantizedLinear | AmxLinear | Bf16WeightLinear
+                                  | Int8WeightLinear)]
         self.max_rows = min(caps) if caps else 1 << 30
         #: [L, FIELDS] int64, built for one set of KV tensors (``_table``)
         self._table: np.ndarray | None = None
@@ -156,6 +161,8 @@ class DecodeStack:
             return op.ptr, AMX
         if isinstance(op, Bf16WeightLinear):
             return op.ptr, op.k_block | W_BF16
+        if isinstance(op, Int8WeightLinear):
+            return int(op.table.ctypes.data), INT8
         kernel = op.kernel  # type: ignore[attr-defined]
         return kernel.ptr, kernel.k_block
 

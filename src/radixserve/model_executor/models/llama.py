@@ -25,6 +25,12 @@ from radixserve.model_executor.kernels.cpu import CpuKernels
 from radixserve.model_executor.kernels.quant import SUPPORTED_TYPES, QuantKernels, block_info
 from radixserve.model_executor.layers.amx_linear import AmxLinear
 from radixserve.model_executor.layers.bf16_weight_linear import Bf16WeightLinear
+from radixserve.model_executor.layers.int8_weight_linear import (
+    BLOCK_N,
+    INT8_CHANNEL,
+    Int8WeightLinear,
+    quantize_per_channel,
+)
 from radixserve.model_executor.layers.linear import (
     KernelFactory,
     LinearFn,
@@ -33,11 +39,9 @@ from radixserve.model_executor.layers.linear import (
 )
 from radixserve.model_executor.layers.packed_kernel import find_k_block, packed_kernel_linear
 from radixserve.model_executor.layers.quantized import (
-    Q8_0,
     QuantizedEmbedding,
     QuantizedLinear,
     Segment,
-    quantize_q8_0,
 )
 from radixserve.model_executor.loader.lazy_tensor import LazyTensor, as_lazy, copy_rows
 from radixserve.model_executor.parallel.group import TensorParallelGroup
@@ -53,8 +57,10 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 PROBE_MAX_ROWS = 8192
 
 #: how linear weights may be held besides dense: "gguf" (a GGUF's quantized blocks as stored)
-#: or "int8" (Q8_0 blocks made at load from a float checkpoint)
+#: or "int8" (int8 per output channel, made at load from a float checkpoint)
 QUANTIZATIONS = ("gguf", "int8")
+#: a projection held quantized: GGUF blocks or int8 per output channel
+QuantMethod = QuantizedLinear | Int8WeightLinear
 
 #: the parameters whose weights a quantization may hold in blocks instead
 _LINEAR_PARAMS = ("qkv", "o", "gate_up", "down")
@@ -274,7 +280,7 @@ class DecoderLayer(nn.Module):
         self.kernels = kernels
         self.ops: LayerOps | None = ops if ops is not None else kernels
         #: projections held in blocks (``set_quantized``), by parameter name
-        self.quantized: dict[str, QuantizedLinear] = {}
+        self.quantized: dict[str, QuantMethod] = {}
         self.qkv_proj: LinearFn
         self.o_proj: LinearFn
         self.gate_up_proj: LinearFn
@@ -290,7 +296,7 @@ class DecoderLayer(nn.Module):
             if n not in self.quantized:
                 setattr(self, n + "_proj", dense_linear(self.get_parameter(n), bias.get(n)))
 
-    def set_quantized(self, name: str, method: QuantizedLinear) -> None:
+    def set_quantized(self, name: str, method: QuantMethod) -> None:
         """Hold projection ``name`` ("qkv", "o", "gate_up", "down") as ``method``; its dense
         parameter is freed."""
         self.quantized[name] = method
@@ -409,7 +415,8 @@ class CausalLM(nn.Module):
             checkpoint ships them (``use_bf16_weight_linears``); None: ``dtype``.
         quantization: None (every weight dense in ``dtype``), "gguf" (a GGUF's quantized
             projections, embedding and LM head kept in their blocks) or "int8" (the
-            projections and an untied LM head quantized to Q8_0 at load); see
+            projections and the LM head, tied or not, quantized to int8 per output channel at
+            load, the embedding dense: ``layers.int8_weight_linear``); see
             ``layers.quantized``. Needs ``quant`` and a CPU model without tensor parallelism.
         quant: the quantized kernels (``CpuKernels.quant``), with ``quantization``.
         layer_ops: the fused norm / RoPE / activation steps of every layer and the final norm
@@ -442,8 +449,8 @@ class CausalLM(nn.Module):
         self.quantization, self.quant = quantization, quant
         #: the embedding looked up from blocks (``quantization`` "gguf"), else None
         self.embed_q: QuantizedEmbedding | None = None
-        #: the LM head held in blocks, else None (dense or packed, ``_lm_head_proj``)
-        self.lm_head_q: QuantizedLinear | None = None
+        #: the LM head held quantized, else None (dense or packed, ``_lm_head_proj``)
+        self.lm_head_q: QuantMethod | None = None
         local = self.shard.local_args(a)
         rows = self.shard.vocab_rows
         f = {"dtype": dtype, "device": device}
@@ -737,17 +744,22 @@ class CausalLM(nn.Module):
                     or src.shape[1] % block_info(t)[0]):
                 return None
             return Segment(lo, lo + n, t, src.block_rows(0, n))
-        if base == "embed" or src.shape[1] % 32:
-            return None  # int8: the embedding stays dense (the tied LM head with it)
+        if base == "embed" or self.get_parameter(target).shape[0] % BLOCK_N:
+            return None  # int8: the embedding stays dense (and the panels need 64 rows)
         step = src.row_chunk()
-        parts = [quantize_q8_0(src.rows(i, min(n, i + step))) for i in range(0, n, step)]
-        return Segment(lo, lo + n, Q8_0, torch.cat(parts) if len(parts) > 1 else parts[0])
+        parts = [quantize_per_channel(src.rows(i, min(n, i + step))) for i in range(0, n, step)]
+        q = torch.cat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
+        scale = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
+        return Segment(lo, lo + n, INT8_CHANNEL, q, scale)
 
     def _bind_blocks(self, blocks: dict[str, list[Segment]]) -> None:
         """Turn the parameters with rows in blocks into quantized methods; rows loaded dense
         become dense segments of the same method, and the dense parameters are freed."""
         quant = self.quant
         assert quant is not None
+        if self.quantization == "int8":
+            self._bind_int8(blocks)
+            return
         for target, segs in blocks.items():
             param = self.get_parameter(target)
             n, k = param.shape
@@ -778,6 +790,36 @@ class CausalLM(nn.Module):
                 param.data = torch.empty(0, dtype=param.dtype)
             else:
                 self.get_submodule(owner).set_quantized(name, method)
+
+    def _bind_int8(self, blocks: dict[str, list[Segment]]) -> None:
+        """``quantization`` "int8": each parameter quantized at load becomes an
+        ``Int8WeightLinear`` (every row of it was quantized: a parameter whose rows are not a
+        multiple of 64 is loaded dense); a tied LM head is quantized here from the dense
+        embedding, which stays for the lookup."""
+        quant = self.quant
+        assert quant is not None
+        for target, segs in blocks.items():
+            segs = sorted(segs, key=lambda sg: sg.lo)
+            q = torch.cat([sg.data for sg in segs])
+            scale = torch.cat([sg.scale for sg in segs if sg.scale is not None])
+            owner, _, name = target.rpartition(".")
+            param = self.get_parameter(target)
+            if q.shape[0] != param.shape[0] or scale.shape[0] != param.shape[0]:
+                raise ValueError(f"{target}: {q.shape[0]} of {param.shape[0]} rows quantized")
+            bias = (getattr(self.get_submodule(owner), "qkv_bias", None) if name == "qkv"
+                    else None)
+            method = Int8WeightLinear(quant, q, scale, bias)
+            if name == "lm_head":
+                self.lm_head_q = method
+                param.data = torch.empty(0, dtype=param.dtype)
+            else:
+                self.get_submodule(owner).set_quantized(name, method)
+        if self.lm_head is None and self.embed.shape[0] % BLOCK_N == 0:
+            step = max(1, (64 << 20) // (4 * self.embed.shape[1]))
+            parts = [quantize_per_channel(self.embed[i:i + step].detach())
+                     for i in range(0, self.embed.shape[0], step)]
+            self.lm_head_q = Int8WeightLinear(quant, torch.cat([p[0] for p in parts]),
+                                              torch.cat([p[1] for p in parts]))
 
     def _shard_plan(self, name: str, shape: tuple[int, ...]
                     ) -> tuple[tuple[int, int], tuple[int, int] | None, int]:

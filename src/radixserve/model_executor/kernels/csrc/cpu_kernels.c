@@ -1168,6 +1168,7 @@ typedef __m512 f32v;
 #define F32_SET1 _mm512_set1_ps
 #define F32_FMA _mm512_fmadd_ps
 #define F32_ADD _mm512_add_ps
+#define F32_MUL _mm512_mul_ps
 #elif defined(__AVX2__) && defined(__FMA__)
 #define RS_F32_GEMM 1
 #define F32_VW 8
@@ -1180,6 +1181,7 @@ typedef __m256 f32v;
 #define F32_SET1 _mm256_set1_ps
 #define F32_FMA _mm256_fmadd_ps
 #define F32_ADD _mm256_add_ps
+#define F32_MUL _mm256_mul_ps
 #else
 #define RS_F32_GEMM 0
 #endif
@@ -1195,14 +1197,38 @@ typedef __m256 f32v;
         _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #endif
 
+#if RS_F32_GEMM == 2
+/* 16 int8 weights widened to float32 (exact) */
+#define F32_LOAD_I8(p)                                                                         \
+    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#elif RS_F32_GEMM == 1
+#define F32_LOAD_I8(p)                                                                         \
+    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#endif
+
 #if RS_F32_GEMM
 _Static_assert(F32_MR <= 6, "TILE_BY_ROWS covers 1..6 rows");
 #define F32_TILE (F32_NT * F32_VW) /* outputs per tile: 64 (AVX-512) or 16 (AVX2) */
+/* The weight kinds the float32 GEMM reads: float32, bfloat16 or int8 (the latter two widened
+ * exactly as they are loaded; int8 sums are multiplied by their output's scale at the end). */
+enum { W_F32 = 0, W_BF16 = 1, W_I8 = 2 };
+/* F32_VW weights of kind wk at element i of base, as float32 */
+static inline __attribute__((always_inline)) f32v f32_load_w(const int wk, const void *base,
+                                                             int64_t i) {
+    if (wk == W_BF16) return F32_LOAD_BF16((const uint16_t *)base + i);
+    if (wk == W_I8) return F32_LOAD_I8((const int8_t *)base + i);
+    return F32_LOAD((const float *)base + i);
+}
+/* y[j] *= s[j] for j < n (n a multiple of F32_VW): an int8 weight's per-output scale */
+static inline void scale_out(float *y, const float *s, int64_t n) {
+    for (int64_t j = 0; j < n; j += F32_VW)
+        F32_STORE(y + j, F32_MUL(F32_LOAD(y + j), F32_LOAD(s + j)));
+}
 /* One tile of rows x F32_TILE outputs. The weights at wb, k-major with row stride ws, are
- * float32 (wbf 0) or bfloat16 widened as they are loaded (wbf 1); either way each output is
+ * float32, or bfloat16 or int8 widened as they are loaded (wk); either way each output is
  * the same chain of float32 FMAs, so the two give the same bits for bf16-exact weights. */
 static inline __attribute__((always_inline)) void f32_tile(
-        const int mr, const float *x, int64_t K, const void *wb, const int wbf, int64_t ws,
+        const int mr, const float *x, int64_t K, const void *wb, const int wk, int64_t ws,
         int64_t kblk, float *tot, const char *pf, int64_t *pf_off, int64_t pf_end,
         int64_t pf_lines) {
     for (int64_t k0 = 0; k0 < K; k0 += kblk) {
@@ -1214,13 +1240,7 @@ static inline __attribute__((always_inline)) void f32_tile(
             for (int64_t l = 0; l < pf_lines && *pf_off < pf_end; ++l, *pf_off += 64)
                 __builtin_prefetch(pf + *pf_off, 0, 3);
             f32v b[F32_NT];
-            if (wbf) {
-                const uint16_t *wk = (const uint16_t *)wb + k * ws;
-                for (int u = 0; u < F32_NT; ++u) b[u] = F32_LOAD_BF16(wk + u * F32_VW);
-            } else {
-                const float *wk = (const float *)wb + k * ws;
-                for (int u = 0; u < F32_NT; ++u) b[u] = F32_LOAD(wk + u * F32_VW);
-            }
+            for (int u = 0; u < F32_NT; ++u) b[u] = f32_load_w(wk, wb, k * ws + u * F32_VW);
             for (int r = 0; r < mr; ++r) {
                 const f32v xv = F32_SET1(x[r * K + k]);
                 for (int u = 0; u < F32_NT; ++u) a[r][u] = F32_FMA(xv, b[u], a[r][u]);
@@ -1237,7 +1257,7 @@ static inline __attribute__((always_inline)) void f32_tile(
  * kernel is bound by streaming the weights, which this reads front to back, 128 or 256 bytes
  * per k, where the quarter tiles would cross each block four times. Same FMAs per output. */
 static inline __attribute__((always_inline)) void f32_row64(
-        const float *x, int64_t K, const void *wb, const int wbf, int64_t kblk, float *tot,
+        const float *x, int64_t K, const void *wb, const int wk, int64_t kblk, float *tot,
         const char *pf, int64_t *pf_off, int64_t pf_end, int64_t pf_lines) {
     enum { NV = GEMV_NB / F32_VW };
     for (int64_t k0 = 0; k0 < K; k0 += kblk) {
@@ -1248,13 +1268,8 @@ static inline __attribute__((always_inline)) void f32_row64(
             for (int64_t l = 0; l < pf_lines && *pf_off < pf_end; ++l, *pf_off += 64)
                 __builtin_prefetch(pf + *pf_off, 0, 3);
             const f32v xv = F32_SET1(x[k]);
-            if (wbf) {
-                const uint16_t *wk = (const uint16_t *)wb + k * GEMV_NB;
-                for (int u = 0; u < NV; ++u) a[u] = F32_FMA(xv, F32_LOAD_BF16(wk + u * F32_VW), a[u]);
-            } else {
-                const float *wk = (const float *)wb + k * GEMV_NB;
-                for (int u = 0; u < NV; ++u) a[u] = F32_FMA(xv, F32_LOAD(wk + u * F32_VW), a[u]);
-            }
+            for (int u = 0; u < NV; ++u)
+                a[u] = F32_FMA(xv, f32_load_w(wk, wb, k * GEMV_NB + u * F32_VW), a[u]);
         }
         for (int u = 0; u < NV; ++u)
             F32_STORE(tot + u * F32_VW, k0 == 0 ? a[u] : F32_ADD(F32_LOAD(tot + u * F32_VW), a[u]));
@@ -1289,24 +1304,27 @@ static inline __attribute__((always_inline)) void f32_tile_kc(
  * runs them */
 #define F32_KC (4096 / F32_TILE)
 
-#define F32_TILE_W(R, ...) f32_tile(R, __VA_ARGS__, 0, GEMV_NB, kblk, tot, pf, &pf_off, \
+#define F32_TILE_W(R, ...) f32_tile(R, __VA_ARGS__, W_F32, GEMV_NB, kblk, tot, pf, &pf_off, \
                                     pf_end, pf_lines)
-#define BF16_TILE_W(R, ...) f32_tile(R, __VA_ARGS__, 1, GEMV_NB, kblk, tot, pf, &pf_off, \
+#define BF16_TILE_W(R, ...) f32_tile(R, __VA_ARGS__, W_BF16, GEMV_NB, kblk, tot, pf, &pf_off, \
                                      pf_end, pf_lines)
-#define SCRATCH_TILE_W(R, ...) f32_tile(R, __VA_ARGS__, 0, F32_TILE, kblk, tot, pf, &pf_off, \
-                                        pf_end, pf_lines)
+#define I8_TILE_W(R, ...) f32_tile(R, __VA_ARGS__, W_I8, GEMV_NB, kblk, tot, pf, &pf_off, \
+                                   pf_end, pf_lines)
 
-/* The float32 GEMM over weights packed [N/64][K][64], float32 (wbf 0) or bfloat16 (wbf 1).
- * With bf16 weights, a thread with more than one row tile of a panel widens that panel
+/* The float32 GEMM over weights packed [N/64][K][64], float32, bfloat16 or int8 (wk: W_F32,
+ * W_BF16, W_I8; int8 sums are multiplied by `scale` [N], one float32 per output, at the end).
+ * With narrow weights, a thread with more than one row tile of a panel widens that panel
  * (K x F32_TILE) into its own float32 scratch once and runs all its tiles over it F32_KC inputs
  * at a time (f32_tile_kc), so the weights each pass reads stay in L1 while the rows stream
  * through: over Qwen2.5-0.5B's projections at 256 and 2048 rows, 1.3-1.9x the tile-by-tile
  * order on the Zen 3 kind with other work on the machine. The FMAs are the same, in the same
  * order per output, whatever the path. */
-static int linear_f32_core(const float *x, const void *w, const int wbf, float *y, int64_t M,
-                           int64_t N, int64_t K, int64_t kblk, int num_threads) {
+static int linear_f32_core(const float *x, const void *w, const int wk, const float *scale,
+                           float *y, int64_t M, int64_t N, int64_t K, int64_t kblk,
+                           int num_threads) {
     if (M <= 0 || N <= 0 || N % GEMV_NB || K <= 0 || kblk <= 0) return 1;
-    const size_t es = wbf ? 2 : 4;
+    if ((wk == W_I8) != (scale != NULL)) return 1;
+    const size_t es = wk == W_F32 ? 4 : wk == W_BF16 ? 2 : 1;
     const int64_t blocks = N / GEMV_NB, tiles = (M + F32_MR - 1) / F32_MR;
     const int row64 = M == 1; /* one row: whole blocks (f32_row64) */
     const int64_t halves = row64 ? 1 : GEMV_NB / F32_TILE;
@@ -1322,7 +1340,7 @@ static int linear_f32_core(const float *x, const void *w, const int wbf, float *
         const int64_t per_block = halves * tiles;
         thread_share(blocks * per_block, &w0, &w1);
         float *part = NULL; /* the share's tiles' running sums of one panel (kc passes) */
-        if (wbf && tiles > 1) {
+        if (wk != W_F32 && tiles > 1) {
             scratch = (float *)malloc(sizeof(float) * (size_t)K * F32_TILE);
             part = (float *)malloc(sizeof(float) * (size_t)tiles * F32_MR * F32_TILE);
             if (scratch == NULL || part == NULL) {
@@ -1339,17 +1357,17 @@ static int linear_f32_core(const float *x, const void *w, const int wbf, float *
             const int64_t pf_end = (nb + 1) * per_block < w1 ? block_bytes : 0;
             for (int64_t hf = 0; hf < halves; ++hf) {
                 const void *wb = blk + es * (size_t)(hf * F32_TILE);
+                const float *sc = scale == NULL ? NULL : scale + nb * GEMV_NB + hf * F32_TILE;
                 int64_t t0, t1;
                 share_tiles((nb * halves + hf) * tiles, tiles, w0, w1, &t0, &t1);
-                const int widen = wbf && t1 - t0 > 1;
+                const int widen = wk != W_F32 && t1 - t0 > 1;
                 if (widen) {
-                    const uint16_t *src = (const uint16_t *)wb;
                     for (int64_t k = 0; k < K; ++k)
                         for (int u = 0; u < F32_NT; ++u)
                             F32_STORE(scratch + k * F32_TILE + u * F32_VW,
-                                      F32_LOAD_BF16(src + k * GEMV_NB + u * F32_VW));
-                }
-                if (widen) {
+                                      wk == W_BF16
+                                          ? f32_load_w(W_BF16, wb, k * GEMV_NB + u * F32_VW)
+                                          : f32_load_w(W_I8, wb, k * GEMV_NB + u * F32_VW));
                     /* kblk blocks, each in F32_KC passes over all the share's tiles; a block's
                      * sums are then added into y as f32_tile adds them into tot */
                     const int64_t m_end = M < t1 * F32_MR ? M : t1 * F32_MR;
@@ -1374,28 +1392,36 @@ static int linear_f32_core(const float *x, const void *w, const int wbf, float *
                                                             F32_LOAD(acc + u * F32_VW)));
                         }
                     }
+                    if (sc != NULL)
+                        for (int64_t m = t0 * F32_MR; m < m_end; ++m)
+                            scale_out(y + m * N + nb * GEMV_NB + hf * F32_TILE, sc, F32_TILE);
                     continue;
                 }
                 for (int64_t m0 = t0 * F32_MR; m0 < M && m0 < t1 * F32_MR; m0 += F32_MR) {
                     const int64_t mr = M - m0 < F32_MR ? M - m0 : F32_MR;
                     const float *xm = x + m0 * K;
                     if (row64) {
-                        if (wbf)
-                            f32_row64(xm, K, wb, 1, kblk, tot, pf, &pf_off, pf_end, pf_lines);
+                        if (wk == W_BF16)
+                            f32_row64(xm, K, wb, W_BF16, kblk, tot, pf, &pf_off, pf_end, pf_lines);
+                        else if (wk == W_I8)
+                            f32_row64(xm, K, wb, W_I8, kblk, tot, pf, &pf_off, pf_end, pf_lines);
                         else
-                            f32_row64(xm, K, wb, 0, kblk, tot, pf, &pf_off, pf_end, pf_lines);
+                            f32_row64(xm, K, wb, W_F32, kblk, tot, pf, &pf_off, pf_end, pf_lines);
                         memcpy(y + nb * GEMV_NB, tot, sizeof(float) * GEMV_NB);
+                        if (sc != NULL) scale_out(y + nb * GEMV_NB, sc, GEMV_NB);
                         continue;
                     }
-                    if (widen)
-                        TILE_BY_ROWS(SCRATCH_TILE_W, mr, xm, K, scratch);
-                    else if (wbf)
+                    if (wk == W_BF16)
                         TILE_BY_ROWS(BF16_TILE_W, mr, xm, K, wb);
+                    else if (wk == W_I8)
+                        TILE_BY_ROWS(I8_TILE_W, mr, xm, K, wb);
                     else
                         TILE_BY_ROWS(F32_TILE_W, mr, xm, K, wb);
-                    for (int64_t r = 0; r < mr; ++r)
-                        memcpy(y + (m0 + r) * N + nb * GEMV_NB + hf * F32_TILE,
-                               tot + r * F32_TILE, sizeof(float) * F32_TILE);
+                    for (int64_t r = 0; r < mr; ++r) {
+                        float *yr = y + (m0 + r) * N + nb * GEMV_NB + hf * F32_TILE;
+                        memcpy(yr, tot + r * F32_TILE, sizeof(float) * F32_TILE);
+                        if (sc != NULL) scale_out(yr, sc, F32_TILE);
+                    }
                 }
             }
         }
@@ -1409,7 +1435,7 @@ static int linear_f32_core(const float *x, const void *w, const int wbf, float *
 int rs_linear_f32_packed(const float *x, const float *w, float *y, int64_t M, int64_t N,
                          int64_t K, int64_t kblk, int num_threads) {
 #if RS_F32_GEMM
-    return linear_f32_core(x, w, 0, y, M, N, K, kblk, num_threads);
+    return linear_f32_core(x, w, W_F32, NULL, y, M, N, K, kblk, num_threads);
 #else
     (void)x, (void)w, (void)y, (void)M, (void)N, (void)K, (void)kblk, (void)num_threads;
     return 5;
@@ -1426,9 +1452,29 @@ int rs_linear_f32_packed(const float *x, const float *w, float *y, int64_t M, in
 int rs_linear_f32_bf16w(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N,
                         int64_t K, int64_t kblk, int num_threads) {
 #if RS_F32_GEMM
-    return linear_f32_core(x, w, 1, y, M, N, K, kblk, num_threads);
+    return linear_f32_core(x, w, W_BF16, NULL, y, M, N, K, kblk, num_threads);
 #else
     (void)x, (void)w, (void)y, (void)M, (void)N, (void)K, (void)kblk, (void)num_threads;
+    return 5;
+#endif
+}
+
+/* `rs_linear_f32_packed` over int8 weights in the same [N/64][K][64] layout with one float32
+ * scale per output (`layers.int8_weight_linear`, ``--quantization int8``: weight-only, per
+ * output channel): y = (x . w_int8) * scale, float32 activations and sums, the int8 values
+ * widened exactly as they are loaded, the scale applied once per output after its whole sum;
+ * a quarter of the float32 weight bytes read, and the same chain of FMAs per output for every
+ * M (a row's result does not depend on the batch).
+ *   x: M x K float32; w: N x K int8, packed; scale: N float32; y: M x N float32; N % 64 == 0.
+ * Returns 0; 1 on bad sizes; 3 out of memory; 5 where the build has no AVX2 + FMA. */
+int rs_linear_f32_i8w(const float *x, const int8_t *w, const float *scale, float *y, int64_t M,
+                      int64_t N, int64_t K, int64_t kblk, int num_threads) {
+#if RS_F32_GEMM
+    if (scale == NULL) return 1;
+    return linear_f32_core(x, w, W_I8, scale, y, M, N, K, kblk, num_threads);
+#else
+    (void)x, (void)w, (void)scale, (void)y, (void)M, (void)N, (void)K, (void)kblk;
+    (void)num_threads;
     return 5;
 #endif
 }
@@ -1491,6 +1537,28 @@ int rs_amx_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *
 /* kblk with DL_W_BF16 set (float32 only): w is bfloat16 weights packed as the float32 ones,
  * run by rs_linear_f32_bf16w with the K blocking in the low bits */
 #define DL_W_BF16 ((int64_t)1 << 40)
+/* kblk == DL_INT8: w is an int64 table {int8 weights packed [N/64][K][64], float32 scale [N],
+ * K blocking}, run by rs_linear_f32_i8w; under bfloat16 activations the rows are widened to
+ * float32 and the outputs rounded back, as `layers.int8_weight_linear` does per op */
+#define DL_INT8 (-3)
+int rs_linear_f32_i8w(const float *x, const int8_t *w, const float *scale, float *y, int64_t M,
+                      int64_t N, int64_t K, int64_t kblk, int num_threads);
+
+static int linear_int8(int dtype, const void *x, const int64_t *t, void *y, int64_t M,
+                       int64_t N, int64_t K, int num_threads) {
+    const int8_t *w = (const int8_t *)(intptr_t)t[0];
+    const float *scale = (const float *)(intptr_t)t[1];
+    if (dtype == 0)
+        return rs_linear_f32_i8w(x, w, scale, y, M, N, K, t[2], num_threads);
+    float *xf = (float *)malloc(sizeof(float) * (size_t)(M * K + M * N));
+    if (xf == NULL) return 3;
+    float *yf = xf + M * K;
+    for (int64_t i = 0; i < M * K; ++i) xf[i] = bf16_to_f32(((const uint16_t *)x)[i]);
+    const int rc = rs_linear_f32_i8w(xf, w, scale, yf, M, N, K, t[2], num_threads);
+    for (int64_t i = 0; rc == 0 && i < M * N; ++i) ((uint16_t *)y)[i] = f32_to_bf16(yf[i]);
+    free(xf);
+    return rc;
+}
 
 static int linear_packed(int dtype, const void *x, int64_t w, void *y, int64_t M, int64_t N,
                          int64_t K, int64_t kblk, int num_threads) {
@@ -1506,6 +1574,8 @@ static int linear_packed(int dtype, const void *x, int64_t w, void *y, int64_t M
         }
         return 0;
     }
+    if (kblk == DL_INT8)
+        return linear_int8(dtype, x, (const int64_t *)(intptr_t)w, y, M, N, K, num_threads);
     if (kblk > 0 && (kblk & DL_W_BF16))
         return dtype == 0 ? rs_linear_f32_bf16w(x, (const uint16_t *)(intptr_t)w, y, M, N, K,
                                                 kblk & ~DL_W_BF16, num_threads)
