@@ -28,8 +28,13 @@ WORKER_ARGS = ["--null-model", "--null-step-ms", "2", "--num-pages", "2048",
 SMG_STABLE = ["--worker-wedge-secs", "60", "--disable-worker-overload-protection",
               "--balance-rel-threshold", "10", "--cb-failure-threshold", "2",
               "--retry-max-retries", "2"]
-#: tokens per streamed request: ~0.3-1 s each, so restarts catch some mid-stream
-TOKENS = 150
+#: The rolling-restart traffic: 60 tokens of 10 ms steps per streamed request, ~0.6-1 s each,
+#: so restarts catch some mid-stream. Fewer, slower steps than WORKER_ARGS' 2 ms: every token
+#: is a chunk relayed by the worker, smg and the client, and at 2 ms steps that relaying kept
+#: both CI cores busy, doubling how long a restarted worker took to start.
+TRAFFIC_WORKER_ARGS = ["--null-model", "--null-step-ms", "10", "--num-pages", "2048",
+                       "--shutdown-timeout", "60"]
+TOKENS = 60
 
 pytestmark = pytest.mark.skipif(not (Path(sys.executable).parent / "smg").exists(),
                                 reason="smg is not installed (the gateway extra)")
@@ -42,7 +47,7 @@ class Worker(Proc):
         self.port, self.metrics_port = port, metrics_port
         super().__init__(name, [sys.executable, "-m", "radixserve.cli", "serve", "--grpc",
                                 "--host", "127.0.0.1", "--port", str(port), "--metrics-port",
-                                str(metrics_port), *WORKER_ARGS], workdir)
+                                str(metrics_port), *TRAFFIC_WORKER_ARGS], workdir)
 
     @property
     def url(self) -> str:
