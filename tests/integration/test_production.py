@@ -38,13 +38,21 @@ SECRET_PROMPT = "my secret prompt text"
 
 
 def _start(tmp_path: Path, args: list[str] = ()) -> ServerProcess:
-    srv = ServerProcess([*NULL_ARGS, *args], tmp_path)
+    return _start_all([(tmp_path, args)])[0]
+
+
+def _start_all(specs: list[tuple[Path, list[str]]]) -> list[ServerProcess]:
+    """A null-model server per ``(workdir, args)``, all launched before any is waited for:
+    start-up is mostly single-threaded imports, so two start in about the time of one."""
+    servers = [ServerProcess([*NULL_ARGS, *args], workdir) for workdir, args in specs]
     try:
-        srv.wait_ready(timeout_s=180)
+        for srv in servers:
+            srv.wait_ready(timeout_s=180)
     except BaseException:
-        srv.stop()
+        for srv in servers:
+            srv.stop()
         raise
-    return srv
+    return servers
 
 
 def _client(srv: ServerProcess) -> openai.OpenAI:
@@ -179,10 +187,11 @@ def test_request_and_stats_lines(srv) -> None:
 @pytest.mark.timeout(300)
 def test_json_logs(tmp_path: Path) -> None:
     """JSON lines with --log-prompts; nothing with the switches off."""
-    quiet = _start(tmp_path / "q", ["--disable-log-requests", "--disable-log-stats",
-                                        "--log-stats-interval", "0.2"])
-    loud = _start(tmp_path / "j", ["--log-format", "json", "--log-prompts",
-                                      "--log-stats-interval", "0.2"])
+    quiet, loud = _start_all([
+        (tmp_path / "q", ["--disable-log-requests", "--disable-log-stats",
+                          "--log-stats-interval", "0.2"]),
+        (tmp_path / "j", ["--log-format", "json", "--log-prompts", "--log-stats-interval",
+                          "0.2"])])
     try:
         for s in (quiet, loud):
             _client(s).completions.create(model=MODEL, prompt=SECRET_PROMPT, max_tokens=100,
@@ -360,8 +369,12 @@ def test_generation_config_folder_sets_defaults(tmp_path: Path, srv) -> None:
     gen.mkdir()
     (gen / "generation_config.json").write_text(json.dumps(
         {"max_new_tokens": 7, "temperature": 0.5, "top_k": 50}))
-    s = _start(tmp_path / "s", ["--generation-config", str(gen)])
+    # a folder without the file, refused at start-up (checked below), started alongside
+    bad = ServerProcess([*NULL_ARGS, "--generation-config", str(tmp_path / "nope")],
+                        tmp_path / "b")
+    s = None
     try:
+        s = _start(tmp_path / "s", ["--generation-config", str(gen)])
         c = _client(s)
         msgs = [{"role": "user", "content": "hi"}]
         # the model's max_new_tokens where the request gives no maximum
@@ -374,16 +387,14 @@ def test_generation_config_folder_sets_defaults(tmp_path: Path, srv) -> None:
         assert "sampling defaults from the model's generation config (--generation-config " \
                f"{gen}; `--generation-config vllm` ignores them): temperature=0.5, " \
                "max_tokens=7" in s.log_path.read_text()
-    finally:
         s.stop()
-    # the default model's folder recommends nothing: OpenAI's 16 for a completion
-    assert _client(srv).completions.create(model=MODEL, prompt="x").usage \
-        .completion_tokens == 16
-    # a folder without the file is refused at start-up, naming it
-    bad = ServerProcess([*NULL_ARGS, "--generation-config", str(tmp_path / "nope")],
-                        tmp_path / "b")
-    try:
+        # the default model's folder recommends nothing: OpenAI's 16 for a completion
+        assert _client(srv).completions.create(model=MODEL, prompt="x").usage \
+            .completion_tokens == 16
+        # the folder without the file: refused, naming it
         assert bad.proc.wait(HANG_TIMEOUT_S) == 1
         assert "no generation_config.json in that folder" in bad.log_tail()
     finally:
+        if s is not None:
+            s.stop()
         bad.stop()
