@@ -131,6 +131,24 @@ def test_a_draft_with_another_tokenizer_is_refused(tiny_pair: tuple[str, str],
         _tiny_llm(target, _spec(renamed))
 
 
+def test_special_tokens_must_match_too(tmp_path: Path) -> None:
+    """The same vocabulary with another EOS token is another tokenizer (generation would
+    stop elsewhere); the tokenizer is compared before any weights load."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from radixserve.model_executor.draft import check_same_tokenizer
+
+    vocab = {f"t{i}": i for i in range(16)}
+    for name, eos in (("a", "t1"), ("b", "t3")):
+        PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, "t2")),
+                                eos_token=eos, unk_token="t2").save_pretrained(tmp_path / name)
+    check_same_tokenizer(str(tmp_path / "a"), str(tmp_path / "a"))
+    with pytest.raises(ValueError, match=r"special token eos_token is 't1' in the target's "
+                                         r"tokenizer and 't3' in the draft's"):
+        check_same_tokenizer(str(tmp_path / "a"), str(tmp_path / "b"))
+
+
 @pytest.mark.slow
 def test_default_model_as_its_own_draft(default_llm: LLM) -> None:
     """Mechanics on the default model (float32, dense, as the ``default_llm`` fixture): with
