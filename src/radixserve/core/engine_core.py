@@ -84,7 +84,9 @@ class EngineCore:
 
     Raises:
         ValueError: ``kv_transfer_config`` with a runner that has no KV connector (the null
-            model).
+            model); a draft model (``speculative_config`` method "draft_model") over the null
+            model, one that cannot be loaded, or one whose tokenizer is not the target's
+            (``model_executor.draft.DraftRunner``).
 
     Attributes:
         info: the engine's facts (model, ``max_model_len``, pool size), typed.
