@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 from tests.integration.tiny_models import tiny_model
 
@@ -126,3 +127,19 @@ def test_int8_fused_stack_per_op_and_batch_give_the_same_bits(tmp_path, dtype):
             assert calls and max(calls) == len(PROMPTS), calls
             assert [_greedy(llm, [p])[0] for p in PROMPTS] == runs[True]
     assert runs[True] == runs[False]
+
+
+def test_shadow_checks_compare_int8_with_its_dequantized_weights(tmp_path):
+    """``--shadow-rate`` with int8 weights: the reference is the model over ``q * scale``
+    (dense, SDPA), which the int8 path matches to float32 rounding."""
+    folder = tiny_model(tmp_path, "qwen2", initializer_range=0.1)
+    llm = LLM(folder, dtype="float32", num_pages=64, quantization="int8", shadow_rate=1.0)
+    ref = llm.engine.runner.shadow.reference
+    assert ref.quantization is None and ref.layers[0].quantized == {}
+    head = llm.engine.runner.model.lm_head_q
+    assert torch.equal(ref.lm_head, head.weight())  # the tied head's int8 copy, dequantized
+    _greedy(llm, PROMPTS)
+    stats = llm.engine.get_stats().runner
+    assert stats.shadow.steps == stats.steps > 0
+    assert stats.shadow.tokens_diverge == 0
+    assert stats.shadow.max_abs_logit_diff < 1e-3

@@ -211,9 +211,6 @@ class ModelRunner:
                          layer_ops, self.weight_dtype)
         model.load_weights(checkpoint_weights(files, args.num_heads, args.num_kv_heads))
         self.model = model.eval()
-        if config.shadow_rate > 0 and quantization is not None:
-            raise ValueError("--shadow-rate compares against a dense reference copy; it is not "
-                             "available with quantized weights (--quantization none)")
         self.shadow = (ShadowChecker(reference_copy(self.model), config.shadow_rate, config.seed)
                        if config.shadow_rate > 0 else None)
         #: the packed linear kernel's row cap measured on this machine (None: not measured)
@@ -261,11 +258,7 @@ class ModelRunner:
     def _auto_gguf_form(self, config: EngineConfig, gguf: Path, a: ModelArgs
                         ) -> tuple[str | None, str]:
         """A GGUF with ``--quantization`` unset: in its blocks, or dequantized where that
-        fits in memory and measured faster (``measured_gguf_form``), or where shadow checks
-        need a dense reference."""
-        if config.shadow_rate > 0:
-            return None, ("the GGUF is dequantized at load: shadow checks compare against a "
-                          "dense reference copy")
+        fits in memory and measured faster (``measured_gguf_form``)."""
         try:
             dense, _ = fit_dtype(config.dtype, resolve_dtype(config.dtype, self.device), a,
                                  self.device, self.shard.size)

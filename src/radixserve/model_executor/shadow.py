@@ -26,21 +26,41 @@ from radixserve.model_executor.models.llama import CausalLM
 def reference_copy(model: CausalLM) -> CausalLM:
     """A deep copy of ``model`` (call before ``pack_linears``) that runs every op on the
     reference path: SDPA attention, dense linears, torch RMSNorm. Weights are copied (the
-    reference must survive the packing that frees the fast model's dense weights)."""
-    # the kernel library (ctypes) and the kernel attention objects are not copied: the copy gets
-    # None in their place and SDPA attention below
-    memo: dict[int, object] = {id(model.kernels): None, id(model.ops): None}
+    reference must survive the packing that frees the fast model's dense weights); quantized
+    ones (GGUF blocks, int8) are dequantized into dense float weights of the serving dtype, so
+    the reference computes the served model's own weights with float arithmetic (the copy
+    then takes 2-8x the quantized model's memory)."""
+    # the kernel library (ctypes), the kernel attention objects and the quantized methods are
+    # not copied: the copy gets None in their place, SDPA attention and dense weights below
+    memo: dict[int, object] = {id(model.kernels): None, id(model.ops): None,
+                               id(model.quant): None, id(model.embed_q): None,
+                               id(model.lm_head_q): None}
     for layer in model.layers:
         memo[id(layer.attn)] = None
+        for method in layer.quantized.values():
+            memo[id(method)] = None
     ref = copy.deepcopy(model, memo)
-    ref.kernels = ref.ops = None
+    ref.kernels = ref.ops = ref.quant = None
+    ref.quantization = None
     ref._lm_head_proj = None
-    for layer in ref.layers:
-        a = layer.a
-        layer.kernels = layer.ops = None
-        layer.attn = SdpaPagedAttention(a.num_heads, a.num_kv_heads, a.head_dim,
-                                        a.head_dim ** -0.5)
-        layer.bind_dense_linears()
+    dtype = model.norm.dtype
+    with torch.no_grad():
+        if model.embed_q is not None:
+            ref.embed.data = model.embed_q.weight().to(dtype)
+        ref.embed_q = None
+        if model.lm_head_q is not None:
+            ref.lm_head = torch.nn.Parameter(model.lm_head_q.weight().to(dtype),
+                                             requires_grad=False)
+        ref.lm_head_q = None
+        for layer, src in zip(ref.layers, model.layers, strict=True):
+            a = layer.a
+            layer.kernels = layer.ops = None
+            layer.attn = SdpaPagedAttention(a.num_heads, a.num_kv_heads, a.head_dim,
+                                            a.head_dim ** -0.5)
+            for name, method in src.quantized.items():
+                layer.get_parameter(name).data = method.weight().to(dtype)
+            layer.quantized = {}
+            layer.bind_dense_linears()
     return ref
 
 

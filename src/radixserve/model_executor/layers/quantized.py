@@ -95,6 +95,19 @@ class QuantizedLinear:
         """Bytes of the weights as held."""
         return sum(s.data.numel() * s.data.element_size() for s in self.segments)
 
+    def weight(self) -> torch.Tensor:
+        """The weight as float32 [N, K]: each block segment dequantized (``dequantize_rows``,
+        gguf-py's arithmetic), dense segments as held (a reference copy for shadow checks and
+        tests)."""
+        out = torch.empty(self.n, self.k, dtype=torch.float32)
+        for s in self.segments:
+            if s.ggml_type is None:
+                out[s.lo:s.hi] = s.data.float()
+            else:
+                ids = torch.arange(s.hi - s.lo, dtype=torch.int64)
+                self.quant.dequantize_rows(s.ggml_type, s.data, ids, out[s.lo:s.hi])
+        return out
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] float32/bfloat16 -> [M, N] of x's dtype.
 
@@ -139,6 +152,13 @@ class QuantizedEmbedding:
         self.dim, self.dtype = dim, dtype
         #: the blocks' type name (``Q6_K``)
         self.kind = GGMLQuantizationType(ggml_type).name
+
+    def weight(self) -> torch.Tensor:
+        """Every row dequantized, float32 [vocab_rows, dim]."""
+        out = torch.empty(self.data.shape[0], self.dim, dtype=torch.float32)
+        ids = torch.arange(self.data.shape[0], dtype=torch.int64)
+        self.quant.dequantize_rows(self.ggml_type, self.data, ids, out)
+        return out
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         """int64 ids [T] -> [T, dim] in ``dtype``.
