@@ -13,8 +13,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 #: ``--quantization`` (vLLM's flag): "gguf" serves a GGUF's blocks, "int8" quantizes a float
-#: checkpoint's linears at load, "none" keeps every weight dense
-QUANTIZATIONS = ("gguf", "int8", "none")
+#: checkpoint's linears at load, "awq" / "gptq" serve such a 4-bit checkpoint's weights (the
+#: default for one), "none" keeps every weight dense
+QUANTIZATIONS = ("gguf", "int8", "awq", "gptq", "none")
 #: KV connectors ``kv_transfer_config.kv_connector`` may name (``kv_transfer/factory.py``).
 KV_CONNECTORS = ("NixlConnector", "TcpConnector")
 #: Roles of an instance in prefill/decode disaggregation (vLLM's ``kv_role`` values).
@@ -342,7 +343,9 @@ class EngineConfig:
             blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) through radixserve's kernels; "int8"
             quantizes a float checkpoint's projections and LM head to int8 per output channel
             at load (weight-only);
-            "none" holds every weight dense in ``dtype`` (a GGUF dequantized at load).
+            "awq" / "gptq" serve a 4-bit AWQ / GPTQ checkpoint's weights as ggml blocks (the
+            default for such a checkpoint on CPU); "none" holds every weight dense in
+            ``dtype`` (a GGUF or a 4-bit checkpoint dequantized at load).
         speculative_config: speculative decoding (a ``SpeculativeConfig``, or its dict / JSON
             string, converted on construction); None: off. Steps then run without overlap
             (``disable_overlap`` None means off; False is refused).

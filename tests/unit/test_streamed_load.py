@@ -124,8 +124,10 @@ def test_the_unreadable_weights_are_what_fails_a_good_config(tmp_path):
 @pytest.mark.parametrize("change,expect", [
     ({"architectures": ["GemmaForCausalLM"], "model_type": "gemma"},
      r"unsupported architecture \['GemmaForCausalLM'\]"),
-    ({"quantization_config": {"quant_method": "awq", "bits": 4}},
-     r"quantization_config with quant_method='awq'"),
+    ({"quantization_config": {"quant_method": "fp8"}},
+     r"quantization_config with quant_method='fp8'"),
+    ({"quantization_config": {"quant_method": "awq", "bits": 8, "group_size": 128}},
+     r"quantization_config.bits=8"),
     ({"hidden_act": "gelu_pytorch_tanh"}, r"hidden_act='gelu_pytorch_tanh'"),
     ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, r"rope_type='dynamic'"),
 ])

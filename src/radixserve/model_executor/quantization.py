@@ -7,7 +7,11 @@
 * ``int8``: the projections and the LM head of a float checkpoint quantized at load to int8
   with one float32 scale per output channel, weight-only (activations stay float:
   ``layers.int8_weight_linear``); CPU only.
-* ``none``: every weight dense in the serving dtype (a GGUF is dequantized at load).
+* ``awq`` / ``gptq``: a 4-bit AWQ or GPTQ safetensors checkpoint's linears re-packed at load
+  into ggml Q4_1 / Q4_0 blocks (``loader.int4_checkpoint``) and served as a GGUF's are; the
+  default for such a checkpoint on CPU.
+* ``none``: every weight dense in the serving dtype (a GGUF or a 4-bit checkpoint is
+  dequantized at load).
 """
 
 from __future__ import annotations
@@ -26,14 +30,16 @@ QUANTIZATION_CHOICES = QUANTIZATIONS
 
 
 def choose_quantization(asked: str | None, gguf: Path | None, device: torch.device,
-                        shards: int) -> tuple[str | None, str]:
+                        shards: int, int4: str | None = None) -> tuple[str | None, str]:
     """The quantization to serve with (None: dense) and why.
 
     Args:
-        asked: ``--quantization`` (None: "gguf" for a GGUF file on CPU, else dense).
+        asked: ``--quantization`` (None: "gguf" for a GGUF file on CPU, the checkpoint's own
+            method for a 4-bit AWQ / GPTQ one, else dense).
         gguf: the GGUF file being served, or None for a safetensors folder.
         device: the serving device.
         shards: tensor-parallel ranks.
+        int4: "awq" or "gptq" for a 4-bit checkpoint (``ModelArgs.int4``), else None.
 
     Raises:
         ValueError: a choice this model or machine cannot serve, naming why.
@@ -41,21 +47,30 @@ def choose_quantization(asked: str | None, gguf: Path | None, device: torch.devi
     if asked not in (None, *QUANTIZATION_CHOICES):
         raise ValueError(f"quantization={asked!r} is not one of "
                          f"{', '.join(QUANTIZATION_CHOICES)}")
+    source = ("the GGUF" if gguf is not None
+              else f"the {int4.upper()} checkpoint" if int4 is not None else None)
     if asked == "none":
         return None, ("--quantization none: weights dense in the serving dtype"
-                      + (" (the GGUF dequantized at load)" if gguf is not None else ""))
+                      + (f" ({source} dequantized at load)" if source else ""))
     if asked == "gguf" and gguf is None:
         raise ValueError("--quantization gguf needs a GGUF file as the model")
-    if asked == "int8" and gguf is not None:
-        raise ValueError("--quantization int8 quantizes a float checkpoint; this model is a "
-                         "GGUF file (served in its own blocks with --quantization gguf)")
-    if asked is None and gguf is None:
+    if asked in ("awq", "gptq") and asked != int4:
+        raise ValueError(f"--quantization {asked} needs a 4-bit {asked.upper()} checkpoint; "
+                         f"this model is {source or 'unquantized'}")
+    if asked == "int8" and source is not None:
+        raise ValueError(f"--quantization int8 quantizes a float checkpoint; this model is "
+                         f"{source} (served in its own blocks with --quantization "
+                         f"{int4 or 'gguf'})")
+    if asked is None and source is None:
         return None, "an unquantized checkpoint: weights dense in the serving dtype"
     why = _unavailable(device, shards, asked == "int8")
     if why is not None:
         if asked is not None:
             raise ValueError(f"--quantization {asked}: {why}")
-        return None, f"the GGUF is dequantized at load: {why}"
+        return None, f"{source} is dequantized at load: {why}"
+    if int4 is not None:
+        return int4, (f"the {int4.upper()} checkpoint's 4-bit weights served as ggml Q4_1 / "
+                      "Q4_0 blocks through radixserve's kernels")
     if asked == "int8":
         return "int8", ("--quantization int8: projections and LM head weight-only int8, a "
                         "float32 scale per output channel, through radixserve's float32 GEMM")
@@ -84,6 +99,11 @@ def served_weight_bytes(a: ModelArgs, dtype: torch.dtype, quantization: str | No
     tied LM head is an int8 copy of it); else ``weight_bytes``."""
     if quantization == "gguf" and gguf is not None:
         return gguf.stat().st_size
+    if quantization in ("awq", "gptq"):
+        dense = a.vocab_size * a.hidden_size * (1 if a.tie_word_embeddings else 2)
+        linear_values = weight_bytes(a, torch.int8) - dense
+        return (linear_values * 20 // 32
+                + dense * torch.empty(0, dtype=dtype).element_size())
     if quantization == "int8":
         embed = a.vocab_size * a.hidden_size
         int8_values = weight_bytes(a, torch.int8) - embed

@@ -31,6 +31,7 @@ from radixserve.model_executor.device_policy import (
 )
 from radixserve.model_executor.forward_batch import ForwardBatch, SampleResult
 from radixserve.model_executor.kernels.cpu import CpuKernels
+from radixserve.model_executor.loader.int4_checkpoint import int4_weights
 from radixserve.model_executor.memory_fit import fit_dtype, weight_bytes
 from radixserve.model_executor.models.decode_stack import DecodeStack
 from radixserve.model_executor.models.llama import CausalLM, ModelArgs, rope_inv_freq
@@ -137,8 +138,9 @@ class ModelRunner:
         if self.device.type == "cuda" and self.shard.size > 1:
             self.device = torch.device("cuda", tp_rank)
             torch.cuda.set_device(self.device)
-        quantization, quant_why = choose_quantization(config.quantization, files.gguf,
-                                                      self.device, self.shard.size)
+        quantization, quant_why = choose_quantization(
+            config.quantization, files.gguf, self.device, self.shard.size,
+            None if args.int4 is None else args.int4.method)
         if quantization == "gguf" and config.quantization is None:
             quantization, quant_why = self._auto_gguf_form(config, files.gguf, args)
         bf16_no = bf16_weights_reason(
@@ -206,10 +208,15 @@ class ModelRunner:
         # from the checkpoint: loading never holds the model in another dtype or on the host
         model = CausalLM(args, inv_freq, rope_scale, max(model_len, self.max_model_len) + 1,
                          self.kernels, self.attention_backend, self.shard, self.dtype,
-                         self.device, quantization,
+                         self.device,
+                         # a 4-bit checkpoint's weights arrive as ggml blocks, as a GGUF's do
+                         "gguf" if quantization in ("awq", "gptq") else quantization,
                          None if quantization is None else _quant_kernels(self.kernels),
                          layer_ops, self.weight_dtype)
-        model.load_weights(checkpoint_weights(files, args.num_heads, args.num_kv_heads))
+        weights = checkpoint_weights(files, args.num_heads, args.num_kv_heads)
+        if args.int4 is not None:
+            weights = int4_weights(weights, args.int4)
+        model.load_weights(weights)
         self.model = model.eval()
         self.shadow = (ShadowChecker(reference_copy(self.model), config.shadow_rate, config.seed)
                        if config.shadow_rate > 0 else None)

@@ -43,6 +43,7 @@ from radixserve.model_executor.layers.quantized import (
     QuantizedLinear,
     Segment,
 )
+from radixserve.model_executor.loader.int4_checkpoint import Int4Scheme, folder_scheme
 from radixserve.model_executor.loader.lazy_tensor import LazyTensor, as_lazy, copy_rows
 from radixserve.model_executor.parallel.group import TensorParallelGroup
 from radixserve.model_executor.parallel.sharding import ShardLayout, single
@@ -116,6 +117,8 @@ class ModelArgs:
     max_position_embeddings: int
     #: attention window in tokens (Mistral v0.1's 4096), None: every earlier token
     sliding_window: int | None = None
+    #: an AWQ / GPTQ 4-bit checkpoint's scheme (``loader.int4_checkpoint``), else None
+    int4: Int4Scheme | None = None
 
     @classmethod
     def from_hf(cls, config) -> ModelArgs:  # noqa: ANN001 - transformers PretrainedConfig
@@ -124,7 +127,8 @@ class ModelArgs:
 
         Raises:
             ValueError: naming the config field and its value: an architecture radixserve does
-                not implement, a ``quantization_config`` (AWQ, GPTQ, ... checkpoints), a
+                not implement, a ``quantization_config`` other than 4-bit AWQ / GPTQ
+                (``Int4Scheme.from_config``), a
                 ``hidden_act`` other than SiLU, ``mlp_bias``, a ``partial_rotary_factor``
                 below 1, or a RoPE type without an exact implementation here (``dynamic``,
                 unknown ones).
@@ -135,13 +139,7 @@ class ModelArgs:
         if kind is None:
             raise ValueError(f"unsupported architecture {archs or config.model_type!r}; "
                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        quant = getattr(config, "quantization_config", None)
-        if quant:
-            method = (quant.get("quant_method") if isinstance(quant, dict)
-                      else getattr(quant, "quant_method", quant))
-            raise ValueError(f"config.json: quantization_config with quant_method={method!r} "
-                             "is not supported: radixserve serves unquantized safetensors "
-                             "checkpoints and GGUF files")
+        int4 = folder_scheme(None, config)
         act = getattr(config, "hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"config.json: hidden_act={act!r} is not supported (SiLU only)")
@@ -168,6 +166,7 @@ class ModelArgs:
             qk_norm=kind == "qwen3",
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             max_position_embeddings=getattr(config, "max_position_embeddings", 4096),
+            int4=int4,
             sliding_window=_sliding_window(config))
 
     def check_context(self, max_model_len: int) -> None:
