@@ -91,8 +91,6 @@ def test_bfloat16_rows_bias_and_weight(kernels: CpuKernels) -> None:
 def test_bad_weights_and_inputs_are_refused(kernels: CpuKernels) -> None:
     qk = kernels.quant
     ones = torch.ones(64)
-    with pytest.raises(ValueError, match="multiple of 64"):
-        Int8WeightLinear(qk, torch.zeros(100, 64, dtype=torch.int8), torch.ones(100))
     with pytest.raises(ValueError, match="int8"):
         Int8WeightLinear(qk, torch.zeros(64, 64), ones)
     with pytest.raises(ValueError, match="scale"):
@@ -105,3 +103,17 @@ def test_bad_weights_and_inputs_are_refused(kernels: CpuKernels) -> None:
     with pytest.raises(ValueError, match=r"\[M, 64\]"):
         lin(torch.zeros(2, 32))
     assert lin(torch.zeros(0, 64)).shape == (0, 64)
+
+
+def test_outputs_not_a_whole_panel_are_padded_and_cut(kernels: CpuKernels) -> None:
+    """N = 80 (a tensor-parallel half of 160 outputs): padded to 128 in the kernel, the
+    first 80 outputs returned, each the bits it gets inside a whole-panel weight."""
+    g = torch.Generator().manual_seed(4)
+    q, scale = quantize_per_channel(torch.randn(128, 96, generator=g))
+    x = torch.randn(7, 96, generator=g)
+    part = Int8WeightLinear(kernels.quant, q[:80], scale[:80])
+    assert part.n_padded == 128
+    y = part(x)
+    assert y.shape == (7, 80) and y.is_contiguous()
+    assert torch.equal(y, Int8WeightLinear(kernels.quant, q, scale)(x)[:, :80])
+    assert torch.equal(part.weight(), q[:80].float() * scale[:80, None])

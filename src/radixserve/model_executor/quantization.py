@@ -30,7 +30,7 @@ QUANTIZATION_CHOICES = QUANTIZATIONS
 
 
 def choose_quantization(asked: str | None, gguf: Path | None, device: torch.device,
-                        shards: int, int4: str | None = None) -> tuple[str | None, str]:
+                        int4: str | None = None) -> tuple[str | None, str]:
     """The quantization to serve with (None: dense) and why.
 
     Args:
@@ -38,7 +38,6 @@ def choose_quantization(asked: str | None, gguf: Path | None, device: torch.devi
             method for a 4-bit AWQ / GPTQ one, else dense).
         gguf: the GGUF file being served, or None for a safetensors folder.
         device: the serving device.
-        shards: tensor-parallel ranks.
         int4: "awq" or "gptq" for a 4-bit checkpoint (``ModelArgs.int4``), else None.
 
     Raises:
@@ -63,7 +62,7 @@ def choose_quantization(asked: str | None, gguf: Path | None, device: torch.devi
                          f"{int4 or 'gguf'})")
     if asked is None and source is None:
         return None, "an unquantized checkpoint: weights dense in the serving dtype"
-    why = _unavailable(device, shards, asked == "int8")
+    why = _unavailable(device, asked == "int8")
     if why is not None:
         if asked is not None:
             raise ValueError(f"--quantization {asked}: {why}")
@@ -78,11 +77,9 @@ def choose_quantization(asked: str | None, gguf: Path | None, device: torch.devi
                     "kernels" + (" (--quantization gguf)" if asked else ""))
 
 
-def _unavailable(device: torch.device, shards: int, int8: bool) -> str | None:
+def _unavailable(device: torch.device, int8: bool) -> str | None:
     if device.type != "cpu":
         return f"quantized kernels run on CPU, not {device.type}"
-    if shards > 1:
-        return "quantized weights are not sharded for tensor parallelism yet"
     kernels = CpuKernels.load()
     if kernels is None:
         return "radixserve's C kernels could not be built here (see the log)"

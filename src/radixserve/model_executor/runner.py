@@ -139,7 +139,7 @@ class ModelRunner:
             self.device = torch.device("cuda", tp_rank)
             torch.cuda.set_device(self.device)
         quantization, quant_why = choose_quantization(
-            config.quantization, files.gguf, self.device, self.shard.size,
+            config.quantization, files.gguf, self.device,
             None if args.int4 is None else args.int4.method)
         if quantization == "gguf" and config.quantization is None:
             quantization, quant_why = self._auto_gguf_form(config, files.gguf, args)

@@ -45,24 +45,23 @@ class Int8WeightLinear:
 
     Args:
         quant: the loaded quantized kernels (``has_int8w`` true).
-        qweight: int8 [N, K], N a multiple of 64; copied into the packed layout
-            ``[N/64, K, 64]`` (the caller may free it).
+        qweight: int8 [N, K]; copied into the packed layout ``[ceil(N/64), K, 64]``, padded
+            with zero rows to a whole panel (the caller may free it).
         scale: float32 [N], output n's scale.
         bias: [N] in the activation dtype, added after the product (as torch adds it), or None.
 
     Raises:
-        ValueError: a weight that is not int8 2-D with N % 64 == 0, a scale or bias of the
-            wrong shape or dtype, or a build without the float32 GEMM.
+        ValueError: a weight that is not int8 2-D, a scale or bias of the wrong shape or
+            dtype, or a build without the float32 GEMM.
     """
 
     kind = "int8"
 
     def __init__(self, quant: QuantKernels, qweight: torch.Tensor, scale: torch.Tensor,
                  bias: torch.Tensor | None = None) -> None:
-        if qweight.dtype != torch.int8 or qweight.dim() != 2 or qweight.shape[0] % BLOCK_N:
-            raise ValueError(f"int8-weight linear needs an int8 [N, K] weight with N a "
-                             f"multiple of {BLOCK_N}, got {qweight.dtype} "
-                             f"{tuple(qweight.shape)}")
+        if qweight.dtype != torch.int8 or qweight.dim() != 2 or 0 in qweight.shape:
+            raise ValueError(f"int8-weight linear needs an int8 [N, K] weight, got "
+                             f"{qweight.dtype} {tuple(qweight.shape)}")
         n, k = qweight.shape
         if scale.dtype != torch.float32 or tuple(scale.shape) != (n,):
             raise ValueError(f"scale must be float32 [{n}], got {scale.dtype} "
@@ -75,10 +74,19 @@ class Int8WeightLinear:
         self.quant, self.n, self.k = quant, n, k
         #: one chain of FMAs per output over all of K
         self.k_block = k
+        #: outputs the kernel computes: N rounded up to whole panels (a tensor-parallel
+        #: shard of 80 rows, say); the padding's outputs are zeros, cut off
+        self.n_padded = -(-n // BLOCK_N) * BLOCK_N
+        pad = self.n_padded - n
+        q = qweight.detach()
+        scale = scale.detach()
+        if pad:
+            q = torch.cat([q, q.new_zeros(pad, k)])
+            scale = torch.cat([scale, scale.new_zeros(pad)])
         #: int8 [N/64, K, 64]: panel p, input k, output 64 * p + j at [p, k, j]
-        self.packed = (qweight.detach().reshape(n // BLOCK_N, BLOCK_N, k).transpose(1, 2)
+        self.packed = (q.reshape(self.n_padded // BLOCK_N, BLOCK_N, k).transpose(1, 2)
                        .contiguous())
-        self.scale = scale.detach().contiguous()
+        self.scale = scale.contiguous()
         #: added after the product (the fused decode stack reads it too)
         self.bias = bias
         #: int64 {packed weights, scales, K blocking}: the fused decode stack's entry
@@ -88,7 +96,7 @@ class Int8WeightLinear:
 
     def nbytes(self) -> int:
         """Bytes of the weights as held (int8 values and scales)."""
-        return self.packed.numel() + 4 * self.n
+        return self.packed.numel() + 4 * self.n_padded
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x float32/bfloat16 [M, K] -> [M, N] of x's dtype.
@@ -102,11 +110,13 @@ class Int8WeightLinear:
             raise ValueError(f"int8-weight linear takes CPU float32/bfloat16 [M, {self.k}], "
                              f"got {x.dtype} {tuple(x.shape)} on {x.device}")
         xf = x.float().contiguous()
-        out = torch.empty(x.shape[0], self.n, dtype=torch.float32)
+        out = torch.empty(x.shape[0], self.n_padded, dtype=torch.float32)
         if x.shape[0]:
             self.quant.linear_int8w(xf.data_ptr(), self.packed.data_ptr(),
-                                    self.scale.data_ptr(), out.data_ptr(), x.shape[0], self.n,
-                                    self.k, self.k_block)
+                                    self.scale.data_ptr(), out.data_ptr(), x.shape[0],
+                                    self.n_padded, self.k, self.k_block)
+        if self.n_padded != self.n:
+            out = out[:, :self.n].contiguous()
         if x.dtype != torch.float32:
             out = out.to(x.dtype)
         if self.bias is not None:
@@ -116,5 +126,5 @@ class Int8WeightLinear:
     def weight(self) -> torch.Tensor:
         """The dequantized weight ``Wq * scale`` as float32 [N, K] (for tests and reference
         copies)."""
-        q = self.packed.transpose(1, 2).reshape(self.n, self.k)
-        return q.float() * self.scale[:, None]
+        q = self.packed.transpose(1, 2).reshape(self.n_padded, self.k)[:self.n]
+        return q.float() * self.scale[:self.n, None]

@@ -66,6 +66,8 @@ def _fused_projection(op: object) -> str | None:
         if any(s.ggml_type is None for s in op.segments):
             return "a projection has rows of a GGUF type without a kernel (held dense)"
         return None
+    if isinstance(op, Int8WeightLinear) and op.n_padded != op.n:
+        return "an int8 projection's outputs are not a multiple of 64"
     if (isinstance(op, AmxLinear | Bf16WeightLinear | Int8WeightLinear)
             or isinstance(getattr(op, "kernel", None), PackedLinearKernel)):
         return None

@@ -26,7 +26,6 @@ from radixserve.model_executor.kernels.quant import SUPPORTED_TYPES, QuantKernel
 from radixserve.model_executor.layers.amx_linear import AmxLinear
 from radixserve.model_executor.layers.bf16_weight_linear import Bf16WeightLinear
 from radixserve.model_executor.layers.int8_weight_linear import (
-    BLOCK_N,
     INT8_CHANNEL,
     Int8WeightLinear,
     quantize_per_channel,
@@ -416,13 +415,14 @@ class CausalLM(nn.Module):
             projections, embedding and LM head kept in their blocks) or "int8" (the
             projections and the LM head, tied or not, quantized to int8 per output channel at
             load, the embedding dense: ``layers.int8_weight_linear``); see
-            ``layers.quantized``. Needs ``quant`` and a CPU model without tensor parallelism.
+            ``layers.quantized``. Needs ``quant`` and a CPU model; under tensor parallelism
+            each rank holds its rows (and row-parallel columns) in blocks.
         quant: the quantized kernels (``CpuKernels.quant``), with ``quantization``.
         layer_ops: the fused norm / RoPE / activation steps of every layer and the final norm
             (the Triton kernels on CUDA); None: ``kernels`` when given, else torch ops.
 
     Raises:
-        ValueError: a quantization without its kernels, on another device or sharded.
+        ValueError: a quantization without its kernels, or on another device.
     """
 
     def __init__(self, a: ModelArgs, inv_freq: torch.Tensor, rope_scale: float,
@@ -442,9 +442,6 @@ class CausalLM(nn.Module):
             if quant is None or torch.device(device).type != "cpu":
                 raise ValueError(f"quantization={quantization!r} runs on CPU with radixserve's "
                                  "C kernels")
-            if self.shard.size > 1:
-                raise ValueError(f"quantization={quantization!r} with tensor parallelism is "
-                                 "not supported")
         self.quantization, self.quant = quantization, quant
         #: the embedding looked up from blocks (``quantization`` "gguf"), else None
         self.embed_q: QuantizedEmbedding | None = None
@@ -611,8 +608,6 @@ class CausalLM(nn.Module):
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """int64 [T] -> [T, hidden]; vocab-parallel: each rank looks up the ids in its rows,
         zero elsewhere, and the all-reduce adds the one non-zero row."""
-        if self.embed_q is not None:
-            return self.embed_q(input_ids)
         if self.tp is None:
             return self._embed_rows(input_ids)
         lo, hi = self.shard.vocab
@@ -623,6 +618,8 @@ class CausalLM(nn.Module):
 
     def _embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of this rank's embedding in the activation dtype."""
+        if self.embed_q is not None:
+            return self.embed_q(ids)
         if self.embed_rows is not None:
             return self.embed_rows.rows(ids)
         h = F.embedding(ids, self.embed)
@@ -714,7 +711,8 @@ class CausalLM(nn.Module):
                                      f"{tuple(src.shape)}" + (f" (this shard: {shape})"
                                                               if shape != src.shape else "")
                                      + f", expected {tuple(dst.shape)}")
-                seg = self._block_segment(target, src, 0 if rng is None else rng[0])
+                seg = self._block_segment(target, src, 0 if rng is None else rng[0], rows,
+                                          cols, pad)
                 if seg is not None:
                     blocks.setdefault(target, []).append(seg)
                 else:
@@ -728,28 +726,47 @@ class CausalLM(nn.Module):
         if self.quantization is not None:
             self._bind_blocks(blocks)
 
-    def _block_segment(self, target: str, src: LazyTensor, lo: int) -> Segment | None:
-        """The rows of ``src`` (going to rows ``lo:`` of parameter ``target``) in blocks, or
-        None where they are copied dense: no quantization, not a linear weight, or a type the
-        kernels lack (a GGUF's Q5_0 rows are dequantized into the serving dtype)."""
+    def _block_segment(self, target: str, src: LazyTensor, lo: int, rows: tuple[int, int],
+                       cols: tuple[int, int] | None, pad: int) -> Segment | None:
+        """This rank's part of ``src`` (its ``rows`` and ``cols``, then ``pad`` zero rows:
+        ``_shard_plan``; going to rows ``lo:`` of parameter ``target``) in blocks, or None
+        where it is copied dense: no quantization, not a linear weight, a type the kernels lack
+        (a GGUF's Q5_0 rows are dequantized into the serving dtype), or a tensor-parallel
+        column range that cuts through the type's blocks (Q4_K's 256 values)."""
         base = target.rsplit(".", 1)[-1]
         if (self.quantization is None or len(src.shape) != 2
                 or base not in (*_LINEAR_PARAMS, "embed", "lm_head")):
             return None
-        n = src.shape[0]
+        n = rows[1] - rows[0]
         if self.quantization == "gguf":
             t = getattr(src, "ggml_type", None)
             if (not getattr(src, "quantized", False) or t not in SUPPORTED_TYPES
                     or src.shape[1] % block_info(t)[0]):
                 return None
-            return Segment(lo, lo + n, t, src.block_rows(0, n))
-        if base == "embed" or self.get_parameter(target).shape[0] % BLOCK_N:
-            return None  # int8: the embedding stays dense (and the panels need 64 rows)
+            block, nbytes = block_info(t)
+            data = src.block_rows(rows[0], rows[1])
+            if cols is not None:
+                if cols[0] % block or cols[1] % block:
+                    return None
+                data = data[:, cols[0] // block * nbytes:cols[1] // block * nbytes].contiguous()
+            if pad:  # zero bytes are zero scales: rows of zeros in every block type
+                data = torch.cat([data, data.new_zeros(pad, data.shape[1])])
+            return Segment(lo, lo + n + pad, t, data)
+        if base == "embed":
+            return None  # int8: the embedding stays dense for the lookup
         step = src.row_chunk()
-        parts = [quantize_per_channel(src.rows(i, min(n, i + step))) for i in range(0, n, step)]
+        parts = []
+        for i in range(rows[0], rows[1], step):
+            # a row's scale is its whole row's: a rank's columns of a row-parallel projection
+            # keep it, so the ranks' partial sums add up to one rank's product
+            q, scale = quantize_per_channel(src.rows(i, min(rows[1], i + step)))
+            parts.append((q if cols is None else q[:, cols[0]:cols[1]].contiguous(), scale))
+        if pad:
+            width = parts[0][0].shape[1]
+            parts.append((torch.zeros(pad, width, dtype=torch.int8), torch.zeros(pad)))
         q = torch.cat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
         scale = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
-        return Segment(lo, lo + n, INT8_CHANNEL, q, scale)
+        return Segment(lo, lo + n + pad, INT8_CHANNEL, q, scale)
 
     def _bind_blocks(self, blocks: dict[str, list[Segment]]) -> None:
         """Turn the parameters with rows in blocks into quantized methods; rows loaded dense
@@ -792,9 +809,8 @@ class CausalLM(nn.Module):
 
     def _bind_int8(self, blocks: dict[str, list[Segment]]) -> None:
         """``quantization`` "int8": each parameter quantized at load becomes an
-        ``Int8WeightLinear`` (every row of it was quantized: a parameter whose rows are not a
-        multiple of 64 is loaded dense); a tied LM head is quantized here from the dense
-        embedding, which stays for the lookup."""
+        ``Int8WeightLinear``; a tied LM head is quantized here from the dense embedding,
+        which stays for the lookup."""
         quant = self.quant
         assert quant is not None
         for target, segs in blocks.items():
@@ -813,7 +829,7 @@ class CausalLM(nn.Module):
                 param.data = torch.empty(0, dtype=param.dtype)
             else:
                 self.get_submodule(owner).set_quantized(name, method)
-        if self.lm_head is None and self.embed.shape[0] % BLOCK_N == 0:
+        if self.lm_head is None:
             step = max(1, (64 << 20) // (4 * self.embed.shape[1]))
             parts = [quantize_per_channel(self.embed[i:i + step].detach())
                      for i in range(0, self.embed.shape[0], step)]
