@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tests.integration.tiny_models import tiny_model
+from tests.integration.tiny_models import prompt_logprobs, tiny_model
 
-from radixserve import LLM, SamplingParams
+from radixserve import LLM
 
 PROMPTS = [[5 + (7 * i + 3 * j) % 370 for j in range(n)]
            for i, n in enumerate((40, 9, 23, 64, 3, 17))]
@@ -93,24 +93,16 @@ def _int4_folder(src: str, dst: Path, method: str, sym: bool) -> tuple[Path, Pat
     return dst, ref
 
 
-def _prompt_logprobs(llm: LLM) -> list[list[float]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                        SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0),
-                        use_tqdm=False)
-    return [[lp[tok] for lp, tok in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:],
-                                        strict=True)] for o in outs]
-
-
 @pytest.mark.parametrize("method,sym,kind", [("awq", False, "Q4_1"), ("gptq", True, "Q4_0"),
                                              ("gptq", False, "Q4_1")])
 def test_int4_checkpoint_served_in_blocks_and_dequantized(tmp_path, method, sym, kind):
     src = tiny_model(tmp_path, "qwen2", initializer_range=0.1)
     folder, ref_folder = _int4_folder(src, tmp_path / method, method, sym)
-    ref = _prompt_logprobs(LLM(str(ref_folder), dtype="float32", num_pages=64))
+    ref = prompt_logprobs(LLM(str(ref_folder), dtype="float32", num_pages=64), PROMPTS)
     dense = LLM(str(folder), dtype="float32", num_pages=64, quantization="none")
     assert dense.engine.runner.paths.paths["quantization"] == "none"
     # the same float32 values as the reference checkpoint: the same bits
-    assert _prompt_logprobs(dense) == ref
+    assert prompt_logprobs(dense, PROMPTS) == ref
     served = LLM(str(folder), dtype="float32", num_pages=64)  # the default for such a folder
     runner = served.engine.runner
     assert runner.paths.paths["quantization"] == method
@@ -118,7 +110,7 @@ def test_int4_checkpoint_served_in_blocks_and_dequantized(tmp_path, method, sym,
     assert {n: m.kind for n, m in layer.quantized.items()} == {
         "qkv": kind, "o": kind, "gate_up": kind, "down": kind}
     assert layer.qkv.numel() == 0
-    got = _prompt_logprobs(served)
+    got = prompt_logprobs(served, PROMPTS)
     worst = max(abs(a - b) for xs, ys in zip(got, ref, strict=True)
                 for a, b in zip(xs, ys, strict=True))
     # activations rounded to int8 per block of 32 (the GGUF kernels' arithmetic; Q4_1's

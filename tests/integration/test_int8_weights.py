@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tests.integration.tiny_models import tiny_model
+from tests.integration.tiny_models import prompt_logprobs, tiny_model
 
 from radixserve import LLM, SamplingParams
 from radixserve.model_executor.layers.int8_weight_linear import (
@@ -49,14 +49,6 @@ def _dequantized_folder(src: str, dst: Path) -> Path:
     return dst
 
 
-def _prompt_logprobs(llm: LLM, prompts: list[list[int]]) -> list[list[float]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0),
-                        use_tqdm=False)
-    return [[lp[tok] for lp, tok in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:],
-                                        strict=True)] for o in outs]
-
-
 def _greedy(llm: LLM, prompts: list[list[int]], n: int = 10) -> list[tuple[list[int],
                                                                         list[float]]]:
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -88,18 +80,18 @@ def test_int8_matches_the_dequantized_dense_model(tmp_path, arch):
     assert layer.qkv.numel() == 0 and layer.down.numel() == 0  # no dense copy held
     if arch == "qwen2":
         assert layer.qkv_proj.bias is not None
-    got = _prompt_logprobs(int8, PROMPTS)
+    got = prompt_logprobs(int8, PROMPTS)
     ref = LLM(str(_dequantized_folder(folder, tmp_path / "deq")), dtype="float32",
               num_pages=64)
     assert ref.engine.runner.paths.paths["quantization"] == "none"
     # the scale multiplies each sum once instead of each product: a few float32 roundings
     # (~1e-7 relative) per logit, measured 2.4e-6 nats at most on the AVX2 kind; a wrong
     # scale, row or panel order moves logprobs by nats
-    assert _max_diff(got, _prompt_logprobs(ref, PROMPTS)) < 1e-4
+    assert _max_diff(got, prompt_logprobs(ref, PROMPTS)) < 1e-4
     plain = LLM(folder, dtype="float32", num_pages=64)
     # rounding each weight by up to 1/254 of its row's largest: measured 0.060 (llama) and
     # 0.037 (qwen2) nats at most here, the dequantized reference's own distance from it
-    assert _max_diff(got, _prompt_logprobs(plain, PROMPTS)) < 0.15
+    assert _max_diff(got, prompt_logprobs(plain, PROMPTS)) < 0.15
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -58,3 +58,15 @@ def write_tokenizer_stub(path: str) -> None:
     t.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=t, eos_token="t1", bos_token="t0",
                             unk_token="t2").save_pretrained(path)
+
+
+def prompt_logprobs(llm, prompts: list[list[int]]) -> list[list[float]]:  # noqa: ANN001 - LLM
+    """Each prompt token's logprob given the tokens before it (the first has none), from one
+    ``prompt_logprobs`` request per prompt, all in one batch."""
+    from radixserve import SamplingParams
+
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0),
+                        use_tqdm=False)
+    return [[lp[tok] for lp, tok in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:],
+                                        strict=True)] for o in outs]

@@ -6,18 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_bf16_weight_linear import ROWS, SHAPES
 
 from radixserve.model_executor.kernels.cpu import CpuKernels
 from radixserve.model_executor.layers.int8_weight_linear import (
     Int8WeightLinear,
     quantize_per_channel,
 )
-
-#: SmolLM2's qkv and down, Qwen2.5-1.5B's qkv, and a narrow weight with K not a multiple of 8
-SHAPES = [(960, 576), (576, 1536), (2048, 1536), (192, 100)]
-#: 1 row (the whole-block path), tiles of 6, partial tiles, and many tiles per panel (the
-#: widened scratch)
-ROWS = [1, 2, 5, 6, 7, 13, 64, 100]
 
 
 @pytest.fixture(scope="module")
