@@ -185,6 +185,7 @@ class Allowed:
     def __init__(self, vocab: int, allowed: dict[int, set[int]]) -> None:
         self.vocab, self.allowed = vocab, allowed
         self.rows = sorted(allowed)
+        self.verify_rows: list[int] = []  # no row verifies drafts here
         self.accepted: dict[int, int] = {}
         self.filled: list[int] = []
         self.rejected: list[int] = []

@@ -212,8 +212,11 @@ def _sampling_batch(samplers: list[Request], rows: np.ndarray, t: RowTables,
         grammars = [r.grammar for r in samplers]
         if any(g is not None for g in grammars):
             # the masks are filled by the engine right before the forward (see
-            # ``EngineCore._run``): they depend on the previous step's tokens
+            # ``EngineCore._run``): they depend on the previous step's tokens, and a verify
+            # request's rows on its drafts
             sp.grammars = grammars
+            if row_drafts is not None:
+                sp.draft_tokens = row_drafts
     return sp
 
 

@@ -149,8 +149,9 @@ class EngineCore:
             how = (f"draft model {spec.model}" if spec.method == "draft_model" else
                    f"n-grams of {spec.prompt_lookup_min}..{spec.prompt_lookup_max} tokens")
             log.info("speculative decoding: %s, %d draft tokens, %s; sampled requests by "
-                     "rejection sampling, constrained ones without drafts; steps without "
-                     "overlap", spec.method, spec.num_speculative_tokens, how)
+                     "rejection sampling, constrained ones with drafts cut to what their "
+                     "grammar allows; steps without overlap", spec.method,
+                     spec.num_speculative_tokens, how)
         elif config.disable_overlap is None:  # auto: see EngineConfig.disable_overlap
             self.overlap = getattr(runner.device, "type", "cpu") == "cuda"
         else:
@@ -421,7 +422,8 @@ class EngineCore:
         if grammars is not None:
             # here, not at scheduling: the masks depend on the previous step's tokens, which
             # this thread's sampler accepted into the matchers (overlap-safe)
-            step = fb.sampling.constraints = self.grammars.step(grammars)
+            step = fb.sampling.constraints = self.grammars.step(grammars,
+                                                                fb.sampling.draft_tokens)
         result = self.runner.execute(fb)
         if self.draft is not None:
             self.draft.mirror(fb)

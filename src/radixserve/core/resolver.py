@@ -122,9 +122,9 @@ class StepResolver:
                         grammar_status: np.ndarray | None) -> Resolved:
         """``resolve`` for a step where some requests verify draft tokens: the others as
         usual, each verify request by greedy acceptance (the drafts equal to the target's
-        argmax, then the target's own token) with stop checks token by token, and its
-        computed length cut back to the tokens whose KV is its own (rollback; the scheduler
-        releases the pages past it)."""
+        argmax, then the target's own token) with stop checks token by token (its grammar's
+        status on each row too), and its computed length cut back to the tokens whose KV is
+        its own (rollback; the scheduler releases the pages past it)."""
         drafts = batch.drafts
         assert drafts is not None
         samplers = batch.samplers
@@ -151,12 +151,17 @@ class StepResolver:
             req.num_pending = 0
             got: list[int] = []
             reason = None
-            for tok in targets[:a + 1].tolist():
+            for j, tok in enumerate(targets[:a + 1].tolist()):
                 req.output_token_ids.append(tok)
                 n_out = len(req.output_token_ids)
                 t.token_table[req.row, req.num_prompt_tokens + n_out - 1] = tok
                 got.append(tok)
                 reason = self._stop_reason(req, tok, n_out)
+                gs = 0 if grammar_status is None else int(grammar_status[f + j])
+                if gs == TERMINATED:  # the grammar is complete: as for a plain row
+                    reason = FINISH_STOP
+                elif gs == REJECTED:
+                    reason = FINISH_ABORT
                 if reason is not None:
                     break
             # KV was written for the last sampled token and all k drafts; it is the

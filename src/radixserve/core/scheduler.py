@@ -29,7 +29,12 @@ from radixserve.core.batch import ScheduledBatch, build_batch
 from radixserve.core.live_index import LiveIndex
 from radixserve.core.request import Request, Status
 from radixserve.core.row_tables import RowTables
-from radixserve.core.spec_decode import DraftModelProposer, Proposer, may_speculate
+from radixserve.core.spec_decode import (
+    DraftModelProposer,
+    Proposer,
+    grammar_prefix,
+    may_speculate,
+)
 from radixserve.engine_types import FINISH_ABORT
 from radixserve.kv_transfer.base import KVConnectorOutput, KVConnectorScheduler
 from radixserve.kvcache.manager import HeldPages, KVCacheManager
@@ -426,7 +431,10 @@ class Scheduler:
 
         The n-gram proposer drafts first and takes pages for what it found; the draft model
         takes pages first (its decode steps write their KV there), then drafts every
-        speculating request of the step in one batch per position.
+        speculating request of the step in one batch per position. A constrained request's
+        draft is cut before the first token its grammar refuses (``grammar_prefix``); a
+        draft-model request left with none is a plain decode again, and pages taken past
+        what is kept go back at once.
 
         Returns:
             (the plain decodes, the verify requests, their draft counts), in ``running``
@@ -447,7 +455,8 @@ class Scheduler:
             if most <= 0 or not may_speculate(req):
                 plain.append(req)
                 continue
-            d = None if by_model else proposer.propose(table[req.row, :n_tok], most)
+            d = (None if by_model else
+                 grammar_prefix(req, proposer.propose(table[req.row, :n_tok], most)))
             k = min(proposer.k, most) if d is None else int(d.shape[0])
             if k and not self._grow(req, n_tok + k):
                 # no page for every draft: keep those that fit in the pages held
@@ -465,22 +474,41 @@ class Scheduler:
             n_toks = [r.num_tokens for r in verifies]
             drafts = proposer.propose_batch(table, self.tables.page_table,
                                             [r.row for r in verifies], n_toks, counts)
-            for req, n_tok, d in zip(verifies, n_toks, drafts, strict=True):
+            kept: list[Request] = []
+            wanted, counts = counts, []
+            for req, n_tok, d, k in zip(verifies, n_toks, drafts, wanted, strict=True):
+                d = grammar_prefix(req, d)
+                if len(d) < k:
+                    self._shrink(req, n_tok + len(d))
+                if not len(d):
+                    continue
                 table[req.row, n_tok:n_tok + len(d)] = d
+                kept.append(req)
+                counts.append(len(d))
+            if len(kept) < len(verifies):
+                ids = {id(r) for r in kept}
+                plain = [r for r in decodes if id(r) not in ids]
+                verifies = kept
         return plain, verifies, counts
+
+    def _shrink(self, req: Request, upto_tokens: int) -> None:
+        """Release ``req``'s owned pages past those ``upto_tokens`` tokens need (drafts
+        taken pages for, then cut)."""
+        keep = -(-upto_tokens // self.page_size)
+        if req.num_pages <= keep:
+            return
+        assert keep >= req.num_matched_pages, "a shrink would release radix-tree pages"
+        row = self.tables.page_table[req.row]
+        self.kv.free_owned(row[keep:req.num_pages].copy())
+        row[keep:req.num_pages] = 0
+        req.num_pages = keep
 
     def roll_back(self, req: Request) -> None:
         """After a verify step: release the pages past ``req``'s computed tokens (those held
         only rejected drafts' KV). The rejected slots in its last kept page are past
         ``num_computed``: never read, overwritten by its next tokens, never cached."""
-        keep = -(-req.num_computed // self.page_size)
-        if req.row < 0 or req.num_pages <= keep:
-            return
-        assert keep >= req.num_matched_pages, "a rollback would release radix-tree pages"
-        row = self.tables.page_table[req.row]
-        self.kv.free_owned(row[keep:req.num_pages].copy())
-        row[keep:req.num_pages] = 0
-        req.num_pages = keep
+        if req.row >= 0:
+            self._shrink(req, req.num_computed)
 
     def _sort_waiting_lpm(self) -> None:
         """Longest cached prefix first (SGLang's ``lpm``); preempted requests keep the front.

@@ -67,12 +67,24 @@ def propose_ngram(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndar
 
 
 def may_speculate(req: Request) -> bool:
-    """Whether ``req``'s next tokens may be drafted and verified: any request but one with an
-    output constraint (its grammar would have to advance through drafts and back) or a KV
-    transfer. Greedy rows accept drafts equal to their argmax; random rows are verified by
-    rejection sampling (``sampler``: exact in distribution); penalties and ``min_tokens``
-    see each verify row's drafts before it as generated (``core.batch``)."""
-    return req.grammar is None and req.kv_transfer_params is None
+    """Whether ``req``'s next tokens may be drafted and verified: any request but one with a
+    KV transfer or a grammar that already ended. Greedy rows accept drafts equal to their
+    argmax; random rows are verified by rejection sampling (``sampler``: exact in
+    distribution); penalties and ``min_tokens`` see each verify row's drafts before it as
+    generated (``core.batch``); a constrained request's draft is cut to what its grammar
+    allows (``grammar_prefix``) and each verify row is masked with the grammar state after
+    the drafts before it (``structured.runtime``)."""
+    return req.kv_transfer_params is None and (req.grammar is None or not req.grammar.done)
+
+
+def grammar_prefix(req: Request, drafts: np.ndarray) -> np.ndarray:
+    """``drafts`` (int32 [k]) cut before the first token ``req``'s grammar refuses from its
+    current state (unchanged without a grammar). A verify row's pick is masked by the grammar,
+    so a refused draft could never be accepted: verifying it and what follows would only
+    take pages and budget. The matcher is left as it was."""
+    if req.grammar is None or not drafts.shape[0]:
+        return drafts
+    return drafts[:req.grammar.valid_prefix(drafts)]
 
 
 class ProposerBase:

@@ -21,9 +21,23 @@ class StepConstraints(Protocol):
 
     Attributes:
         rows: sampling rows that are constrained this step.
+        verify_rows: the rows of ``rows`` that belong to a request verifying drafts
+            (speculative decoding), ascending: masked before the pick (``fill_verify``) and
+            accepted by ``accept_verify``, never by ``accept``.
     """
 
     rows: list[int]
+    verify_rows: list[int]
+
+    def fill_verify(self) -> Any:
+        """int32 [S, ceil(V / 32)] CPU token bitmask with ``verify_rows`` filled, each from its
+        grammar state after its request's drafts before it."""
+        ...
+
+    def accept_verify(self, tokens: np.ndarray) -> None:
+        """Advance the constraints of verifying requests by the tokens they keep (``tokens``
+        int64 [S]: picks equal to their drafts, then the first other pick or the bonus)."""
+        ...
 
     def accept(self, tokens: np.ndarray, rows: Sequence[int]) -> list[int]:
         """Advance the constraints of ``rows`` by ``tokens[row]`` (int64 [S]); returns the rows
@@ -74,9 +88,9 @@ class SamplingBatch:
         draft_tokens: int64 [S] speculative decoding: per row the draft token its pick is
             checked against (row j of a request verifying k drafts checks draft j; the
             request's rows are consecutive, its last row, the bonus, and every plain row
-            hold -1); None when no random row verifies drafts. The sampler draws a seeded
-            row only while the rows before it in its request matched their drafts (see
-            ``sampler.sample``).
+            hold -1); None when no random or constrained row verifies drafts. The sampler
+            draws a seeded row only while the rows before it in its request matched their
+            drafts (see ``sampler.sample``); the engine hands it to the step's constraints.
     """
 
     temperature: np.ndarray | None = None

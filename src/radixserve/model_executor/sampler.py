@@ -23,7 +23,10 @@ norm(max(p - q, 0)) = p without x, is the same as drawing y ~ p and accepting if
 as an ordinary decode row does, and every output token, accepted or not, is one draw from the
 target's processed distribution at its position. A seeded row draws only while the rows before
 it matched (a rejected row ends its request's draws), so a seeded request uses one draw per
-output token, in order: its tokens are the ones it gets without speculation.
+output token, in order: its tokens are the ones it gets without speculation. A constrained
+request's verify rows are masked before the pick, each with its grammar state after the drafts
+before it (``StepConstraints.verify_rows``), so every row picks from what its grammar allows
+there, as the request's decode row would.
 """
 
 from __future__ import annotations
@@ -166,6 +169,14 @@ def sample(logits: torch.Tensor, sp: SamplingBatch, generator: torch.Generator |
             unblocked = {i: logits[i].clone() for i in sp.blocked_tokens if i in rows}
         logits = logits.clone()
         _block_tokens(logits, sp.blocked_tokens)
+    verify = cons.verify_rows if cons is not None else []
+    if verify:
+        # A constrained request verifying drafts: row j's grammar state is the one after
+        # drafts 0..j-1, so its mask is filled and applied before the pick (the rejection
+        # sampling of a random row then draws from the masked distribution, as its plain
+        # decode row would); its matcher takes the kept tokens after the pick.
+        assert cons is not None
+        _apply_bitmask(logits, cons.fill_verify(), unblocked, verify)
     tokens, race = _pick(logits, sp, generator, argmax)
     if cons is not None:
         # Constrained rows offer their unmasked pick to their grammar first; only refused
@@ -175,9 +186,13 @@ def sample(logits: torch.Tensor, sp: SamplingBatch, generator: torch.Generator |
         # same token (the argmax, or the exponential race's winner with the same draws, is
         # also the winner among the allowed tokens): exact, and a model that follows its
         # schema costs no [V]-wide mask fill or apply for most rows.
-        forced = _filtered_rows(sp, cons.rows)
+        masked = set(verify)
+        lazy = [r for r in cons.rows if r not in masked] if masked else cons.rows
+        forced = _filtered_rows(sp, lazy)
         picks = tokens.cpu().numpy()
-        redo = cons.accept(picks, [r for r in cons.rows if r not in forced]) + forced
+        if verify:
+            cons.accept_verify(picks)
+        redo = cons.accept(picks, [r for r in lazy if r not in forced]) + forced
         if redo:
             redo.sort()
             _apply_bitmask(logits, cons.fill(redo), unblocked, redo)
