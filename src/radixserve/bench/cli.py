@@ -41,8 +41,8 @@ def _err(msg: str) -> int:
 
 # ---------------------------------------------------------------------- offline
 def cmd_offline(ns: argparse.Namespace) -> int:
+    from radixserve.bench import datasets as ds
     from radixserve.bench import offline
-    from radixserve.bench.datasets import random_prompts, sharegpt_prompts
     from radixserve.entrypoints.engine_args import engine_config_from_args
     from radixserve.model_executor.loader import load_tokenizer, resolve_model
 
@@ -52,19 +52,25 @@ def cmd_offline(ns: argparse.Namespace) -> int:
         files = resolve_model(cfg.model)
         tok = load_tokenizer(files.folder)
         if ns.dataset:
-            prompts = sharegpt_prompts(ns.dataset, ns.num_prompts, tok, None, ns.seed)
+            prompts = ds.sharegpt_prompts(ns.dataset, ns.num_prompts, tok, None, ns.seed)
+        elif ns.dataset_name == "copy":
+            prompts = ds.as_chat(ds.copy_prompts(ns.num_prompts, ns.input_len, None, tok,
+                                                 ns.seed), tok)
+        elif ns.dataset_name == "chat":
+            prompts = ds.as_chat(ds.chat_prompts(ns.num_prompts, ns.input_len, ns.output_len,
+                                                 tok, ns.seed), tok)
         else:
             special = set(tok.all_special_ids)
-            prompts = random_prompts(ns.num_prompts, ns.input_len, ns.output_len,
-                                     ns.range_ratio, len(tok), ns.seed, special,
-                                     ns.output_range_ratio)
+            prompts = ds.random_prompts(ns.num_prompts, ns.input_len, ns.output_len,
+                                        ns.range_ratio, len(tok), ns.seed, special,
+                                        ns.output_range_ratio)
     except ValueError as e:
         return _err(str(e))
     kwargs = {k: v for k, v in vars(cfg).items() if k != "extra"}
     res: dict[str, Any] = {"config": {"num_prompts": len(prompts), "input_len": ns.input_len,
                                       "output_len": ns.output_len,
                                       "range_ratio": ns.range_ratio, "dtype": cfg.dtype,
-                                      "dataset": ns.dataset or "random",
+                                      "dataset": ns.dataset or ns.dataset_name,
                                       "ignore_eos": not ns.no_ignore_eos,
                                       "step_timers": cfg.step_timers, "model": files.name,
                                       "speculative_config":
@@ -131,6 +137,10 @@ def _serve_prompts(ns: argparse.Namespace, tok: Any, seed: int, num: int) -> lis
         return ds.shared_prefix_prompts(ns.sp_num_groups, ns.sp_prompts_per_group,
                                         ns.sp_system_len, ns.sp_question_len, ns.sp_output_len,
                                         tok, seed)
+    if ns.dataset_name == "copy":
+        return ds.copy_prompts(num, ns.random_input_len, None, tok, seed)
+    if ns.dataset_name == "chat":
+        return ds.chat_prompts(num, ns.random_input_len, ns.random_output_len, tok, seed)
     return ds.random_text_prompts(num, ns.random_input_len, ns.random_output_len,
                                   ns.random_range_ratio, tok, seed)
 
@@ -170,6 +180,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
             batch = _serve_prompts(ns, tok, ns.seed + i, max(ns.num_prompts, c or 0))
         except ValueError as e:
             return _err(str(e))
+        spec0 = serve.fetch_spec_counts(base)
         try:
             runs.append(serve.run(base, ns.endpoint, model, batch,
                                   request_rate=ns.request_rate, max_concurrency=c,
@@ -180,6 +191,13 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                                   extra_body=extra))
         except RuntimeError as e:
             return _err(str(e))
+        spec1 = serve.fetch_spec_counts(base) if spec0 is not None else None
+        if spec0 is not None and spec1 is not None:
+            # the server's counters over this level (warm-up requests included): drafts,
+            # draft and accepted tokens, mean accepted length
+            from radixserve.bench.offline import spec_decode_summary
+
+            runs[-1]["spec_decode"] = spec_decode_summary(spec0, spec1)
     doc = {"config": {"base_url": base, "endpoint": serve.ENDPOINTS[ns.endpoint],
                       "model": model, "dataset": ns.dataset_name,
                       "num_prompts": ns.num_prompts,
@@ -312,6 +330,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--output-range-ratio", type=float, default=None,
                    help="the same for output lengths (default: --range-ratio)")
     o.add_argument("--dataset", default=None, help="ShareGPT-format JSON file")
+    o.add_argument("--dataset-name", choices=("random", "copy", "chat"), default="random",
+                   help="without --dataset: random token prompts; copy: repeat a passage "
+                        "changing one word (--input-len tokens, output as long as the "
+                        "passage: speculation's case); chat: a question after background "
+                        "(--input-len, --output-len); copy and chat go through the chat "
+                        "template")
     o.add_argument("--no-ignore-eos", action="store_true")
     o.add_argument("--compare-transformers", action="store_true",
                    help="also run HF transformers batched generate on the same prompts")
@@ -351,8 +375,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--tokenizer", default=None,
                    help="model folder or GGUF whose tokenizer builds the prompts (default: "
                         "radixserve's default model)")
-    s.add_argument("--dataset-name", choices=("random", "shared-prefix", "sharegpt"),
-                   default="random")
+    s.add_argument("--dataset-name", choices=("random", "shared-prefix", "sharegpt", "copy",
+                                              "chat"), default="random",
+                   help="copy: repeat a passage changing one word (--random-input-len "
+                        "tokens, output as long as the passage; use --endpoint chat); chat: "
+                        "a question after background (--random-input-len, "
+                        "--random-output-len)")
     s.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON file")
     s.add_argument("--num-prompts", type=int, default=64)
     s.add_argument("--random-input-len", type=int, default=256)

@@ -1,4 +1,5 @@
-"""Prompt sets for benchmarks: random token prompts and ShareGPT-format files."""
+"""Prompt sets for benchmarks: random token prompts, ShareGPT-format files, shared-prefix
+groups, a copy-heavy set and a plain chat set."""
 
 from __future__ import annotations
 
@@ -139,3 +140,172 @@ def shared_prefix_prompts(num_groups: int, prompts_per_group: int, system_len: i
             out.append(BenchPrompt(ids, output_len, q, system))
     order = rng.permutation(len(out))
     return [out[int(i)] for i in order]
+
+
+#: Plain prose sentences: the passages the copy set asks to repeat, and the chat set's context.
+SENTENCES = (
+    "The river rises in the hills north of the town and runs south past the old mill.",
+    "Every spring the meadows along its banks flood for a week or two.",
+    "The stone bridge was built in 1832 and widened once, after the war.",
+    "Most of the houses on the east bank belong to families who worked at the mill.",
+    "A narrow road climbs from the square to the church on the ridge.",
+    "On market days the square fills with stalls selling cheese, bread and honey.",
+    "The school has two classrooms, a small library and a garden the children keep.",
+    "In winter the road over the pass is closed and the bus goes round by the valley.",
+    "The railway reached the town late, and the station still has its first clock.",
+    "Visitors come for the walks, the lake and the view from the tower.",
+    "The council meets on the first Monday of each month in the hall by the bridge.",
+    "A new footpath now follows the river all the way to the next village.",
+    "The bakery opens at six and is usually sold out of rye bread by noon.",
+    "Fishing is allowed from the north bank between April and September.",
+    "The museum keeps the mill's ledgers, its tools and a model of the water wheel.",
+    "Heavy rain in the autumn of 1954 carried away part of the old weir.",
+    "The doctor visits on Tuesdays and Fridays and the pharmacy closes at five.",
+    "Two farms on the hill still keep sheep, and their wool is sold at the fair.",
+    "The lake freezes in most years, and skating is allowed once the ice is measured.",
+    "A plaque on the church wall lists the names of the bell ringers since 1700.",
+    "The post office moved into the grocery when the old building was sold.",
+    "Beech and oak woods cover the slopes above the reservoir.",
+    "The summer festival ends with a concert on the bridge and a boat race.",
+    "Most mornings a mist lies on the water until the sun clears the ridge.",
+)
+
+#: Words a copy prompt's passage may have, each with the word to put in its place.
+_SWAPS = (("river", "stream"), ("town", "village"), ("bridge", "crossing"),
+          ("road", "lane"), ("square", "plaza"), ("lake", "pond"), ("old", "ancient"),
+          ("church", "chapel"), ("hill", "slope"), ("winter", "the cold season"))
+
+_CHAT_QUESTIONS = (
+    "What are the main causes of {topic}, and how could they be reduced?",
+    "Explain {topic} to someone who has never heard of it.",
+    "Write a short story about {topic} with a surprising ending.",
+    "Give me three arguments for and three against {topic}.",
+    "How would you plan a weekend project about {topic} for a group of students?",
+    "What questions should I ask an expert on {topic}?",
+    "Summarise what historians disagree about when they discuss {topic}.",
+    "Suggest a name and a slogan for a small business built around {topic}.",
+)
+_CHAT_TOPICS = ("river flooding", "small-town markets", "rural railways", "beekeeping",
+                "stone bridges", "village schools", "mountain passes in winter",
+                "local museums", "water mills", "community festivals", "lake ice safety",
+                "sheep farming")
+
+
+def _fit_words(head: str, words: list[str], tail: str, max_tokens: int,
+               tokenizer) -> tuple[str, list[int], int]:  # noqa: ANN001
+    """``head + " ".join(words[:n]) + tail`` with the largest ``n`` whose encoding has at most
+    ``max_tokens`` tokens (binary search: a text's token count grows with its word count);
+    returns the text, its token ids and ``n``."""
+
+    def build(n: int) -> tuple[str, list[int]]:
+        text = head + " ".join(words[:n]) + tail
+        return text, tokenizer.encode(text, add_special_tokens=False)
+
+    lo, hi = 0, len(words)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if len(build(mid)[1]) <= max_tokens:
+            lo = mid
+        else:
+            hi = mid - 1
+    text, ids = build(lo)
+    return text, ids, lo
+
+
+def _passage_words(rng: np.random.Generator, n_words: int) -> list[str]:
+    """At least ``n_words`` words of ``SENTENCES`` in a random order (repeating them once all
+    were used)."""
+    words: list[str] = []
+    while len(words) < n_words:
+        for i in rng.permutation(len(SENTENCES)).tolist():
+            words += SENTENCES[i].split()
+            if len(words) >= n_words:
+                break
+    return words
+
+
+def copy_prompts(num: int, input_len: int, output_len: int | None, tokenizer,  # noqa: ANN001
+                 seed: int = 0) -> list[BenchPrompt]:
+    """A copy-heavy set (what n-gram speculation is for): each prompt asks to repeat a prose
+    passage exactly, changing only one word (every "river" to "stream", say), so the answer
+    is the passage again with a few words changed.
+
+    Args:
+        num: prompts.
+        input_len: most prompt tokens (the instruction and the passage, as the user message
+            encodes without special tokens); the passage is cut at a word boundary, so a
+            prompt has between ``input_len`` minus one word's tokens and ``input_len``.
+        output_len: tokens to generate; None: the passage's token count plus 8 (the copy,
+            with room for the changed words).
+        tokenizer: the served model's tokenizer.
+        seed: the same seed gives the same prompts.
+
+    Raises:
+        ValueError: ``input_len`` leaves no room for a passage after the instruction.
+    """
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(num):
+        words = _passage_words(rng, input_len)
+        text, ids, n = "", [], 0
+        # the first swap (in a random order) whose word the fitted passage has: the change
+        # must have something to change (the last one tried stands if none has)
+        for s in rng.permutation(len(_SWAPS)).tolist():
+            old, new = _SWAPS[s]
+            head = (f'Repeat the following passage exactly, changing only every "{old}" to '
+                    f'"{new}". Write nothing else.\n\n')
+            text, ids, n = _fit_words(head, words, "", input_len, tokenizer)
+            if old in (w.strip(".,") for w in words[:n]):
+                break
+        if n == 0:
+            raise ValueError(f"input_len {input_len} leaves no room for a passage after the "
+                             f"copy instruction ({len(ids)} tokens)")
+        passage = len(tokenizer.encode(" ".join(words[:n]), add_special_tokens=False))
+        out.append(BenchPrompt(ids, output_len or passage + 8, text))
+    return out
+
+
+def chat_prompts(num: int, input_len: int, output_len: int, tokenizer,  # noqa: ANN001
+                 seed: int = 0) -> list[BenchPrompt]:
+    """A plain chat set (answers that copy little of their prompt): a question on a topic,
+    after background sentences that fill the prompt up to ``input_len`` tokens.
+
+    Args:
+        num: prompts.
+        input_len: most prompt tokens (the user message encoded without special tokens); the
+            background is cut at a word boundary, so a prompt has between ``input_len`` minus
+            one word's tokens and ``input_len``, or just the question when that alone is
+            longer.
+        output_len: tokens to generate.
+        tokenizer: the served model's tokenizer.
+        seed: the same seed gives the same prompts.
+    """
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(num):
+        q = _CHAT_QUESTIONS[int(rng.integers(len(_CHAT_QUESTIONS)))]
+        question = q.format(topic=_CHAT_TOPICS[int(rng.integers(len(_CHAT_TOPICS)))])
+        words = _passage_words(rng, input_len)
+        text, ids, n = _fit_words("Some background: ", words, "\n\n" + question, input_len,
+                                  tokenizer)
+        if n == 0:
+            text = question
+            ids = tokenizer.encode(text, add_special_tokens=False)
+        out.append(BenchPrompt(ids, output_len, text))
+    return out
+
+
+def as_chat(prompts: list[BenchPrompt], tokenizer) -> list[BenchPrompt]:  # noqa: ANN001
+    """The same prompts with ``token_ids`` the chat template applied to their text as one user
+    message (with the generation prompt), for engines fed token ids (``bench offline``);
+    unchanged when the tokenizer has no chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return prompts
+    out = []
+    for p in prompts:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": p.text or ""}],
+                                            tokenize=True, add_generation_prompt=True)
+        if not isinstance(ids, list):  # some transformers versions return an encoding
+            ids = list(ids["input_ids"])
+        out.append(BenchPrompt(list(ids), p.output_len, p.text))
+    return out

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,7 @@ import httpx
 import numpy as np
 
 from radixserve.bench.datasets import BenchPrompt
+from radixserve.engine_types import SpecDecodeCounts
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 #: Latency metrics reported, each as mean/median/p90/p99 in milliseconds.
@@ -264,6 +266,48 @@ async def run_async(base_url: str, api: str, model: str, prompts: list[BenchProm
 def run(*args: Any, **kwargs: Any) -> dict[str, Any]:
     """``run_async`` from synchronous code."""
     return asyncio.run(run_async(*args, **kwargs))
+
+
+_SPEC_LINE = re.compile(r"^(?:radixserve|vllm):spec_decode_(num_drafts|num_draft_tokens|"
+                        r"num_accepted_tokens|num_accepted_tokens_per_pos)(?:_total)?"
+                        r"(?:\{([^}]*)\})?\s+(\S+)$")
+
+
+def parse_spec_counts(text: str) -> SpecDecodeCounts | None:
+    """The cumulative speculative-decoding counters in a Prometheus exposition (a server's
+    ``/metrics``: radixserve's ``radixserve:spec_decode_*`` or vLLM's ``vllm:spec_decode_*``
+    names), summed over label sets; None when it has none (a server that exports no such
+    counters; radixserve's are there, at zero, without speculation)."""
+    totals: dict[str, float] = {}
+    per_pos: dict[int, float] = {}
+    for line in text.splitlines():
+        m = _SPEC_LINE.match(line)
+        if m is None:
+            continue
+        name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
+        if name == "num_accepted_tokens_per_pos":
+            pos = re.search(r'position="(\d+)"', labels)
+            if pos is not None:
+                per_pos[int(pos.group(1))] = per_pos.get(int(pos.group(1)), 0.0) + value
+        else:
+            totals[name] = totals.get(name, 0.0) + value
+    if "num_drafts" not in totals:
+        return None
+    return SpecDecodeCounts(
+        num_drafts=int(totals["num_drafts"]),
+        num_draft_tokens=int(totals.get("num_draft_tokens", 0)),
+        num_accepted_tokens=int(totals.get("num_accepted_tokens", 0)),
+        accepted_per_pos=[int(per_pos.get(i, 0)) for i in range(max(per_pos, default=-1) + 1)])
+
+
+def fetch_spec_counts(base_url: str, timeout_s: float = 10.0) -> SpecDecodeCounts | None:
+    """``parse_spec_counts`` of the server's ``/metrics``; None when it has no such counters
+    or no readable ``/metrics``."""
+    try:
+        r = httpx.get(base_url.rstrip("/") + "/metrics", timeout=timeout_s)
+    except httpx.HTTPError:
+        return None
+    return parse_spec_counts(r.text) if r.status_code == 200 else None
 
 
 def fetch_model_id(base_url: str, timeout_s: float = 10.0) -> str:
