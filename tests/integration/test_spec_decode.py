@@ -277,6 +277,20 @@ def test_server_flag_reaches_the_engine_process(tmp_path: Path) -> None:
         assert accepted + drafts <= 21 and drafts < 21
         text = httpx.get(srv.base_url + "/metrics", timeout=10).text
         assert 'spec_decode_num_accepted_tokens_per_pos_total{model_name=' in text
+        # bench serve reads those counters around each run: the copy set drafts
+        import json
+
+        from radixserve.cli import main
+
+        out = tmp_path / "serve.json"
+        assert main(["bench", "serve", "--base-url", srv.base_url, "--dataset-name", "copy",
+                     "--random-input-len", "40", "--num-prompts", "2", "--disable-tqdm",
+                     "--json", str(out)]) == 0
+        (run,) = json.loads(out.read_text())["runs"]
+        sd = run["spec_decode"]
+        assert sd["num_drafts"] > 0 and sd["num_accepted_tokens"] == sd["num_draft_tokens"]
+        assert sd["mean_accepted_length"] == 1 + sd["num_accepted_tokens"] / sd["num_drafts"]
+        assert sd["mean_accepted_length"] > 1
         wait_idle(srv.base_url)
     finally:
         srv.stop()
