@@ -9,7 +9,9 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import shutil
 import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import settings
@@ -96,3 +98,27 @@ def triton_attention(_triton_interpreted, monkeypatch: pytest.MonkeyPatch):
     it is set for the duration of the test (and of no other)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     return _triton_interpreted
+
+
+@pytest.fixture(scope="session")
+def _kernel_builds() -> Path:
+    """The folder of this machine's C kernel builds (built here if missing), resolved before
+    any test points ``RADIXSERVE_CACHE_DIR`` elsewhere."""
+    from radixserve.model_executor.kernels.cpu import build
+
+    return build().parent
+
+
+@pytest.fixture
+def seed_kernel_cache(_kernel_builds: Path):
+    """``seed(root)`` copies the machine's C kernel builds into the cache root ``root`` (a
+    test's own ``RADIXSERVE_CACHE_DIR``). Tests that isolate the cache do so for measurements
+    and conversions; without the builds, each would compile the kernels again (seconds of
+    ``cc`` per test). The build itself is tested in tests/unit/test_cpu_kernels.py."""
+    def seed(root: Path) -> None:
+        dst = Path(root) / "kernels"
+        dst.mkdir(parents=True, exist_ok=True)
+        for so in _kernel_builds.glob("cpu_kernels-*.so"):
+            shutil.copy2(so, dst / so.name)
+
+    return seed

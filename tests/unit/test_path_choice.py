@@ -73,7 +73,9 @@ def test_kernel_max_rows_is_the_last_row_count_before_the_first_loss() -> None:
     assert path_choice.kernel_max_rows({"radixserve": [1.0] * n, "onednn": onednn}) == rows[-1]
 
 
-def test_kernel_rows_measured_once_then_cached(tmp_path, monkeypatch) -> None:
+def test_kernel_rows_measured_once_then_cached(tmp_path, monkeypatch,
+                                              seed_kernel_cache) -> None:
+    seed_kernel_cache(tmp_path)
     monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path))
     kernels = CpuKernels.load()
     # both CPU kinds have AVX2 + FMA: the float32 kernel is built on either

@@ -206,12 +206,14 @@ def test_quantization_refusals(mixed_gguf, tmp_path):
     assert mode is None and "dequantized" in why
 
 
-def test_auto_form_is_measured_then_cached(mixed_gguf, tmp_path, monkeypatch):
+def test_auto_form_is_measured_then_cached(mixed_gguf, tmp_path, monkeypatch,
+                                           seed_kernel_cache):
     """A GGUF with ``--quantization`` unset: blocks or dequantized, measured once on this
     machine and cached."""
     from radixserve.config import EngineConfig
     from radixserve.model_executor.runner import ModelRunner
 
+    seed_kernel_cache(tmp_path / "cache")
     monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path / "cache"))
     first = ModelRunner(EngineConfig(model=str(mixed_gguf), dtype="float32", num_pages=8))
     form = first.paths.paths["quantization"]
