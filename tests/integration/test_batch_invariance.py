@@ -216,11 +216,12 @@ def test_fused_decode_rejects_bad_metadata(auto_llm: LLM) -> None:
     assert len(auto_llm.generate("Hello", sp, use_tqdm=False)[0].outputs[0].token_ids) == 4
 
 
-def test_fused_decode_and_linear_kernel_in_float32() -> None:
+def test_fused_decode_and_linear_kernel_in_float32(default_llm: LLM) -> None:
     """The float32 kernels (AVX2 + FMA or AVX-512) on both CPU kinds, whatever the default
     dtype: the fused stack and the linear kernel give the tokens and logprob values of the
-    per-op oneDNN reference, batched."""
-    fast = LLM(dtype="float32", seed=0, num_pages=128, quantization="none")
+    per-op oneDNN reference, batched. The fast side is the session's float32 engine (the
+    default paths; its three prompts fill no 16-token page, so nothing of them is cached)."""
+    fast = default_llm
     ref = LLM(dtype="float32", seed=0, num_pages=128, cpu_linear_kernel=False,
               quantization="none")
     runner = fast.engine.runner
