@@ -635,18 +635,22 @@ def run(engines: list[str], num_prompts: int, input_len: int, output_len: int, d
                                  progress=progress, llama_gguf=llama_gguf,
                                  quantization=quantization)
     doc["ratios"] = ratios(doc)
-    doc["decode_floor"] = decode_floor(doc, files, dtype, threads)
+    doc["decode_floor"] = decode_floor(doc, files, dtype, threads, quantization)
     return doc
 
 
-def decode_floor(doc: dict[str, Any], files: Any, dtype: str, threads: int) -> dict[str, Any]:
-    """The batch-1 decode step's memory floor (weight bytes in the serving dtype ÷ the read
-    bandwidth measured now, ``bench.bandwidth``) and each engine's single-stream TPOT as a
-    multiple of it (the lowest concurrency level's median TPOT)."""
+def decode_floor(doc: dict[str, Any], files: Any, dtype: str, threads: int,
+                 quantization: str | None = None) -> dict[str, Any]:
+    """The batch-1 decode step's memory floor (the weight bytes a decode step reads, as
+    radixserve holds them, ÷ the read bandwidth measured now, ``bench.bandwidth``) and each
+    engine's single-stream TPOT as a multiple of it (the lowest concurrency level's median
+    TPOT). An untied embedding table is not counted: a step looks up one row of it per
+    token."""
     from radixserve.bench.bandwidth import decode_floor_ms, measure_read_bandwidth
     from radixserve.model_executor.loader import load_hf_config
     from radixserve.model_executor.memory_fit import weight_bytes
     from radixserve.model_executor.models.llama import ModelArgs
+    from radixserve.model_executor.quantization import served_weight_bytes
     from radixserve.model_executor.weight_storage import checkpoint_matrix_dtypes
 
     try:
@@ -660,10 +664,20 @@ def decode_floor(doc: dict[str, Any], files: Any, dtype: str, threads: int) -> d
     # dtype, or a bf16 checkpoint's own bf16 under float32 (``model_executor.weight_storage``)
     gguf = doc.get("config", {}).get("gguf")
     held = dtype
-    if not gguf and dtype == "float32" and checkpoint_matrix_dtypes(files.folder) == {"BF16"}:
-        held = "bfloat16 weights, float32 activations"
-    wbytes = (Path(gguf).stat().st_size if gguf
-              else weight_bytes(args, torch.bfloat16 if held != dtype else getattr(torch, dtype)))
+    serving = getattr(torch, dtype)
+    embed = 0 if args.tie_word_embeddings else args.vocab_size * args.hidden_size
+    if gguf:
+        wbytes = Path(gguf).stat().st_size
+    elif quantization in ("int8", "awq", "gptq"):
+        held = f"{quantization} weights, dense {dtype} embedding"
+        # the embedding stays dense in the serving dtype (a tied one's LM head is quantized)
+        wbytes = (served_weight_bytes(args, serving, quantization, None)
+                  - args.vocab_size * args.hidden_size * serving.itemsize)
+    else:
+        if dtype == "float32" and checkpoint_matrix_dtypes(files.folder) == {"BF16"}:
+            held = "bfloat16 weights, float32 activations"
+            serving = torch.bfloat16
+        wbytes = weight_bytes(args, serving) - embed * serving.itemsize
     bw = measure_read_bandwidth(threads=threads)
     floor = decode_floor_ms(wbytes, bw.gb_per_s)
     out: dict[str, Any] = {"weight_bytes": wbytes, "dtype": "gguf file" if gguf else held,

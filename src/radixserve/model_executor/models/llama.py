@@ -813,7 +813,10 @@ class CausalLM(nn.Module):
         which stays for the lookup."""
         quant = self.quant
         assert quant is not None
-        for target, segs in blocks.items():
+        while blocks:
+            # popped: each parameter's int8 rows are freed once packed, so the model is never
+            # held twice
+            target, segs = blocks.popitem()
             segs = sorted(segs, key=lambda sg: sg.lo)
             q = torch.cat([sg.data for sg in segs])
             scale = torch.cat([sg.scale for sg in segs if sg.scale is not None])
