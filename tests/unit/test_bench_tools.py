@@ -246,3 +246,33 @@ def test_bench_quant_kernels_cli(tmp_path, capsys):
     assert got == {("Q4_0", 1), ("Q4_0", 3), ("Q6_K", 1), ("Q6_K", 3)}
     assert all(r["us"] > 0 and r["gb_s"] > 0 for r in doc["rows"])
     assert "GB/s of weight bytes" in capsys.readouterr().out
+
+
+def test_decode_bytes_count_what_a_step_reads(tmp_path):
+    """The floor's bytes: an untied embedding table is looked up, not read; int8 reads one
+    byte per projection and head value plus its scales; a bf16 checkpoint under float32 its
+    bf16."""
+    import torch
+    from tests.integration.tiny_models import tiny_model
+    from transformers import AutoConfig
+
+    from radixserve.bench.compare import decode_bytes
+    from radixserve.model_executor.memory_fit import weight_bytes
+    from radixserve.model_executor.models.llama import ModelArgs
+
+    llama = tiny_model(tmp_path / "f32", "llama")  # untied, float32 safetensors
+    qwen = tiny_model(tmp_path / "bf16", "qwen2", save_dtype=torch.bfloat16)  # tied
+    a = ModelArgs.from_hf(AutoConfig.from_pretrained(llama))
+    table = a.vocab_size * a.hidden_size
+    got, held = decode_bytes(a, Path(llama), "float32", None, None)
+    assert (got, held) == (weight_bytes(a, torch.float32) - 4 * table, "float32")
+    got, held = decode_bytes(a, Path(llama), "float32", "int8", None)
+    per_layer_outputs = a.num_heads * a.head_dim + 2 * a.num_kv_heads * a.head_dim \
+        + 2 * a.hidden_size + 2 * a.intermediate_size
+    assert got == (weight_bytes(a, torch.int8) - table
+                   + 4 * (a.num_layers * per_layer_outputs + a.vocab_size))
+    assert held == "int8 weights, dense float32 embedding"
+    q = ModelArgs.from_hf(AutoConfig.from_pretrained(qwen))
+    got, held = decode_bytes(q, Path(qwen), "float32", None, None)
+    assert got == weight_bytes(q, torch.bfloat16)
+    assert held == "bfloat16 weights, float32 activations"

@@ -648,42 +648,56 @@ def decode_floor(doc: dict[str, Any], files: Any, dtype: str, threads: int,
     token."""
     from radixserve.bench.bandwidth import decode_floor_ms, measure_read_bandwidth
     from radixserve.model_executor.loader import load_hf_config
-    from radixserve.model_executor.memory_fit import weight_bytes
     from radixserve.model_executor.models.llama import ModelArgs
-    from radixserve.model_executor.quantization import served_weight_bytes
-    from radixserve.model_executor.weight_storage import checkpoint_matrix_dtypes
 
     try:
         args = ModelArgs.from_hf(load_hf_config(files.folder))
     except ValueError as e:
         return {"error": str(e)}
-    import torch
-
-    # a GGUF's engines read its blocks (radixserve in its "gguf" form, llama.cpp always):
-    # the bytes of the file; a folder's, the weights as radixserve holds them: the serving
-    # dtype, or a bf16 checkpoint's own bf16 under float32 (``model_executor.weight_storage``)
     gguf = doc.get("config", {}).get("gguf")
-    held = dtype
-    serving = getattr(torch, dtype)
-    embed = 0 if args.tie_word_embeddings else args.vocab_size * args.hidden_size
-    if gguf:
-        wbytes = Path(gguf).stat().st_size
-    elif quantization in ("int8", "awq", "gptq"):
-        held = f"{quantization} weights, dense {dtype} embedding"
-        # the embedding stays dense in the serving dtype (a tied one's LM head is quantized)
-        wbytes = (served_weight_bytes(args, serving, quantization, None)
-                  - args.vocab_size * args.hidden_size * serving.itemsize)
-    else:
-        if dtype == "float32" and checkpoint_matrix_dtypes(files.folder) == {"BF16"}:
-            held = "bfloat16 weights, float32 activations"
-            serving = torch.bfloat16
-        wbytes = weight_bytes(args, serving) - embed * serving.itemsize
+    wbytes, held = decode_bytes(args, files.folder, dtype, quantization,
+                                Path(gguf) if gguf else None)
     bw = measure_read_bandwidth(threads=threads)
     floor = decode_floor_ms(wbytes, bw.gb_per_s)
-    out: dict[str, Any] = {"weight_bytes": wbytes, "dtype": "gguf file" if gguf else held,
+    out: dict[str, Any] = {"weight_bytes": wbytes, "dtype": held,
                            "read_bandwidth": bw.as_dict(), "floor_ms": floor, "tpot_x_floor": {}}
     for eng, v in doc.get("serve", {}).items():
         runs = sorted(v.get("runs") or [], key=lambda x: x["max_concurrency"])
         if runs and runs[0]["max_concurrency"] == 1 and runs[0].get("median_tpot_ms"):
             out["tpot_x_floor"][eng] = runs[0]["median_tpot_ms"] / floor
     return out
+
+
+def decode_bytes(args: Any, folder: Path, dtype: str, quantization: str | None,
+                 gguf: Path | None) -> tuple[int, str]:
+    """Bytes a batch-1 decode step reads, as radixserve holds the weights, and how they are
+    held: a GGUF's file size; int8 / AWQ / GPTQ projections and LM head (the embedding stays
+    dense and is looked up a row per token); else the serving dtype (a bf16 checkpoint's own
+    bf16 under float32, ``model_executor.weight_storage``), an untied embedding table not
+    counted.
+
+    Args:
+        args: the model's ``ModelArgs``.
+        folder: its Hugging Face folder (the safetensors headers tell a bf16 checkpoint).
+        dtype: the serving dtype's name ("float32", "bfloat16").
+        quantization: radixserve's ``--quantization``, or None.
+        gguf: the GGUF file both engines read, or None.
+    """
+    import torch
+
+    from radixserve.model_executor.memory_fit import weight_bytes
+    from radixserve.model_executor.quantization import served_weight_bytes
+    from radixserve.model_executor.weight_storage import checkpoint_matrix_dtypes
+
+    if gguf is not None:
+        return gguf.stat().st_size, "gguf file"
+    serving = getattr(torch, dtype)
+    table = args.vocab_size * args.hidden_size
+    if quantization in ("int8", "awq", "gptq"):
+        return (served_weight_bytes(args, serving, quantization, None) - table * serving.itemsize,
+                f"{quantization} weights, dense {dtype} embedding")
+    held = dtype
+    if dtype == "float32" and checkpoint_matrix_dtypes(folder) == {"BF16"}:
+        held, serving = "bfloat16 weights, float32 activations", torch.bfloat16
+    embed = 0 if args.tie_word_embeddings else table
+    return weight_bytes(args, serving) - embed * serving.itemsize, held
