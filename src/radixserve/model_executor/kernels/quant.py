@@ -83,12 +83,15 @@ class QuantKernels:
         #: the tiles this build runs: "avx2" (AVX2 + FMA + F16C) or "portable" (plain C, the
         #: same bits, slower)
         self.isa = "avx2" if fn() == 1 else "portable"
-        fn = lib.rs_linear_f32_i8w
-        fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, c_int]
-        fn.restype = c_int
+        # the int8-weight GEMM lives in cpu_kernels.c: a library of quant_kernels.c alone
+        # (the plain-x86-64 build the tests compare) has the block kernels only
+        fn = getattr(lib, "rs_linear_f32_i8w", None)
+        if fn is not None:
+            fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, c_int]
+            fn.restype = c_int
         self._int8w = fn
         #: whether the float32 GEMM (AVX2 + FMA or AVX-512) that runs int8 weights is built
-        self.has_int8w = bool(lib.rs_has_f32_gemm())
+        self.has_int8w = fn is not None and bool(lib.rs_has_f32_gemm())
 
     def linear_int8w(self, x_ptr: int, w_ptr: int, scale_ptr: int, out_ptr: int, m: int,
                      n: int, k: int, k_block: int) -> None:
@@ -103,6 +106,9 @@ class QuantKernels:
             RuntimeError: the kernel's error code (1 bad sizes, 3 out of memory, 5 a build
                 without AVX2 + FMA).
         """
+        if self._int8w is None:
+            raise RuntimeError("int8-weight linear kernel failed with code 5 (this library "
+                               "has no float32 GEMM)")
         rc = self._int8w(x_ptr, w_ptr, scale_ptr, out_ptr, m, n, k, k_block,
                          torch.get_num_threads())
         if rc:
