@@ -164,6 +164,10 @@ class KVTransferConfig:
 #: ``speculative_config.method`` values (vLLM's names): "ngram" (prompt lookup) and
 #: "draft_model" (a second, smaller model sharing the target's tokenizer).
 SPEC_METHODS = ("ngram", "draft_model")
+#: ``speculative_config.disable_by_batch_size`` when the JSON leaves it out: the engine takes
+#: its device's measured crossover (``core.spec_decode.crossover_batch_size``). Distinct from
+#: an explicit null, which keeps vLLM's meaning (draft at every batch size).
+SPEC_BATCH_AUTO = "auto"
 
 
 @dataclass
@@ -191,7 +195,9 @@ class SpeculativeConfig:
             ``model_executor.draft``).
         disable_by_batch_size: no drafts in a step with more running requests than this
             (vLLM's field): a verify step costs more than it saves once a batch is
-            compute-bound; None (the default) drafts at every batch size.
+            compute-bound. Left out (or "auto"): the crossover measured for the engine's
+            device (``core.spec_decode.crossover_batch_size``: 1 on CPU); None (JSON null,
+            vLLM's default) drafts at every batch size; an integer >= 1 is kept as given.
 
     Raises:
         ValueError: from ``validate`` / ``parse``: an unknown field, a bad value or a method
@@ -203,7 +209,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     model: str | None = None
-    disable_by_batch_size: int | None = None
+    disable_by_batch_size: int | str | None = SPEC_BATCH_AUTO
 
     def __post_init__(self) -> None:
         self.validate()
@@ -233,8 +239,11 @@ class SpeculativeConfig:
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
                      "disable_by_batch_size"):
             v = getattr(self, name)
+            if name == "disable_by_batch_size" and v == SPEC_BATCH_AUTO:
+                continue
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise bad(name, "must be an integer >= 1")
+                raise bad(name, "must be an integer >= 1"
+                          + (', null or "auto"' if name == "disable_by_batch_size" else ""))
         if self.method != "ngram":
             return
         # vLLM's rule: one bound given, the other follows it; neither, max 5 and min 5

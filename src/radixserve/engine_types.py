@@ -277,12 +277,15 @@ class SpecDecodeCounts(msgspec.Struct, kw_only=True):
         num_draft_tokens / num_accepted_tokens: draft tokens verified / accepted.
         accepted_per_pos: accepted draft tokens by position in the draft (0-based), one entry
             per position up to ``num_speculative_tokens``.
+        disable_by_batch_size: the effective ``disable_by_batch_size`` (the device's
+            crossover when the configuration left it out); 0: drafts at every batch size.
     """
 
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = []
+    disable_by_batch_size: int = 0
 
 
 class SchedulerStats(msgspec.Struct, kw_only=True):

@@ -226,6 +226,10 @@ class ServerMetrics:
             PREFIX + "spec_decode_num_accepted_tokens_per_pos",
             "Accepted draft tokens by position in the draft (0-based).",
             ["model_name", "position"], registry=self.registry)
+        self.spec_decode_disable_by_batch_size = gauge(
+            "spec_decode_disable_by_batch_size", "Most running requests at which a step "
+            "still drafts (the device's measured crossover unless configured); 0: every "
+            "batch size.")
         self._last_spec: dict[str, float] = dict.fromkeys(_SPEC_COUNTERS, 0)
         self._last_spec_pos: list[float] = []
 
@@ -263,6 +267,7 @@ class ServerMetrics:
             self.kv_transfer_held_pages.set(kv.held_pages)
         spec = stats.spec_decode
         if spec is not None:
+            self.spec_decode_disable_by_batch_size.set(spec.disable_by_batch_size)
             for field, child in self.spec_decode.items():
                 self._last_spec[field] = _inc(child, getattr(spec, field),
                                               self._last_spec[field])

@@ -18,8 +18,10 @@ from tiny_models import tiny_model
 from radixserve import LLM, SamplingParams
 from radixserve.engine_types import EngineRequest
 
+#: null ``disable_by_batch_size``: these tests check batched verify steps, which the CPU
+#: default (draft only when one request runs) would leave out
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-        "prompt_lookup_max": 3}
+        "prompt_lookup_max": 3, "disable_by_batch_size": None}
 
 
 def _llm(path: str | None, spec: dict | None, **kw) -> LLM:
@@ -226,6 +228,46 @@ def test_no_drafts_in_batches_larger_than_disable_by_batch_size(tmp_path: Path) 
     assert _spec_counts(spec).num_drafts > 0
 
 
+def test_default_cap_drafts_only_when_one_request_runs(tmp_path: Path) -> None:
+    """``disable_by_batch_size`` left out, on CPU: the measured crossover, one running
+    request. Steps of several requests draft nothing (the spec counters do not move); once
+    the last request runs alone it drafts; output as without speculation."""
+    path = tiny_model(tmp_path, "llama", 0.2)
+    prompts = [p for p in _prompts(np.random.default_rng(8), 12) if len(p) > 8][:4]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
+              for m in (4, 6, 10, 40)]
+    base = _llm(path, None)
+    default = {k: v for k, v in SPEC.items() if k != "disable_by_batch_size"}
+    spec = _llm(path, default)
+    eng = spec.engine
+    assert eng.proposer is not None and eng.proposer.disable_by_batch_size == 1
+    assert _spec_counts(spec).disable_by_batch_size == 1
+    toks: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        eng.add_request(EngineRequest(request_id=str(i),
+                                      prompt_token_ids=np.asarray(p, dtype=np.int32),
+                                      sampling_params=sp))
+    drafts_by_batch: dict[int, int] = {}
+    while eng.has_unfinished_requests():
+        # what the scheduler's cap compares: the requests running when the step is scheduled
+        running = len(eng.scheduler.running)
+        before = _spec_counts(spec).num_drafts
+        out = eng.step()
+        drafts_by_batch[running] = (drafts_by_batch.get(running, 0)
+                                    + _spec_counts(spec).num_drafts - before)
+        if out is None:
+            continue
+        for o in out.outputs:
+            toks[o.request_id] += list(o.new_token_ids)
+        for rid, t in zip(out.decode_request_ids, out.decode_token_ids.tolist(), strict=True):
+            toks[rid].append(t)
+    assert max(drafts_by_batch) > 1  # batched steps ran
+    assert all(n == 0 for b, n in drafts_by_batch.items() if b > 1), drafts_by_batch
+    assert drafts_by_batch.get(1, 0) > 0, drafts_by_batch
+    want = _run(base, prompts, params)
+    assert [toks[str(i)] for i in range(len(prompts))] == [w[0][0] for w in want]
+
+
 @pytest.mark.slow
 def test_default_model_repeating_a_paragraph() -> None:
     """The default model in its default dtype asked to repeat a paragraph: the copy is
@@ -234,7 +276,8 @@ def test_default_model_repeating_a_paragraph() -> None:
                  "mill and the stone bridge, and reaches the sea after forty miles.")
     base = _llm(None, None, page_size=16, max_num_batched_tokens=256)
     spec = _llm(None, {"method": "ngram", "num_speculative_tokens": 4,
-                       "prompt_lookup_min": 2, "prompt_lookup_max": 4},
+                       "prompt_lookup_min": 2, "prompt_lookup_max": 4,
+                       "disable_by_batch_size": None},
                 page_size=16, max_num_batched_tokens=256)
     tok = base.get_tokenizer()
     msgs = [[{"role": "user", "content": f"Repeat this paragraph exactly:\n\n{paragraph}"}],
@@ -255,7 +298,8 @@ def test_default_model_repeating_a_paragraph() -> None:
 def test_server_flag_reaches_the_engine_process(tmp_path: Path) -> None:
     """``radixserve serve --speculative-config`` over the null model (it always emits one
     token, so every draft is accepted): the engine process speculates, the answer is as long
-    as asked, /metrics counts drafts per position, and no page is left behind."""
+    as asked, /metrics counts drafts per position and shows the default cap (CPU: one running
+    request), and no page is left behind."""
     import httpx
     from server_utils import ServerProcess, metrics_values, wait_idle
 
@@ -275,9 +319,11 @@ def test_server_flag_reaches_the_engine_process(tmp_path: Path) -> None:
         assert drafts > 0 and accepted == m["radixserve:spec_decode_num_draft_tokens_total"]
         # 21 tokens in fewer verify steps than tokens: several per step
         assert accepted + drafts <= 21 and drafts < 21
+        assert m["radixserve:spec_decode_disable_by_batch_size"] == 1
         text = httpx.get(srv.base_url + "/metrics", timeout=10).text
         assert 'spec_decode_num_accepted_tokens_per_pos_total{model_name=' in text
-        # bench serve reads those counters around each run: the copy set drafts
+        # bench serve reads those counters around each run: the copy set drafts, one
+        # request at a time (the default cap drafts in single-stream steps only)
         import json
 
         from radixserve.cli import main
@@ -285,7 +331,7 @@ def test_server_flag_reaches_the_engine_process(tmp_path: Path) -> None:
         out = tmp_path / "serve.json"
         assert main(["bench", "serve", "--base-url", srv.base_url, "--dataset-name", "copy",
                      "--random-input-len", "40", "--num-prompts", "2", "--disable-tqdm",
-                     "--json", str(out)]) == 0
+                     "--max-concurrency", "1", "--json", str(out)]) == 0
         (run,) = json.loads(out.read_text())["runs"]
         sd = run["spec_decode"]
         assert sd["num_drafts"] > 0 and sd["num_accepted_tokens"] == sd["num_draft_tokens"]

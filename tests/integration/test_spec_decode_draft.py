@@ -25,7 +25,9 @@ from radixserve import LLM, SamplingParams
 
 
 def _spec(model: str, k: int = 3) -> dict:
-    return {"method": "draft_model", "model": model, "num_speculative_tokens": k}
+    # null disable_by_batch_size: batched verify steps, which the CPU default leaves out
+    return {"method": "draft_model", "model": model, "num_speculative_tokens": k,
+            "disable_by_batch_size": None}
 
 
 def _tiny_llm(path: str, spec: dict | None, **kw) -> LLM:

@@ -29,8 +29,9 @@ from radixserve.engine_types import EngineRequest
 from radixserve.model_executor.forward_batch import SamplingBatch
 from radixserve.model_executor.sampler import sample
 
+#: null ``disable_by_batch_size``: batched verify steps, which the CPU default leaves out
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-        "prompt_lookup_max": 3}
+        "prompt_lookup_max": 3, "disable_by_batch_size": None}
 
 
 @pytest.fixture(autouse=True, scope="module")

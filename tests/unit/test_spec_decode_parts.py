@@ -167,8 +167,10 @@ def test_metrics_count_growth_per_position() -> None:
     m.update_from_stats(SchedulerStats(spec_decode=SpecDecodeCounts(
         num_drafts=4, num_draft_tokens=12, num_accepted_tokens=7, accepted_per_pos=[4, 2, 1])))
     m.update_from_stats(SchedulerStats(spec_decode=SpecDecodeCounts(
-        num_drafts=5, num_draft_tokens=15, num_accepted_tokens=8, accepted_per_pos=[5, 2, 1])))
+        num_drafts=5, num_draft_tokens=15, num_accepted_tokens=8, accepted_per_pos=[5, 2, 1],
+        disable_by_batch_size=1)))
     text = m.render()[0].decode()
+    assert 'radixserve:spec_decode_disable_by_batch_size{model_name="m"} 1.0' in text
     assert 'radixserve:spec_decode_num_drafts_total{model_name="m"} 5.0' in text
     assert 'radixserve:spec_decode_num_draft_tokens_total{model_name="m"} 15.0' in text
     assert 'radixserve:spec_decode_num_accepted_tokens_total{model_name="m"} 8.0' in text
@@ -220,6 +222,58 @@ def test_bench_summary_is_the_run_between_two_snapshots() -> None:
 def test_disable_by_batch_size() -> None:
     from radixserve.core.spec_decode import NgramProposer
 
-    capped = NgramProposer(SpeculativeConfig(num_speculative_tokens=2, disable_by_batch_size=4))
+    capped = NgramProposer(SpeculativeConfig(num_speculative_tokens=2, disable_by_batch_size=4),
+                           "cpu")
     assert capped.active(1) and capped.active(4) and not capped.active(5)
-    assert NgramProposer(SpeculativeConfig(num_speculative_tokens=2)).active(10_000)
+    never = SpeculativeConfig(num_speculative_tokens=2, disable_by_batch_size=None)
+    assert NgramProposer(never, "cpu").active(10_000)
+
+
+def test_absent_disable_by_batch_size_takes_the_devices_crossover() -> None:
+    """Left out, the cap is the device's rule (CPU: the measured one running request; CUDA:
+    128 verify rows); an explicit JSON null keeps vLLM's "never"; an integer is kept."""
+    from radixserve.config import SPEC_BATCH_AUTO
+    from radixserve.core.spec_decode import (
+        NgramProposer,
+        crossover_batch_size,
+        effective_disable_by_batch_size,
+    )
+
+    absent = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 4}')
+    assert absent.disable_by_batch_size == SPEC_BATCH_AUTO
+    assert effective_disable_by_batch_size(absent, "cpu") == crossover_batch_size("cpu", 4) == 1
+    assert effective_disable_by_batch_size(absent, "cuda") == crossover_batch_size("cuda", 4)
+    assert crossover_batch_size("cuda", 4) == 128 // 5
+    assert crossover_batch_size("cuda", 200) == 1
+    proposer = NgramProposer(absent, "cpu")
+    assert proposer.disable_by_batch_size == 1
+    assert proposer.active(1) and not proposer.active(2)
+    explicit_auto = SpeculativeConfig.parse('{"num_speculative_tokens": 4, '
+                                            '"disable_by_batch_size": "auto"}')
+    assert explicit_auto == absent
+
+    null = SpeculativeConfig.parse('{"num_speculative_tokens": 4, "disable_by_batch_size": null}')
+    assert null.disable_by_batch_size is None
+    for device in ("cpu", "cuda"):
+        assert effective_disable_by_batch_size(null, device) is None
+    assert NgramProposer(null, "cpu").active(10_000)
+
+    given = SpeculativeConfig.parse('{"num_speculative_tokens": 4, "disable_by_batch_size": 8}')
+    for device in ("cpu", "cuda"):
+        assert effective_disable_by_batch_size(given, device) == 8
+
+    with pytest.raises(ValueError, match=r"disable_by_batch_size='fast' must be an integer "
+                                         r'>= 1, null or "auto"'):
+        SpeculativeConfig.parse({"num_speculative_tokens": 4, "disable_by_batch_size": "fast"})
+
+
+def test_absent_and_null_survive_the_engine_process_json() -> None:
+    """The frontend hands the engine process its config as JSON (``dataclasses.asdict``):
+    a left-out cap and an explicit null must stay apart there."""
+    import dataclasses
+    import json
+
+    for value in ({}, {"disable_by_batch_size": None}, {"disable_by_batch_size": 3}):
+        cfg = EngineConfig(speculative_config={"num_speculative_tokens": 2, **value})
+        back = EngineConfig(**json.loads(json.dumps(dataclasses.asdict(cfg))))
+        assert back.speculative_config == cfg.speculative_config

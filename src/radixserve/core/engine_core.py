@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from radixserve.config import EngineConfig
+from radixserve.config import SPEC_BATCH_AUTO, EngineConfig
 from radixserve.core.batch import ScheduledBatch
 from radixserve.core.request import Request
 from radixserve.core.resolver import StepResolver
@@ -114,6 +114,7 @@ class EngineCore:
             self.kv_connector = create_scheduler_connector(kv_cfg, config.page_size,
                                                            self.kv_worker)
         spec = config.speculative_config
+        device_type = getattr(runner.device, "type", "cpu")
         #: the draft model's runner ("draft_model" method): it runs every step after the
         #: target (``_run``) so its KV pool, indexed by the same pages, stays consistent
         self.draft = None
@@ -125,9 +126,10 @@ class EngineCore:
             from radixserve.model_executor.draft import DraftRunner
 
             self.draft = DraftRunner(config, minfo, num_pages)
-            self.proposer = DraftModelProposer(spec, self.draft, config.page_size)
+            self.proposer = DraftModelProposer(spec, self.draft, config.page_size,
+                                               device_type)
         elif spec is not None:
-            self.proposer = NgramProposer(spec)
+            self.proposer = NgramProposer(spec, device_type)
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
             config.schedule_policy, connector=self.kv_connector,
@@ -144,16 +146,23 @@ class EngineCore:
         self.last_num_decodes = self.last_num_prefill_tokens = 0
         self.check_integrity_each_step = False
         if spec is not None:
+            assert self.proposer is not None
             # a step's accepted tokens must be known before the next one is scheduled
             self.overlap = False
             how = (f"draft model {spec.model}" if spec.method == "draft_model" else
                    f"n-grams of {spec.prompt_lookup_min}..{spec.prompt_lookup_max} tokens")
-            log.info("speculative decoding: %s, %d draft tokens, %s; sampled requests by "
-                     "rejection sampling, constrained ones with drafts cut to what their "
-                     "grammar allows; steps without overlap", spec.method,
-                     spec.num_speculative_tokens, how)
+            cap = self.proposer.disable_by_batch_size
+            when = ("at every batch size" if cap is None else
+                    f"in steps of at most {cap} running request{'s' if cap > 1 else ''}")
+            origin = (f"the {device_type} crossover, disable_by_batch_size left out"
+                      if spec.disable_by_batch_size == SPEC_BATCH_AUTO
+                      else "disable_by_batch_size as given")
+            log.info("speculative decoding: %s, %d draft tokens, %s, drafting %s (%s); "
+                     "sampled requests by rejection sampling, constrained ones with drafts "
+                     "cut to what their grammar allows; steps without overlap", spec.method,
+                     spec.num_speculative_tokens, how, when, origin)
         elif config.disable_overlap is None:  # auto: see EngineConfig.disable_overlap
-            self.overlap = getattr(runner.device, "type", "cpu") == "cuda"
+            self.overlap = device_type == "cuda"
         else:
             self.overlap = not config.disable_overlap
         # one thread: steps run strictly in order (see ``step``)
@@ -539,7 +548,8 @@ class EngineCore:
             num_drafts=st.num_drafts, num_draft_tokens=st.num_draft_tokens,
             num_accepted_tokens=st.num_accepted_tokens,
             accepted_per_pos=list(st.accepted_per_pos)
-            + [0] * (self.proposer.k - len(st.accepted_per_pos)))
+            + [0] * (self.proposer.k - len(st.accepted_per_pos)),
+            disable_by_batch_size=self.proposer.disable_by_batch_size or 0)
 
     def _kv_stats(self) -> KVTransferStats | None:
         if self.kv_worker is None:

@@ -16,7 +16,7 @@ from typing import Protocol
 
 import numpy as np
 
-from radixserve.config import SpeculativeConfig
+from radixserve.config import SPEC_BATCH_AUTO, SpeculativeConfig
 from radixserve.core.request import Request
 
 _NONE = np.empty(0, dtype=np.int32)
@@ -87,17 +87,64 @@ def grammar_prefix(req: Request, drafts: np.ndarray) -> np.ndarray:
     return drafts[:req.grammar.valid_prefix(drafts)]
 
 
+#: On CUDA, verify rows a step may add before its linears stop being bound by reading the
+#: weights: H100's dense bf16 peak over its memory bandwidth is about 295 FLOPs per byte and
+#: A100's about 156, and a linear over M rows does M FLOPs per byte of bf16 weight; 128 stays
+#: under both, leaving room for attention and for verify steps running eagerly (no CUDA
+#: graphs, unlike decodes). Not measured yet.
+CUDA_BANDWIDTH_BOUND_ROWS = 128
+
+
+def crossover_batch_size(device_type: str, num_speculative_tokens: int) -> int:
+    """``disable_by_batch_size`` when the configuration leaves it out: the most running
+    requests at which a step still drafts on ``device_type`` ("cpu", "cuda").
+
+    CPU: 1, measured. On Zen 3 (2 cores, the default model, n-gram k = 4; docs/benchmarks.md,
+    2026-11-26) speculation on / off in output tok/s at c = 1/2/4/16/64 was
+    2.01/1.57/1.07/0.97/0.87 on a copy-heavy set and 1.09/0.86/0.64/0.83/0.77 on chat: with
+    two cores already busy at two requests, the verify step's k + 1 rows per request cost
+    more than the drafts save from two running requests on chat, so only single-stream steps
+    gain whatever the acceptance. A smaller k costs fewer rows but also gains fewer tokens;
+    unmeasured, so it stays 1. A CPU kind measured otherwise belongs here.
+
+    CUDA: a decode batch stays bound by reading the weights up to a few hundred rows, so
+    speculation stays cheap while every request's k + 1 rows fit under
+    ``CUDA_BANDWIDTH_BOUND_ROWS``: 128 // (k + 1) requests (25 at k = 4), at least 1. An
+    estimate from the roofline, to be replaced by a measurement.
+    """
+    if device_type == "cuda":
+        return max(1, CUDA_BANDWIDTH_BOUND_ROWS // (num_speculative_tokens + 1))
+    return 1
+
+
+def effective_disable_by_batch_size(config: SpeculativeConfig, device_type: str
+                                    ) -> int | None:
+    """``config.disable_by_batch_size`` as the engine applies it on ``device_type``: the
+    device's crossover when left out ("auto"), else as given (None: never disabled)."""
+    v = config.disable_by_batch_size
+    if v == SPEC_BATCH_AUTO:
+        return crossover_batch_size(device_type, int(config.num_speculative_tokens or 1))
+    assert v is None or isinstance(v, int)
+    return v
+
+
 class ProposerBase:
     """What every proposer has: its k and when a step drafts at all.
 
+    Args:
+        config: the speculative configuration.
+        device_type: the target's device ("cpu", "cuda"): it picks the default
+            ``disable_by_batch_size`` (``crossover_batch_size``).
+
     Attributes:
         k: most draft tokens per request and step (``num_speculative_tokens``).
-        disable_by_batch_size: see ``SpeculativeConfig``.
+        disable_by_batch_size: the effective cap (``effective_disable_by_batch_size``; None:
+            drafts at every batch size).
     """
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, device_type: str) -> None:
         self.k = int(config.num_speculative_tokens or 0)
-        self.disable_by_batch_size = config.disable_by_batch_size
+        self.disable_by_batch_size = effective_disable_by_batch_size(config, device_type)
 
     def active(self, batch_size: int) -> bool:
         """Whether a step with ``batch_size`` running requests drafts at all
@@ -111,8 +158,8 @@ class NgramProposer(ProposerBase):
     request at a time, before pages are taken for them (a request without a recurring n-gram
     takes none)."""
 
-    def __init__(self, config: SpeculativeConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: SpeculativeConfig, device_type: str) -> None:
+        super().__init__(config, device_type)
         self.min_n = int(config.prompt_lookup_min or 1)
         self.max_n = int(config.prompt_lookup_max or self.min_n)
 
@@ -147,10 +194,12 @@ class DraftModelProposer(ProposerBase):
             ``disable_by_batch_size``).
         draft: the draft model.
         page_size: tokens per KV page.
+        device_type: the target's device ("cpu", "cuda").
     """
 
-    def __init__(self, config: SpeculativeConfig, draft: DraftModel, page_size: int) -> None:
-        super().__init__(config)
+    def __init__(self, config: SpeculativeConfig, draft: DraftModel, page_size: int,
+                 device_type: str) -> None:
+        super().__init__(config, device_type)
         self.draft = draft
         self.page_size = page_size
 
