@@ -34,6 +34,7 @@ from radixserve.model_executor.loader import (  # noqa: E402
     load_tokenizer,
     resolve_model,
 )
+from radixserve.model_executor.loader.gguf_header import read_gguf_header  # noqa: E402
 from radixserve.model_executor.loader.gguf_weights import iter_gguf_weights  # noqa: E402
 
 # ------------------------------------------------------------------------------------------
@@ -287,6 +288,52 @@ def test_bad_gguf_tensors_fail_naming_the_tensor(tmp_path):
     odd.write_bytes(bytes(bad))
     with pytest.raises(ValueError, match=rf"{t0.name}.*(type 99|ggml type)"):
         iter_gguf_weights(odd, 4, 2)
+
+
+@pytest.mark.parametrize("alignment", [None, 64])
+def test_gguf_header_equals_gguf_py(tmp_path, alignment):
+    """radixserve's own header reader (no transformers import in the engine) against gguf-py's
+    ``GGUFReader``: architecture, metadata, and every tensor's shape, type and absolute offset."""
+    import gguf
+
+    src = tmp_path / "src.gguf"
+    write_tiny_gguf("llama", src, tie=False)
+    path = src
+    if alignment is not None:  # the data section moves to the next multiple of 64
+        reader = gguf.GGUFReader(str(src))
+        path = tmp_path / "aligned.gguf"
+        w = gguf_copy_metadata(reader, path)
+        w.add_custom_alignment(alignment)
+        for t in reader.tensors:
+            w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    reader = gguf.GGUFReader(str(path))
+    header = read_gguf_header(path)
+    assert header.version == 3
+    assert header.metadata["general.architecture"] == "llama"
+    assert header.metadata.get("general.alignment", 32) == (alignment or 32)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        want = field.contents()
+        got = header.metadata[key]
+        if isinstance(want, list) and want and isinstance(want[0], str):
+            assert got == len(want), key  # string arrays: walked, counted
+        elif isinstance(want, float):
+            assert got == pytest.approx(want, rel=1e-7), key
+        else:
+            assert got == want, key
+    assert [(n, s, t, header.data_start + o) for n, s, t, o in header.tensors] == [
+        (t.name, tuple(int(d) for d in reversed(t.shape.tolist())), int(t.tensor_type),
+         int(t.data_offset)) for t in reader.tensors]
+    # a file cut inside its header fails naming the file, not with a struct.error
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:200])
+    with pytest.raises(ValueError, match=r"cut\.gguf: cannot read the GGUF header"):
+        read_gguf_header(cut)
 
 
 def test_edited_gguf_is_reconverted(tmp_path):

@@ -51,10 +51,17 @@ class NullRunner:
         Raises:
             ValueError: unreadable model or bad sizes.
         """
-        from radixserve.model_executor.loader import eos_token_ids, load_hf_config, resolve_model
+        from radixserve.model_executor.loader import (
+            eos_token_ids,
+            load_hf_config,
+            read_config,
+            resolve_model,
+        )
 
         files = resolve_model(config.model)
-        hf = load_hf_config(files.folder)
+        hf = read_config(files.folder)
+        if not hasattr(hf, "max_position_embeddings"):  # the context: its class default
+            hf = load_hf_config(files.folder)
         heads = int(hf.num_attention_heads)
         kv_heads = int(getattr(hf, "num_key_value_heads", None) or heads)
         head_dim = int(getattr(hf, "head_dim", None) or hf.hidden_size // heads)

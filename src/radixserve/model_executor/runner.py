@@ -3,10 +3,8 @@ sampled tokens out. ``build_runner`` picks it or the null model for a configurat
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
-from types import SimpleNamespace
 
 import msgspec
 import numpy as np
@@ -64,10 +62,6 @@ def _quant_kernels(kernels: CpuKernels | None):  # noqa: ANN202 - QuantKernels
     return lib.quant
 
 
-_REQUIRED = ("architectures", "vocab_size", "hidden_size", "intermediate_size",
-             "num_hidden_layers", "num_attention_heads", "rms_norm_eps")
-
-
 def enable_decode_stack(model: CausalLM, on: bool) -> tuple[str, str]:
     """Run decode steps' layers in one C call where the model allows it (after
     ``pack_linears``; ``decode_stack.py``). Returns the path ("fused" or "per-op") and why."""
@@ -82,26 +76,6 @@ def enable_decode_stack(model: CausalLM, on: bool) -> tuple[str, str]:
     model.decode_stack = DecodeStack(model.kernels, list(model.layers))
     return "fused", ("decode steps run every layer in one call of radixserve's C kernels "
                      "(the per-op path's kernels, in its order)")
-
-
-def read_config(folder: Path) -> SimpleNamespace | None:
-    """``config.json`` as attributes, without importing transformers (~2.5 s per process).
-
-    Returns None when the checkpoint needs transformers' own config handling: scaled RoPE
-    (whose inverse frequencies come from transformers) or missing fields."""
-    try:
-        raw = json.loads((Path(folder) / "config.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    params = raw.get("rope_parameters") or {}
-    if raw.get("rope_scaling") or params.get("rope_type", "default") != "default":
-        return None
-    if any(k not in raw for k in _REQUIRED):
-        return None
-    cfg = SimpleNamespace(**raw)
-    cfg.rope_parameters = {"rope_type": "default",
-                           "rope_theta": params.get("rope_theta", raw.get("rope_theta", 10000.0))}
-    return cfg
 
 
 class ModelRunner:
@@ -124,14 +98,14 @@ class ModelRunner:
         from radixserve.model_executor.loader import (
             checkpoint_weights,
             eos_token_ids,
-            load_hf_config,
+            read_config,
             resolve_model,
         )
 
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         files = resolve_model(config.model)
-        hf_config = read_config(files.folder) or load_hf_config(files.folder)
+        hf_config = read_config(files.folder)
         args = ModelArgs.from_hf(hf_config)
         self.shard = ShardLayout.for_model(args, tp_rank, config.tensor_parallel_size)
         self.device = resolve_device(config.device)

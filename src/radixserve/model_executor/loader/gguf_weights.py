@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .gguf_header import read_gguf_header
 from .lazy_tensor import LazyTensor
 
 #: ggml type ids stored as plain values (not quantized blocks) and their torch dtypes
@@ -82,22 +83,20 @@ def type_name(ggml_type: int) -> str:
 def read_tensor_table(path: Path) -> tuple[str, list[GgufTensorInfo]]:
     """The file's ``general.architecture`` and tensor table, checked against the file size.
 
-    Uses transformers' header reader (milliseconds); gguf-py's ``GGUFReader`` (seconds: it
-    walks the vocabulary) where transformers lacks it.
+    Uses radixserve's own header reader (``gguf_header``: milliseconds, and no transformers
+    import in the engine process).
 
     Raises:
-        ValueError: unreadable metadata, a ggml type neither reader knows (naming it and the
+        ValueError: unreadable metadata, a ggml type radixserve cannot read (naming it and the
             tensor), or a tensor whose data runs past the end of the file (truncated file).
     """
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     size = path.stat().st_size
     infos: list[GgufTensorInfo] = []
-    try:
-        arch, entries, data_start = _table_transformers(path)
-    except ImportError:  # a transformers without its own GGUF header reader
-        arch, entries, data_start = _table_gguf_py(path)
-    for name, shape, ggml_type, rel in entries:
+    header = read_gguf_header(path)
+    arch, data_start = str(header.metadata["general.architecture"]), header.data_start
+    for name, shape, ggml_type, rel in header.tensors:
         n = 1
         for d in shape:
             n *= d
@@ -121,38 +120,6 @@ def read_tensor_table(path: Path) -> tuple[str, list[GgufTensorInfo]]:
                              f"has {size} bytes: the file is truncated")
         infos.append(info)
     return arch, infos
-
-
-def _table_transformers(path: Path) -> tuple[str, list[tuple], int]:
-    from transformers.integrations.gguf.reader import (
-        _mapped,
-        _read_metadata,
-        _read_tensor_table,
-    )
-
-    blob = _mapped(str(path))
-    try:
-        meta, count, pos = _read_metadata(blob, str(path))
-        entries, pos = _read_tensor_table(blob, count, pos)
-    except Exception as e:  # struct.error, UnicodeDecodeError, ValueError on a broken header
-        raise ValueError(f"{path}: cannot read the GGUF header (truncated or corrupt file?): "
-                         f"{type(e).__name__}: {e}") from e
-    align = int(meta.get("general.alignment", 32))
-    data_start = (pos + align - 1) // align * align
-    return str(meta["general.architecture"]), entries, data_start
-
-
-def _table_gguf_py(path: Path) -> tuple[str, list[tuple], int]:
-    from gguf import GGUFReader
-
-    try:
-        reader = GGUFReader(str(path))
-    except Exception as e:  # noqa: BLE001 - gguf-py raises many types on a broken file
-        raise ValueError(f"{path}: cannot read the GGUF header: {type(e).__name__}: {e}") from e
-    arch = reader.fields["general.architecture"].contents()
-    entries = [(t.name, tuple(int(d) for d in reversed(t.shape.tolist())), int(t.tensor_type),
-                int(t.data_offset)) for t in reader.tensors]
-    return str(arch), entries, 0
 
 
 class GgufTensor(LazyTensor):
