@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 from collections.abc import Generator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -243,11 +244,17 @@ async def _start_engine(client: AsyncEngineClient, server_config: ServerConfig,
                         stop: asyncio.Event) -> WorkerState | None:
     """Start the engine core and load the tokenizer; None when a signal or the engine's
     death came first (or the start failed: logged)."""
-    from radixserve.model_executor.loader import load_tokenizer
+    from radixserve.model_executor.loader import load_tokenizer, tokenizer_if_ready
 
     async def start() -> WorkerState:
+        # the tokenizer loads while the engine loads its model (seconds each)
+        warm = asyncio.ensure_future(asyncio.to_thread(tokenizer_if_ready, client.config.model))
         info = await client.start()
-        hf_tok = await asyncio.to_thread(load_tokenizer, info.folder)
+        early = await warm
+        if early is not None and early[0] == Path(info.folder):
+            hf_tok = early[1]
+        else:
+            hf_tok = await asyncio.to_thread(load_tokenizer, info.folder)
         client.set_tokenizer(hf_tok)
         facts = ModelFacts.from_engine(info, server_config.served_model_name,
                                        client.config.model)

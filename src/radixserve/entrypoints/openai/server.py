@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -132,13 +133,17 @@ class AppState:
         client's ``on_fatal`` is called (the server exits non-zero)."""
         client = self.client
         try:
-            # import transformers while the engine loads its model
-            warm = asyncio.ensure_future(asyncio.to_thread(_import_transformers))
-            info = await client.start()
-            await warm
-            from radixserve.model_executor.loader import load_tokenizer
+            from radixserve.model_executor.loader import load_tokenizer, tokenizer_if_ready
 
-            hf_tok = await asyncio.to_thread(load_tokenizer, info.folder)
+            # the tokenizer loads while the engine loads its model (seconds each)
+            warm = asyncio.ensure_future(asyncio.to_thread(tokenizer_if_ready,
+                                                           client.config.model))
+            info = await client.start()
+            early = await warm
+            if early is not None and early[0] == Path(info.folder):
+                hf_tok = early[1]
+            else:
+                hf_tok = await asyncio.to_thread(load_tokenizer, info.folder)
             if self.config.chat_template is not None:
                 # --chat-template: every chat request and /tokenize renders with it
                 hf_tok.chat_template = self.config.chat_template
@@ -175,11 +180,6 @@ class AppState:
             log.error("server failed to start: %s", self.start_error)
             if client.on_fatal is not None:
                 client.on_fatal(self.start_error)
-
-
-def _import_transformers() -> None:
-    """Import what ``load_tokenizer`` needs (seconds), while the engine loads the model."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: F401
 
 
 def build_app(server_config: ServerConfig, client: AsyncEngineClient) -> FastAPI:

@@ -24,7 +24,13 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from .default import DEFAULT_MODEL_NAME, default_model_path
-from .gguf_loader import export_hf_weights, gguf_to_hf_folder, is_gguf_file
+from .gguf_loader import (
+    converted_folder_path,
+    export_hf_weights,
+    gguf_to_hf_folder,
+    is_complete_folder,
+    is_gguf_file,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -38,12 +44,14 @@ __all__ = [
     "default_model_path",
     "eos_token_ids",
     "export_hf_weights",
+    "folder_if_ready",
     "gguf_to_hf_folder",
     "iter_safetensors",
     "load_hf_config",
     "load_tokenizer",
     "read_config",
     "resolve_model",
+    "tokenizer_if_ready",
     "safetensors_files",
 ]
 
@@ -136,6 +144,25 @@ def resolve_model(model: str | os.PathLike | None) -> ModelFiles:
     return ModelFiles(gguf_to_hf_folder(resolved), raw, name, resolved)
 
 
+def folder_if_ready(model: str | os.PathLike | None) -> Path | None:
+    """The Hugging Face folder :func:`resolve_model` would give ``model`` where finding it
+    costs only a few file checks: a folder with ``config.json``, or a GGUF (the default one
+    included) whose conversion is already cached; None otherwise (no conversion is started).
+    For work that may begin before the engine has resolved the model (the server loads the
+    tokenizer while the engine loads the weights); the engine's answer stays the one to use.
+    """
+    try:
+        path = default_model_path() if model is None else Path(os.fspath(model)).expanduser()
+        if path.is_dir():
+            return path.resolve() if (path / "config.json").is_file() else None
+        if path.is_file() and is_gguf_file(path):
+            target = converted_folder_path(path)
+            return target if is_complete_folder(target) else None
+    except (OSError, ValueError):
+        pass
+    return None
+
+
 def load_tokenizer(folder: Path):
     """The model's tokenizer: ``transformers.AutoTokenizer.from_pretrained(folder)``.
 
@@ -152,6 +179,22 @@ def load_tokenizer(folder: Path):
         return AutoTokenizer.from_pretrained(str(folder))
     except Exception as e:  # transformers raises OSError, ValueError, KeyError, ... here
         raise ValueError(f"cannot load a tokenizer from {folder}: {type(e).__name__}: {e}") from e
+
+
+def tokenizer_if_ready(model: str | os.PathLike | None) -> tuple[Path, Any] | None:
+    """``(folder, tokenizer)`` for ``model`` where its folder is already known
+    (:func:`folder_if_ready`), else None with transformers imported. For a server to run
+    while its engine loads the model (seconds each) and to use when the engine's folder is
+    the same; any failure is left for the load from the engine's folder to report."""
+    from transformers import AutoTokenizer  # noqa: F401 - the seconds of import, at least
+
+    folder = folder_if_ready(model)
+    if folder is None:
+        return None
+    try:
+        return folder, load_tokenizer(folder)
+    except ValueError:
+        return None
 
 
 def load_hf_config(folder: Path):
