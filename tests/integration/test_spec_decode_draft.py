@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tiny_models import tiny_model
+from tiny_models import TINY_VOCAB, tiny_model
 
 from radixserve import LLM, SamplingParams
 
@@ -98,6 +98,25 @@ def test_small_pool_preempts_and_stays_exact(tiny_pair: tuple[str, str]) -> None
     assert spec.engine.scheduler.num_preemptions > 0
     assert _counts(spec).num_accepted_tokens > 0
 
+
+
+def test_target_with_more_embedding_rows_than_its_draft(tmp_path: Path,
+                                                        tiny_pair: tuple[str, str]) -> None:
+    """A target whose embedding is padded past its draft's (same tokenizer) emits ids the
+    draft has no row for, and may be sent them in a prompt: the draft reads them as token 0
+    (``DraftRunner.embeddable``) and the output is still the target's own."""
+    _, draft = tiny_pair
+    target = tiny_model(tmp_path / "padded", "llama", 0.2, vocab_size=TINY_VOCAB + 128)
+    base, spec = _tiny_llm(target, None), _tiny_llm(target, _spec(draft))
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 380, int(rng.integers(3, 20))).tolist() for _ in range(4)]
+    prompts.append([5, TINY_VOCAB + 7, 9, TINY_VOCAB + 100, 11])  # padding ids sent in
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * len(prompts)
+    want = _run(base, prompts, params)
+    assert _run(spec, prompts, params) == want
+    # not vacuous: the target emitted padding ids, and drafting went on around them
+    assert any(t >= TINY_VOCAB for w in want for t in w[0][0])
+    assert _counts(spec).num_draft_tokens > 0
 
 def _tiny_with_tokens(path: Path, tokens: list[str]) -> str:
     """A one-layer random Llama whose word-level tokenizer has ``tokens`` (id = index)."""

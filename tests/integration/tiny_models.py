@@ -15,17 +15,18 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
 
 
 def tiny_model(tmp_path: Path, arch: str, initializer_range: float = 0.02,
-               save_dtype: torch.dtype = torch.float32) -> str:
+               save_dtype: torch.dtype = torch.float32, vocab_size: int = TINY_VOCAB) -> str:
     """Write a 3-layer model of ``arch`` ("llama", "qwen2", "qwen3") under ``tmp_path/arch``:
     hidden 64, 4 query heads, 2 KV heads of 16, intermediate 160 (these split 1, 2 or 4 ways
     under tensor parallelism). Weights are seeded (the same every call); Qwen2 gets random
     Q/K/V biases and Qwen3 random q/k-norm weights, so those paths matter. The safetensors hold
-    ``save_dtype`` (a bfloat16 checkpoint, as most are shipped, with torch.bfloat16). Returns
-    the folder."""
+    ``save_dtype`` (a bfloat16 checkpoint, as most are shipped, with torch.bfloat16).
+    ``vocab_size`` above ``TINY_VOCAB`` pads the embedding (rows no token has, as real
+    checkpoints pad theirs). Returns the folder."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
-    cfg = cls(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+    cfg = cls(vocab_size=vocab_size, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
               num_attention_heads=4, num_key_value_heads=2, head_dim=16,
               max_position_embeddings=512, tie_word_embeddings=arch != "llama",
               eos_token_id=1, bos_token_id=0, rms_norm_eps=1e-6,

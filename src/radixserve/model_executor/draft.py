@@ -115,11 +115,26 @@ class DraftRunner:
         log.info("draft model %s: KV pool of %d pages x %d tokens beside the target's, same "
                  "page ids", self.runner.info.name, num_pages, self.page_size)
 
+    def embeddable(self, ids: np.ndarray) -> np.ndarray:
+        """``ids`` (int [N]) with those past the draft's embedding rows replaced by 0.
+
+        A target may have more embedding rows than its draft while their tokenizers are the
+        same (padding: Qwen2.5-7B has 152,064 rows, Qwen2.5-0.5B 151,936), and it may emit,
+        or be sent, an id in that padding. No token of the shared tokenizer has such an id;
+        the draft reads token 0 there, so its KV at that position is not the target's token's.
+        That can only lower acceptance: the target verifies every draft."""
+        rows = self.runner.info.vocab_size
+        if ids.size and int(ids.max()) >= rows:
+            return np.where(ids < rows, ids, 0)
+        return ids
+
     def mirror(self, batch: ForwardBatch) -> None:
         """Run the target's step through the draft, writing its KV at the same slots from the
-        same tokens (no logits: nothing is sampled from it)."""
+        same tokens (no logits: nothing is sampled from it); ids the draft has no row for
+        as in ``embeddable``."""
         self.runner.forward_logits(dataclasses.replace(
-            batch, logits_indices=_NO_ROWS, prompt_logprobs=None, sampling=ALL_GREEDY))
+            batch, input_ids=self.embeddable(batch.input_ids), logits_indices=_NO_ROWS,
+            prompt_logprobs=None, sampling=ALL_GREEDY))
 
     @torch.inference_mode()
     def greedy_step(self, tokens: np.ndarray, positions: np.ndarray,
@@ -128,7 +143,8 @@ class DraftRunner:
         position's slot and the draft's argmax over the ids the target knows comes back.
 
         Args:
-            tokens: int [B] input token ids.
+            tokens: int [B] input token ids (the target's: any past the draft's embedding
+                rows read as in ``embeddable``).
             positions: int [B] their positions; the KV of positions before each is the
                 draft's (the pages below ``page_table``).
             page_table: int32 [B, P] each sequence's pages, holding ``positions + 1`` tokens.
@@ -143,7 +159,7 @@ class DraftRunner:
         fb = ForwardBatch(
             num_decodes=b, rows=np.arange(b, dtype=np.int64), num_new=np.ones(b, np.int64),
             seq_lens=pos + 1, sample=np.ones(b, dtype=bool),
-            input_ids=tokens.astype(np.int64), positions=pos,
+            input_ids=self.embeddable(tokens.astype(np.int64)), positions=pos,
             slot_mapping=pages * ps + pos % ps, page_table=np.ascontiguousarray(page_table),
             logits_indices=np.arange(b, dtype=np.int64), sampling=ALL_GREEDY)
         logits, _ = self.runner.forward_logits(fb)
