@@ -21,7 +21,6 @@ import logging
 import os
 import signal
 from collections.abc import Generator
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -30,6 +29,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
 from radixserve.config import EngineConfig, ServerConfig
+from radixserve.entrypoints.engine_start import start_engine_with_tokenizer
 from radixserve.entrypoints.grpc_worker.constraints import ConstraintChecker
 from radixserve.entrypoints.grpc_worker.servicer import VllmEngineServicer, WorkerState
 from radixserve.entrypoints.request_log import RequestLogger, StatsLogger
@@ -244,17 +244,9 @@ async def _start_engine(client: AsyncEngineClient, server_config: ServerConfig,
                         stop: asyncio.Event) -> WorkerState | None:
     """Start the engine core and load the tokenizer; None when a signal or the engine's
     death came first (or the start failed: logged)."""
-    from radixserve.model_executor.loader import load_tokenizer, tokenizer_if_ready
 
     async def start() -> WorkerState:
-        # the tokenizer loads while the engine loads its model (seconds each)
-        warm = asyncio.ensure_future(asyncio.to_thread(tokenizer_if_ready, client.config.model))
-        info = await client.start()
-        early = await warm
-        if early is not None and early[0] == Path(info.folder):
-            hf_tok = early[1]
-        else:
-            hf_tok = await asyncio.to_thread(load_tokenizer, info.folder)
+        info, hf_tok = await start_engine_with_tokenizer(client)
         client.set_tokenizer(hf_tok)
         facts = ModelFacts.from_engine(info, server_config.served_model_name,
                                        client.config.model)

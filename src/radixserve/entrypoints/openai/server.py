@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -31,6 +30,7 @@ from fastapi.responses import JSONResponse, Response
 
 import radixserve
 from radixserve.config import ServerConfig
+from radixserve.entrypoints.engine_start import start_engine_with_tokenizer
 from radixserve.entrypoints.openai.chat_page import register_chat_page
 from radixserve.entrypoints.openai.errors import OpenAIError, add_exception_handlers
 from radixserve.entrypoints.openai.middleware import (
@@ -133,17 +133,7 @@ class AppState:
         client's ``on_fatal`` is called (the server exits non-zero)."""
         client = self.client
         try:
-            from radixserve.model_executor.loader import load_tokenizer, tokenizer_if_ready
-
-            # the tokenizer loads while the engine loads its model (seconds each)
-            warm = asyncio.ensure_future(asyncio.to_thread(tokenizer_if_ready,
-                                                           client.config.model))
-            info = await client.start()
-            early = await warm
-            if early is not None and early[0] == Path(info.folder):
-                hf_tok = early[1]
-            else:
-                hf_tok = await asyncio.to_thread(load_tokenizer, info.folder)
+            info, hf_tok = await start_engine_with_tokenizer(client)
             if self.config.chat_template is not None:
                 # --chat-template: every chat request and /tokenize renders with it
                 hf_tok.chat_template = self.config.chat_template
