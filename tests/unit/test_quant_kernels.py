@@ -15,7 +15,10 @@ from gguf.quants import dequantize, quantize
 from radixserve.model_executor.kernels.cpu import CFLAGS, SOURCES, CpuKernels, build
 from radixserve.model_executor.kernels.quant import SUPPORTED_TYPES, QuantKernels, block_info
 
-TYPES = [int(QT.Q4_0), int(QT.Q4_1), int(QT.Q8_0), int(QT.Q4_K), int(QT.Q5_K), int(QT.Q6_K)]
+TYPES = [int(QT.Q4_0), int(QT.Q4_1), int(QT.Q5_0), int(QT.Q5_1), int(QT.Q8_0), int(QT.Q4_K),
+         int(QT.Q5_K), int(QT.Q6_K)]
+#: the 32-value block types (activations quantized per 32 values, blocks taken four at a time)
+TYPES_32 = [int(QT.Q4_0), int(QT.Q4_1), int(QT.Q5_0), int(QT.Q5_1), int(QT.Q8_0)]
 NAMES = {t: SUPPORTED_TYPES[t] for t in TYPES}
 
 
@@ -30,7 +33,7 @@ def make_weight(t: int, n: int, k: int, seed: int = 0) -> np.ndarray:
     else random bytes with sane fp16 scales (every byte pattern is a valid K-quant block)."""
     rng = np.random.default_rng(seed)
     block, nbytes = block_info(t)
-    if t in (QT.Q4_0, QT.Q4_1, QT.Q8_0):
+    if t in TYPES_32:
         return quantize(rng.standard_normal((n, k), dtype=np.float32) * 0.05, QT(t))
     raw = rng.integers(0, 256, (n, k // block, nbytes), dtype=np.uint8)
     d = (rng.uniform(1e-4, 3e-3, (n, k // block)).astype(np.float16).view(np.uint8)
@@ -59,7 +62,7 @@ def quantize_acts(x: np.ndarray, block: int):
 def reference(t: int, w: np.ndarray, x: np.ndarray, k: int):
     """(y, scale): the kernel's math in float64 on gguf-py's dequantized weights and the
     quantized activations; scale = sum |w| |xq| per output (for a relative bound)."""
-    act_block = 32 if t in (QT.Q4_0, QT.Q4_1, QT.Q8_0) else 256
+    act_block = 32 if t in TYPES_32 else 256
     q, d = quantize_acts(x, act_block)
     xq = (q.reshape(x.shape[0], -1, act_block) * d[..., None].astype(np.float64))
     xq = xq.reshape(x.shape)
@@ -169,7 +172,7 @@ def test_bad_inputs_raise(qk):
     x = torch.randn(3, 512)
     out = torch.empty(3, 8)
     with pytest.raises(ValueError, match="not supported"):
-        qk.linear(int(QT.Q5_0), w, x, out)
+        qk.linear(int(QT.Q2_K), w, x, out)
     with pytest.raises(ValueError, match="uint8"):
         qk.linear(t, w.view(torch.int8), x, out)
     with pytest.raises(ValueError, match="contiguous float32/bfloat16"):
@@ -223,8 +226,7 @@ def test_plain_x86_64_build_gives_the_same_bits(qk, tmp_path):
         assert torch.equal(run(plain, t, w, x), run(qk, t, w, x)), NAMES[t]
 
 
-@pytest.mark.parametrize("t", [int(QT.Q4_0), int(QT.Q4_1), int(QT.Q8_0)],
-                         ids=["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("t", TYPES_32, ids=[NAMES[t] for t in TYPES_32])
 @pytest.mark.parametrize("k", [32, 96, 224, 288])
 def test_block_groups_with_a_tail(qk, t, k):
     """K / 32 not a multiple of 4 (the tiles take blocks four at a time; the last group is
@@ -243,7 +245,8 @@ def test_block_groups_with_a_tail(qk, t, k):
 @pytest.mark.parametrize("t", TYPES, ids=NAMES.values())
 def test_extreme_products_do_not_saturate(qk, t):
     """Every weight at its largest magnitude and every activation at +-amax: the int16 stages
-    of the dot products (maddubs pairs, Q4_0/Q4_1's sums of four pairs) stay exact."""
+    of the dot products (maddubs pairs, the 4- and 5-bit types' sums of four pairs) stay
+    exact."""
     block, nbytes = block_info(t)
     n, k = 4, 1024
     raw = np.full((n, k // block, nbytes), 0xFF, dtype=np.uint8)
@@ -253,6 +256,8 @@ def test_extreme_products_do_not_saturate(qk, t):
     elif t == QT.Q8_0:
         raw[..., 2:] = 0x81  # -127
         raw[..., 0:2] = d
+    elif t == QT.Q5_0:
+        raw[..., 0:2] = d  # every fifth bit set: q = 31
     else:
         raw[..., 0:2] = d
         raw[..., 2:4] = d
@@ -264,3 +269,32 @@ def test_extreme_products_do_not_saturate(qk, t):
     ref, scale = reference(t, w, x.numpy(), k)
     assert np.all(np.abs(y - ref) <= 5e-7 * scale + 1e-30), np.abs(y - ref).max()
     assert torch.equal(run(qk, t, w, x, portable=True), torch.from_numpy(y).float())
+
+
+@pytest.mark.parametrize("t", [int(QT.Q5_0), int(QT.Q5_1)], ids=["Q5_0", "Q5_1"])
+def test_q5_fifth_bit_order(qk, t):
+    """ggml's Q5 layout, one set bit at a time: value j's fifth bit is bit j of qh read as a
+    little-endian uint32 (values 0..15 the low nibbles of qs, 16..31 the high ones); every qh
+    byte pattern, through the lookup and the linear (one-hot activations pick single values)."""
+    block, nbytes = block_info(t)
+    qo = nbytes - 16
+    raw = np.zeros((32, nbytes), dtype=np.uint8)
+    raw[:, 0:2] = np.array([0.5], dtype=np.float16).view(np.uint8)
+    if t == QT.Q5_1:
+        raw[:, 2:4] = np.array([0.25], dtype=np.float16).view(np.uint8)
+    for j in range(32):  # row j: only value j's fifth bit
+        raw[j, qo - 4:qo] = np.array([1 << j], dtype="<u4").view(np.uint8)
+    raw[:, qo:] = np.arange(16, dtype=np.uint8) * 17  # byte i holds nibbles i, i
+    wd = dequantize(raw, QT(t)).reshape(32, 32)
+    q = np.tile(np.arange(16), 2) + 16 * np.eye(32, dtype=np.int64)
+    want = 0.5 * (q - 16) if t == QT.Q5_0 else 0.5 * q + 0.25
+    assert np.array_equal(wd, want.astype(np.float32))  # gguf-py agrees with the layout above
+    out = torch.empty(32, 32)
+    qk.dequantize_rows(t, torch.from_numpy(raw), torch.arange(32), out)
+    assert torch.equal(out, torch.from_numpy(wd))
+    # activation row i one-hot at i, 127: its scale is 1 and its q 127, so y[i, j] is
+    # 127 * value i of weight row j, exactly
+    x = 127 * torch.eye(32)
+    y = run(qk, t, raw, x)
+    assert torch.equal(y, 127 * torch.from_numpy(wd).T)
+    assert torch.equal(run(qk, t, raw, x, portable=True), y)

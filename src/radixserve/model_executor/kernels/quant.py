@@ -5,16 +5,16 @@ other CPU kernels (``cpu.build``); ``CpuKernels.load().quant`` is an instance.
 A weight is a contiguous ``uint8`` tensor [N, row_bytes]: row n is output n's K values as
 ``K / values_per_block`` consecutive ggml blocks (``row_bytes = K / values_per_block *
 bytes_per_block``), the bytes of a GGUF tensor of ggml shape [K, N] as they lie in the file.
-Block layouts are ggml's (``ggml-common.h``: ``block_q4_0``, ``block_q4_1``, ``block_q8_0``,
-``block_q4_K``, ``block_q5_K``, ``block_q6_K``), the ones gguf-py's ``gguf.quants``
-dequantizes; the C source's header restates them.
+Block layouts are ggml's (``ggml-common.h``: ``block_q4_0``, ``block_q4_1``, ``block_q5_0``,
+``block_q5_1``, ``block_q8_0``, ``block_q4_K``, ``block_q5_K``, ``block_q6_K``), the ones
+gguf-py's ``gguf.quants`` dequantizes; the C source's header restates them.
 
 ``linear`` quantizes the activations per block once per call, as llama.cpp does (int8 with a
-float32 scale per 32 values for Q4_0/Q4_1/Q8_0 weights, plus the scaled sum for Q4_1; per 256
-values with 16-value sums for the K-quants), and sums integer dot products per block. Each
-output is one fixed sequence of float operations whatever the batch (M), the other rows of the
-call, the thread count or the code path (AVX2 or portable C): y[i, j] is bitwise the same
-alone or batched.
+float32 scale per 32 values for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 weights, plus the scaled sum for
+Q4_1/Q5_1; per 256 values with 16-value sums for the K-quants), and sums integer dot products
+per block. Each output is one fixed sequence of float operations whatever the batch (M), the
+other rows of the call, the thread count or the code path (AVX2 or portable C): y[i, j] is
+bitwise the same alone or batched.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 SUPPORTED_TYPES: dict[int, str] = {
     int(GGMLQuantizationType.Q4_0): "Q4_0",
     int(GGMLQuantizationType.Q4_1): "Q4_1",
+    int(GGMLQuantizationType.Q5_0): "Q5_0",
+    int(GGMLQuantizationType.Q5_1): "Q5_1",
     int(GGMLQuantizationType.Q8_0): "Q8_0",
     int(GGMLQuantizationType.Q4_K): "Q4_K",
     int(GGMLQuantizationType.Q5_K): "Q5_K",

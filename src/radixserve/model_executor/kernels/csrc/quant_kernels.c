@@ -6,6 +6,11 @@
  *   Q4_0 (id 2),  32 values, 18 B: fp16 d; u8 qs[16]. v[i] = d * ((qs[i] & 15) - 8),
  *                 v[i + 16] = d * ((qs[i] >> 4) - 8), i < 16.
  *   Q4_1 (id 3),  32 values, 20 B: fp16 d, fp16 m; u8 qs[16]. v = d * q + m (q as Q4_0's, no -8).
+ *   Q5_0 (id 6),  32 values, 22 B: fp16 d; u8 qh[4]; u8 qs[16]. Value j's low 4 bits are Q4_0's
+ *                 nibble, its fifth bit is bit j of qh read as a little-endian uint32;
+ *                 v = d * (q - 16).
+ *   Q5_1 (id 7),  32 values, 24 B: fp16 d, fp16 m; u8 qh[4]; u8 qs[16]. q as Q5_0's;
+ *                 v = d * q + m.
  *   Q8_0 (id 8),  32 values, 34 B: fp16 d; i8 qs[32]. v[i] = d * qs[i].
  *   Q4_K (id 12), 256 values, 144 B: fp16 d, fp16 dmin; u8 scales[12] (8 six-bit scales and 8
  *                 six-bit mins, one per 32-value sub-block); u8 qs[128]. Sub-block 2j is the low
@@ -20,20 +25,20 @@
  *                 6-7) on top; v = d * scales[e / 16] * (q - 32).
  *
  * Activations are quantized once per call, per block, into a scratch buffer (llama.cpp's
- * scheme): for Q4_0/Q4_1/Q8_0 weights 32 values as int8 with a float scale, four blocks to a
- * group (`xq32_t`: the four scales, s = d * sum(q) for Q4_1's min, -8 * the sums of each 16 q
- * for Q4_0's offset, side by side); for the K-quants 256 values with a float scale and the sums
+ * scheme): for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 weights 32 values as int8 with a float scale, four
+ * blocks to a group (`xq32_t`: the four scales, s = d * sum(q) for Q4_1/Q5_1's min, -8 * the
+ * sums of each 16 q for Q4_0's offset (twice that for Q5_0's -16), side by side); for the K-quants 256 values with a float scale and the sums
  * of each 16 (and 32) values (`xqk_t`, Q8_K-style). Every scale is symmetric: d = amax / 127,
  * q = nearest-even(x * (127 / amax)) (0 for an all-zero block). The scale stays float32
  * (llama.cpp rounds Q8_0/Q8_1's to fp16).
  *
  * Dot products are exact integers per block; the float arithmetic is one fixed sequence per
  * output, whatever the tiling, the row count M or the instruction set:
- *   * Q4_0/Q4_1/Q8_0: block b's integer dot is kept as two int32 "lanes", lo (its values
- *     0..15) and hi (16..31), Q4_0's -8 offset included; with k = b % 4 and s = d_w * d_x:
- *     acc[k] = fma(s, (float)lo, acc[k]), acc[4 + k] = fma(s, (float)hi, acc[4 + k]) (AVX2:
- *     four blocks' lanes gathered by an add tree into one vector, one convert + FMA per 4
- *     blocks), Q4_1 also accm[k] = fma(m_w, s_x, accm[k]);
+ *   * Q4_0/Q4_1/Q5_0/Q5_1/Q8_0: block b's integer dot is kept as two int32 "lanes", lo (its
+ *     values 0..15) and hi (16..31), Q4_0's -8 and Q5_0's -16 offsets included; with k = b % 4
+ *     and s = d_w * d_x: acc[k] = fma(s, (float)lo, acc[k]), acc[4 + k] = fma(s, (float)hi,
+ *     acc[4 + k]) (AVX2: four blocks' lanes gathered by an add tree into one vector, one
+ *     convert + FMA per 4 blocks), Q4_1/Q5_1 also accm[k] = fma(m_w, s_x, accm[k]);
  *   * K-quants: a super-block's integer dot is kept in 8 int32 lanes: lane l holds the
  *     products of the values whose index within their 32-value group is 4l .. 4l + 3 (the
  *     lanes AVX2's maddubs + madd leave them in), with the sub-block scales applied in
@@ -42,7 +47,7 @@
  *     bs32[2k+1]), accm[k]) for k < 4; Q6_K's -32 offset is subtracted from the lanes in
  *     integers (lane k: 32 * (sc[2k] bs16[2k] + sc[2k+1] bs16[2k+1]));
  *   * y = ((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 + acc7)) (the AVX2 horizontal
- *     sum), + ((accm0 + accm2) + (accm1 + accm3)) (Q4_1), - ((accm0 + accm2) + (accm1 +
+ *     sum), + ((accm0 + accm2) + (accm1 + accm3)) (Q4_1/Q5_1), - ((accm0 + accm2) + (accm1 +
  *     accm3)) (K-quants).
  * The portable C path (`*_ref`) performs exactly these operations, so it gives the AVX2 path's
  * bits (tests compare them); an AVX-512 VNNI / AMX-INT8 variant would be one more tile
@@ -79,7 +84,10 @@
 
 #define AI static inline __attribute__((always_inline))
 
-enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
+enum {
+    T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13,
+    T_Q6_K = 14
+};
 #ifndef TILE_M
 #define TILE_M 8
 #endif
@@ -165,8 +173,9 @@ static inline float hsum8_ref(const float *a) {
 typedef struct {
     int8_t q[4][32];
     float d[4];
-    float s[4];    /* d * sum(q) (Q4_1's min term) */
-    int32_t c[8];  /* -8 * sum(q[k][0..15]) for block k, then -8 * sum(q[k][16..31]) (Q4_0's offset) */
+    float s[4];    /* d * sum(q) (Q4_1/Q5_1's min term) */
+    int32_t c[8];  /* -8 * sum(q[k][0..15]) for block k, then -8 * sum(q[k][16..31]) (Q4_0's
+                    * offset; Q5_0 adds it twice) */
 } xq32_t;
 
 typedef struct {
@@ -269,11 +278,20 @@ static inline void lanes_fma(float *acc, float s, const int32_t *lane, int n) {
     for (int l = 0; l < n; ++l) acc[l] = fmaf(s, (float)lane[l], acc[l]);
 }
 
-/* Q4_0 (type 0), Q8_0 (type 1), Q4_1 (type 2): per block b, lanes lo (values 0..15) and hi
- * (16..31) into float accumulators b % 4 and 4 + b % 4 */
+/* the 32-value block types by their `type` argument below: 0 Q4_0, 1 Q8_0, 2 Q4_1, 3 Q5_0,
+ * 4 Q5_1. Block bytes; offset of qs (the nibbles or Q8_0's int8; Q5's qh are the 4 bytes
+ * before it); whether the block has a min (d * q + m); the multiple of xq32_t.c that is the
+ * offset (q - 8: 1, q - 16: 2, none: 0) */
+#define Q32_BYTES(type) ((type) == 0 ? 18 : (type) == 1 ? 34 : (type) == 2 ? 20 : (type) == 3 ? 22 : 24)
+#define Q32_QS(type) ((type) <= 1 ? 2 : (type) == 2 ? 4 : (type) == 3 ? 6 : 8)
+#define Q32_MIN(type) ((type) == 2 || (type) == 4)
+#define Q32_OFF(type) ((type) == 0 ? 1 : (type) == 3 ? 2 : 0)
+
+/* Q4_0, Q8_0, Q4_1, Q5_0, Q5_1 (`type` as Q32_BYTES): per block b, lanes lo (values 0..15) and
+ * hi (16..31) into float accumulators b % 4 and 4 + b % 4 */
 static inline void q32_ref(const uint8_t *w0, int64_t ws, int C, const uint8_t *xq, int64_t xs,
                            int64_t nb, int R, float *y, int type) {
-    const int bb = type == 0 ? 18 : type == 1 ? 34 : 20;
+    const int bb = Q32_BYTES(type), qo = Q32_QS(type);
     for (int c = 0; c < C; ++c)
     for (int r = 0; r < R; ++r) {
         const uint8_t *w = w0 + c * ws;
@@ -283,27 +301,28 @@ static inline void q32_ref(const uint8_t *w0, int64_t ws, int C, const uint8_t *
             const uint8_t *blk = w + b * bb;
             const xq32_t *g = x + b / 4;
             const int k = (int)(b % 4);
+            uint32_t qh = 0;
+            if (type >= 3) memcpy(&qh, blk + qo - 4, 4);
             int32_t lane[2] = {0, 0};
             for (int e = 0; e < 32; ++e) {
                 int q;
                 if (type == 1)
                     q = (int8_t)blk[2 + e];
                 else {
-                    const uint8_t byte = blk[(type == 0 ? 2 : 4) + e % 16];
+                    const uint8_t byte = blk[qo + e % 16];
                     q = e < 16 ? byte & 15 : byte >> 4;
+                    q |= (int)((qh >> e) & 1u) << 4;
                 }
                 lane[e / 16] += q * g->q[k][e];
             }
-            if (type == 0) {
-                lane[0] += g->c[k];
-                lane[1] += g->c[4 + k];
-            }
+            lane[0] += Q32_OFF(type) * g->c[k];
+            lane[1] += Q32_OFF(type) * g->c[4 + k];
             const float s = fp16_to_f32(blk) * g->d[k];
             acc[k] = fmaf(s, (float)lane[0], acc[k]);
             acc[4 + k] = fmaf(s, (float)lane[1], acc[4 + k]);
-            if (type == 2) accm[k] = fmaf(fp16_to_f32(blk + 2), g->s[k], accm[k]);
+            if (Q32_MIN(type)) accm[k] = fmaf(fp16_to_f32(blk + 2), g->s[k], accm[k]);
         }
-        y[c * R + r] = type == 2 ? hsum8_ref(acc) + hsum4_ref(accm) : hsum8_ref(acc);
+        y[c * R + r] = Q32_MIN(type) ? hsum8_ref(acc) + hsum4_ref(accm) : hsum8_ref(acc);
     }
 }
 
@@ -320,6 +339,16 @@ static void q8_0_ref(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int
 static void q4_1_ref(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
                      int64_t nb, int R, float *y) {
     q32_ref(w, ws, C, xq, xs, nb, R, y, 2);
+}
+
+static void q5_0_ref(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
+                     int64_t nb, int R, float *y) {
+    q32_ref(w, ws, C, xq, xs, nb, R, y, 3);
+}
+
+static void q5_1_ref(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
+                     int64_t nb, int R, float *y) {
+    q32_ref(w, ws, C, xq, xs, nb, R, y, 4);
 }
 
 /* Q4_K (hbit = 0) and Q5_K (hbit = 1) */
@@ -408,6 +437,18 @@ AI __m256i nibbles32(const uint8_t *p) { /* 16 bytes -> 32 values: low nibbles, 
     const __m256i both = _mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
     return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
 }
+/* Q5_0/Q5_1's fifth bits: bit j of the little-endian uint32 at p -> 0x10 in byte j (llama.cpp's
+ * bytes_from_bits_32: byte j takes p's byte j / 8, is all ones iff its bit j % 8 is set) */
+AI __m256i hbits32(const uint8_t *p) {
+    uint32_t x;
+    memcpy(&x, p, 4);
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32((int)x), _mm256_set_epi64x(0x0303030303030303ll, 0x0202020202020202ll,
+                                                     0x0101010101010101ll, 0));
+    const __m256i ones = _mm256_cmpeq_epi8(
+        _mm256_or_si256(spread, _mm256_set1_epi64x(0x7FBFDFEFF7FBFDFEll)), _mm256_set1_epi8(-1));
+    return _mm256_and_si256(ones, _mm256_set1_epi8(0x10));
+}
 AI float f16(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
@@ -431,9 +472,9 @@ AI __m256i tree4(const __m256i *p) {
     return _mm256_add_epi32(_mm256_unpacklo_epi64(a, b), _mm256_unpackhi_epi64(a, b));
 }
 
-/* tree4 from the four blocks' maddubs outputs of unsigned nibbles x int8 (each int16 at most
- * 2 * 15 * 127 = 3810 in magnitude, so sums of four stay in int16): the first levels in int16,
- * one madd for all four blocks */
+/* tree4 from the four blocks' maddubs outputs of unsigned 4- or 5-bit values x int8 (each
+ * int16 at most 2 * 31 * 127 = 7874 in magnitude, so sums of four, 31496, stay in int16): the
+ * first levels in int16, one madd for all four blocks */
 AI __m256i tree4_16(const __m256i *p) {
     const __m256i a = _mm256_add_epi16(_mm256_unpacklo_epi16(p[0], p[1]),
                                        _mm256_unpackhi_epi16(p[0], p[1]));
@@ -447,14 +488,15 @@ AI __m256i tree4_16(const __m256i *p) {
 }
 
 /* Q4_0 (type 0: unsigned nibbles, the -8 added to the lanes in integers), Q8_0 (type 1:
- * signed, abs/sign trick), Q4_1 (type 2: unsigned, min term): one weight row x R activation
- * rows, four blocks at a time. Each block's maddubs + madd leave 8 int32; a horizontal-add
- * tree over the four blocks gives [lo(b0..b3) | hi(b0..b3)], converted and accumulated with
- * one FMA per 4 blocks and row (lane k: block 4g + k's first 16 values; 4 + k: its last 16).
+ * signed, abs/sign trick), Q4_1 (type 2: unsigned, min term), Q5_0 (type 3: unsigned 5-bit,
+ * the -16 added in integers), Q5_1 (type 4: unsigned 5-bit, min term): one weight row x R
+ * activation rows, four blocks at a time. Each block's maddubs + madd leave 8 int32; a
+ * horizontal-add tree over the four blocks gives [lo(b0..b3) | hi(b0..b3)], converted and
+ * accumulated with one FMA per 4 blocks and row (lane k: block 4g + k's first 16 values; 4 + k: its last 16).
  * nv < 4 (the row's last group): the missing blocks count as zeros (scale 0, lanes 0). */
 AI void q32_group_avx2(const uint8_t *w, const uint8_t *xq, int64_t xs, int64_t g, int nv,
                        __m256 *acc, __m128 *accm, const int R, const int type) {
-    const int bb = type == 0 ? 18 : type == 1 ? 34 : 20;
+    const int bb = Q32_BYTES(type), qo = Q32_QS(type);
     const __m256i ones = _mm256_set1_epi16(1);
     const uint8_t *blk = w + g * 4 * bb;
     _mm_prefetch((const char *)(blk + QPF), _MM_HINT_T0);
@@ -468,15 +510,17 @@ AI void q32_group_avx2(const uint8_t *w, const uint8_t *xq, int64_t xs, int64_t 
             uint16_t h;
             memcpy(&h, p, 2);
             hd |= (uint64_t)h << (16 * k);
-            if (type == 2) {
+            if (Q32_MIN(type)) {
                 memcpy(&h, p + 2, 2);
                 hm |= (uint64_t)h << (16 * k);
             }
             if (type == 1) {
                 wq[k] = _mm256_loadu_si256((const __m256i *)(p + 2));
                 aw[k] = _mm256_sign_epi8(wq[k], wq[k]);
+            } else if (type >= 3) {
+                wq[k] = aw[k] = _mm256_or_si256(nibbles32(p + qo), hbits32(p + qo - 4));
             } else {
-                wq[k] = aw[k] = nibbles32(p + (type == 0 ? 2 : 4));
+                wq[k] = aw[k] = nibbles32(p + qo);
             }
         } else {
             wq[k] = aw[k] = _mm256_setzero_si256();
@@ -484,7 +528,7 @@ AI void q32_group_avx2(const uint8_t *w, const uint8_t *xq, int64_t xs, int64_t 
     }
     const __m128 dw4 = _mm_cvtph_ps(_mm_cvtsi64_si128((long long)hd));
     const __m256 dw8 = _mm256_insertf128_ps(_mm256_castps128_ps256(dw4), dw4, 1);
-    const __m128 mw4 = type == 2 ? _mm_cvtph_ps(_mm_cvtsi64_si128((long long)hm)) : dw4;
+    const __m128 mw4 = Q32_MIN(type) ? _mm_cvtph_ps(_mm_cvtsi64_si128((long long)hm)) : dw4;
     for (int r = 0; r < R; ++r) {
         const xq32_t *x = (const xq32_t *)(xq + r * xs) + g;
         __m256i p[4];
@@ -495,10 +539,12 @@ AI void q32_group_avx2(const uint8_t *w, const uint8_t *xq, int64_t xs, int64_t 
             if (type == 1) p[k] = _mm256_madd_epi16(p[k], ones);
         }
         __m256i t = type == 1 ? tree4(p) : tree4_16(p);
-        if (type == 0) t = _mm256_add_epi32(t, _mm256_loadu_si256((const __m256i *)x->c));
+        if (Q32_OFF(type) == 1) t = _mm256_add_epi32(t, _mm256_loadu_si256((const __m256i *)x->c));
+        if (Q32_OFF(type) == 2)
+            t = _mm256_add_epi32(t, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)x->c), 1));
         const __m256 s = _mm256_mul_ps(dw8, _mm256_broadcast_ps((const __m128 *)x->d));
         acc[r] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(t), acc[r]);
-        if (type == 2) accm[r] = _mm_fmadd_ps(mw4, _mm_loadu_ps(x->s), accm[r]);
+        if (Q32_MIN(type)) accm[r] = _mm_fmadd_ps(mw4, _mm_loadu_ps(x->s), accm[r]);
     }
 }
 
@@ -514,7 +560,7 @@ AI void q32_tile_avx2(const uint8_t *w, const uint8_t *xq, int64_t xs, int64_t n
     for (int64_t g = 0; g < full; ++g) q32_group_avx2(w, xq, xs, g, 4, acc, accm, R, type);
     if (nb % 4) q32_group_avx2(w, xq, xs, full, (int)(nb % 4), acc, accm, R, type);
     for (int r = 0; r < R; ++r)
-        y[r] = type == 2 ? hsum8_avx(acc[r]) + hsum4_avx(accm[r]) : hsum8_avx(acc[r]);
+        y[r] = Q32_MIN(type) ? hsum8_avx(acc[r]) + hsum4_avx(accm[r]) : hsum8_avx(acc[r]);
 }
 
 /* pshufb selectors: 16-bit scale s of a [sc0 .. sc7] vector into every 16-bit lane */
@@ -674,9 +720,13 @@ AI void q6k_tile_avx2(const uint8_t *w, const uint8_t *xq, int64_t xs, int64_t n
 #define Q4_0_T(r) q32_tile_avx2(w + c * ws, xq, xs, nb, y + c * R, r, 0)
 #define Q8_0_T(r) q32_tile_avx2(w + c * ws, xq, xs, nb, y + c * R, r, 1)
 #define Q4_1_T(r) q32_tile_avx2(w + c * ws, xq, xs, nb, y + c * R, r, 2)
+#define Q5_0_T(r) q32_tile_avx2(w + c * ws, xq, xs, nb, y + c * R, r, 3)
+#define Q5_1_T(r) q32_tile_avx2(w + c * ws, xq, xs, nb, y + c * R, r, 4)
 ROW_TILE(q4_0_avx2, Q4_0_T)
 ROW_TILE(q8_0_avx2, Q8_0_T)
 ROW_TILE(q4_1_avx2, Q4_1_T)
+ROW_TILE(q5_0_avx2, Q5_0_T)
+ROW_TILE(q5_1_avx2, Q5_1_T)
 ROW_TILE(q4_k_avx2, Q4_K_T)
 ROW_TILE(q5_k_avx2, Q5_K_T)
 ROW_TILE(q6_k_avx2, Q6_K_T)
@@ -698,6 +748,8 @@ static int qtype_info(int t, qtype_t *q) {
 #endif
     case T_Q4_0: *q = (qtype_t){32, 18, 0, q4_0_ref, FAST(q4_0_avx2)}; return 0;
     case T_Q4_1: *q = (qtype_t){32, 20, 0, q4_1_ref, FAST(q4_1_avx2)}; return 0;
+    case T_Q5_0: *q = (qtype_t){32, 22, 0, q5_0_ref, FAST(q5_0_avx2)}; return 0;
+    case T_Q5_1: *q = (qtype_t){32, 24, 0, q5_1_ref, FAST(q5_1_avx2)}; return 0;
     case T_Q8_0: *q = (qtype_t){32, 34, 0, q8_0_ref, FAST(q8_0_avx2)}; return 0;
     case T_Q4_K: *q = (qtype_t){256, 144, 1, q4_k_ref, FAST(q4_k_avx2)}; return 0;
     case T_Q5_K: *q = (qtype_t){256, 176, 1, q5_k_ref, FAST(q5_k_avx2)}; return 0;
@@ -778,6 +830,20 @@ static void dequant_block(int t, const uint8_t *blk, float *v) {
         for (int i = 0; i < 16; ++i) {
             v[i] = opaque(d * (float)(blk[4 + i] & 15)) + m;
             v[i + 16] = opaque(d * (float)(blk[4 + i] >> 4)) + m;
+        }
+        break;
+    }
+    case T_Q5_0:
+    case T_Q5_1: {
+        const int min = t == T_Q5_1, qo = min ? 8 : 6;
+        const float d = fp16_to_f32(blk), m = min ? fp16_to_f32(blk + 2) : 0.0f;
+        uint32_t qh;
+        memcpy(&qh, blk + qo - 4, 4);
+        for (int j = 0; j < 32; ++j) {
+            const uint8_t byte = blk[qo + j % 16];
+            const int q = (j < 16 ? byte & 15 : byte >> 4) | (int)((qh >> j) & 1u) << 4;
+            /* gguf-py: d * (q - 16) for Q5_0; d * q + m, the product rounded first, for Q5_1 */
+            v[j] = min ? opaque(d * (float)q) + m : d * (float)(q - 16);
         }
         break;
     }
