@@ -349,7 +349,8 @@ class EngineConfig:
             for a GGUF file on CPU, "gguf" or "none", whichever measured faster on this
             machine (cached; "gguf" where the dequantized weights would not fit), else dense;
             "gguf" serves the file's quantized
-            blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) through radixserve's kernels; "int8"
+            blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) through radixserve's
+            kernels; "int8"
             quantizes a float checkpoint's projections and LM head to int8 per output channel
             at load (weight-only);
             "awq" / "gptq" serve a 4-bit AWQ / GPTQ checkpoint's weights as ggml blocks (the

@@ -521,7 +521,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--k", type=int, default=1536, help="input features (K-quants: x256)")
     q.add_argument("--m", type=_ints, default=[1, 4, 16, 64], help="activation rows")
     q.add_argument("--types", type=lambda t: t.split(","), default=["Q4_0", "Q4_K"],
-                   help="ggml types, comma-separated (Q4_0,Q4_1,Q8_0,Q4_K,Q5_K,Q6_K)")
+                   help="ggml types, comma-separated "
+                        "(Q4_0,Q4_1,Q5_0,Q5_1,Q8_0,Q4_K,Q5_K,Q6_K)")
     q.add_argument("--min-time", type=float, default=0.5, help="seconds per configuration")
     q.add_argument("--threads", type=int, default=None)
     q.add_argument("--no-yardsticks", action="store_true",

@@ -1,7 +1,7 @@
 """Which form the linear weights are served in (``--quantization``), decided before loading.
 
-* ``gguf``: a GGUF file's quantized tensors are served in their blocks (Q4_0, Q4_1, Q8_0, Q4_K,
-  Q5_K, Q6_K) by radixserve's quantized kernels; other types are dequantized. The default for a
+* ``gguf``: a GGUF file's quantized tensors are served in their blocks (Q4_0, Q4_1, Q5_0, Q5_1,
+  Q8_0, Q4_K, Q5_K, Q6_K) by radixserve's quantized kernels; other types are dequantized. The default for a
   GGUF on CPU: a decode step reads every weight once, so 4-bit blocks read ~4x fewer bytes than
   bfloat16 (vLLM's ``--quantization gguf`` is the same choice on GPU).
 * ``int8``: the projections and the LM head of a float checkpoint quantized at load to int8

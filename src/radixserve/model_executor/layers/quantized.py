@@ -1,12 +1,12 @@
-"""Linear layers whose weights stay quantized: ggml blocks (GGUF Q4_0, Q4_1, Q8_0, Q4_K, Q5_K,
-Q6_K) read from the file as they are (int8 per output channel made at load, ``--quantization
+"""Linear layers whose weights stay quantized: ggml blocks (GGUF Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+Q4_K, Q5_K, Q6_K) read from the file as they are (int8 per output channel made at load, ``--quantization
 int8``, is ``layers.int8_weight_linear``).
 
 A projection is a list of row segments, each in its own format: llama.cpp's ``Q4_K_M`` files
 store ``attn_v`` (and ``ffn_down``) of some layers in Q6_K and ``attn_q``/``attn_k`` in Q4_K, so
 the fused QKV projection has segments of two types, each computed by its own kernel straight
-into its columns of one output. A segment whose type has no kernel (Q5_0, Q5_1, ...) holds
-dense rows in the serving dtype instead and runs ``F.linear``.
+into its columns of one output. A segment whose type has no kernel (Q2_K, Q3_K, the IQ
+types, ...) holds dense rows in the serving dtype instead and runs ``F.linear``.
 
 The quantized kernels (``kernels/quant.py``) quantize each activation row per block and sum
 integer products, the same operations for a row whatever the batch, so greedy decoding stays

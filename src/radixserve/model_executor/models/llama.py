@@ -731,7 +731,7 @@ class CausalLM(nn.Module):
         """This rank's part of ``src`` (its ``rows`` and ``cols``, then ``pad`` zero rows:
         ``_shard_plan``; going to rows ``lo:`` of parameter ``target``) in blocks, or None
         where it is copied dense: no quantization, not a linear weight, a type the kernels lack
-        (a GGUF's Q5_0 rows are dequantized into the serving dtype), or a tensor-parallel
+        (a GGUF's Q3_K rows are dequantized into the serving dtype), or a tensor-parallel
         column range that cuts through the type's blocks (Q4_K's 256 values)."""
         base = target.rsplit(".", 1)[-1]
         if (self.quantization is None or len(src.shape) != 2
