@@ -89,7 +89,7 @@ def test_default_model_three_ranks(default_llm: LLM) -> None:
               "List three prime numbers.")]
     sp = SamplingParams(temperature=0.0, max_tokens=16)
     want = [o.outputs[0].token_ids for o in default_llm.chat(convs, sp, use_tqdm=False)]
-    llm = LLM(dtype="float32", num_pages=128, tensor_parallel_size=3)
+    llm = LLM(dtype="float32", num_pages=128, tensor_parallel_size=3, quantization="none")
     try:
         got = [o.outputs[0].token_ids for o in llm.chat(convs, sp, use_tqdm=False)]
     finally:
