@@ -183,6 +183,21 @@ class StepOutputs(msgspec.Struct, kw_only=True, tag="outputs", array_like=True):
                                                    self.decode_token_ids.tolist(), strict=True)]
 
 
+class SpecDecodeInfo(msgspec.Struct, kw_only=True, frozen=True):
+    """Speculative decoding as the engine runs it (vLLM's ``speculative_config`` names).
+
+    Attributes:
+        method: "ngram" or "draft_model".
+        num_speculative_tokens: draft tokens per step, k.
+        disable_by_batch_size: the effective cap: no drafts in a step with more running
+            requests than this (``"auto"`` resolved for the device), None for never.
+    """
+
+    method: str
+    num_speculative_tokens: int
+    disable_by_batch_size: int | None
+
+
 class EngineInfo(msgspec.Struct, kw_only=True, frozen=True):
     """Facts about the loaded engine that the frontend needs (sent once, at the handshake).
 
@@ -197,6 +212,7 @@ class EngineInfo(msgspec.Struct, kw_only=True, frozen=True):
         num_pages: KV pages in the pool, the null page 0 included.
         page_size: tokens per KV page.
         pid: the engine-core process id (0 in-process).
+        speculative: speculative decoding's settings in force, None when it is off.
     """
 
     model_name: str
@@ -209,6 +225,7 @@ class EngineInfo(msgspec.Struct, kw_only=True, frozen=True):
     num_pages: int
     page_size: int
     pid: int = 0
+    speculative: SpecDecodeInfo | None = None
 
 
 class ShadowStats(msgspec.Struct, kw_only=True):
@@ -302,6 +319,9 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
             and found there.
         num_preemptions: requests preempted (pages released, recomputed later).
         prompt_tokens / generation_tokens: tokens accepted and generated.
+        prefill_tokens: tokens of prefill chunks computed (prompts less their prefix hits
+            and remote loads, plus contexts recomputed after preemption), counted when the
+            step's outputs are applied: the log's prompt throughput.
         step_timings: per-step timer samples in seconds since the last snapshot, when step
             timers are on: {"schedule": [...], "prepare": [...], "forward": [...],
             "output": [...]}.
@@ -324,6 +344,7 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     num_preemptions: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    prefill_tokens: int = 0
     step_timings: dict[str, list[float]] = {}
     runner: RunnerStats | None = None
     prompt_tokens_local_compute: int = 0

@@ -79,8 +79,14 @@ def test_outputs_identical_across_cache_overlap_and_preemption(default_llm: LLM)
     for name, cfg in variants.items():
         got, core = run(default_llm, prompts, n, **cfg)
         assert got == ref, f"{name}: outputs differ from the reference path"
+        # the log's prompt throughput counts the chunk tokens computed: a prompt less its
+        # prefix hit, and again each context a preemption throws away
+        computed = core.scheduler.prompt_tokens_local_compute
         if name.startswith("tiny"):
             assert core.scheduler.num_preemptions > 0, f"{name}: no preemption happened"
+            assert core.prefill_tokens > computed, name
+        else:
+            assert core.prefill_tokens == computed, name
         if name.startswith("radix"):
             # the chat template's shared system prompt is served from the cache
             assert core.scheduler.prefix_hit_tokens > 0, f"{name}: no prefix hit"
@@ -96,9 +102,13 @@ def test_prefix_reuse_on_real_model(default_llm: LLM) -> None:
     b = base + tok.encode(" Question two: who was lazy?", add_special_tokens=False)
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     default_llm.generate({"prompt_token_ids": a}, sp, use_tqdm=False)
-    before = default_llm.engine.scheduler.prefix_hit_tokens
+    engine = default_llm.engine
+    before = (engine.scheduler.prefix_hit_tokens, engine.prompt_tokens, engine.prefill_tokens)
     cached = default_llm.generate({"prompt_token_ids": b}, sp, use_tqdm=False)[0]
     assert cached.num_cached_tokens >= 300 - default_llm.config.page_size
-    assert default_llm.engine.scheduler.prefix_hit_tokens - before == cached.num_cached_tokens
+    assert engine.scheduler.prefix_hit_tokens - before[0] == cached.num_cached_tokens
+    # every prompt token arrives; only the suffix past the hit is computed
+    assert engine.prompt_tokens - before[1] == len(b)
+    assert engine.prefill_tokens - before[2] == len(b) - cached.num_cached_tokens
     cold, _ = run(default_llm, [b], 8, enable_prefix_caching=False, num_pages=512)
     assert cached.outputs[0].token_ids == cold["0"]

@@ -165,15 +165,15 @@ def test_stats_lines(caplog: pytest.LogCaptureFixture) -> None:
     st = StatsLogger(interval_s=2.0)
     assert not st.log(None, now=0.0)
     busy = SchedulerStats(num_running=3, num_waiting=1, kv_pages_used=25, kv_pages_total=100,
-                          prefix_queried_tokens=100, prefix_hit_tokens=40, prompt_tokens=200,
-                          generation_tokens=50)
-    assert st.log(busy, now=2.0)
+                          prefix_queried_tokens=100, prefix_hit_tokens=40, prompt_tokens=300,
+                          prefill_tokens=200, generation_tokens=50)
+    assert st.log(busy, now=2.0)  # prompt throughput: prefill tokens computed, not arrived
     f = caplog.records[-1].fields
     assert f == {"prompt_tokens_per_s": 100.0, "generation_tokens_per_s": 25.0, "running": 3,
                  "waiting": 1, "kv_use": 0.25, "prefix_hit_rate": 0.4}
     assert "KV use 25.0%, prefix hit rate 40.0%" in caplog.records[-1].getMessage()
     idle = SchedulerStats(kv_pages_total=100, prefix_queried_tokens=100, prefix_hit_tokens=40,
-                          prompt_tokens=200, generation_tokens=50)
+                          prompt_tokens=300, prefill_tokens=200, generation_tokens=50)
     assert st.log(idle, now=4.0)  # the first idle interval shows the rates at 0
     assert caplog.records[-1].fields["generation_tokens_per_s"] == 0.0
     assert caplog.records[-1].fields["prefix_hit_rate"] == 0.4  # since start: none queried

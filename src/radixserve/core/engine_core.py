@@ -31,6 +31,7 @@ from radixserve.engine_types import (
     RequestRejected,
     SchedulerStats,
     SpecDecodeCounts,
+    SpecDecodeInfo,
     StepOutputs,
     TokenOutput,
 )
@@ -141,6 +142,8 @@ class EngineCore:
         self.timers = StepTimers() if config.step_timers else None
         self._pending: list[TokenOutput] = []
         self.prompt_tokens = 0
+        #: prefill-chunk tokens computed (``prompt_tokens`` counts them on arrival, cached or not)
+        self.prefill_tokens = 0
         self.generation_tokens = 0
         #: decode requests and prefill tokens of the last step scheduled
         self.last_num_decodes = self.last_num_prefill_tokens = 0
@@ -176,7 +179,10 @@ class EngineCore:
             model_name=minfo.name, folder=minfo.folder, max_model_len=self.max_model_len,
             vocab_size=minfo.vocab_size, eos_token_ids=sorted(self.eos_token_ids),
             dtype=minfo.dtype, device=str(minfo.device), num_pages=num_pages,
-            page_size=config.page_size)
+            page_size=config.page_size,
+            speculative=None if spec is None else SpecDecodeInfo(
+                method=spec.method, num_speculative_tokens=spec.num_speculative_tokens,
+                disable_by_batch_size=self.proposer.disable_by_batch_size))
 
     # ------------------------------------------------------------------ requests
     def add_request(self, er: EngineRequest) -> None:
@@ -467,6 +473,7 @@ class EngineCore:
             int32 [D] (``StepOutputs.decode_request_ids`` / ``decode_token_ids``).
         """
         lp = result.logprobs
+        self.prefill_tokens += batch.forward.num_chunk_tokens
         self.scheduler.cache_prefills(batch)
         if batch.forward.prompt_logprobs is not None:
             self.resolver.add_prompt_logprobs(batch, result.prompt_logprobs)
@@ -533,6 +540,7 @@ class EngineCore:
             kv_pages_evictable=kv.num_evictable_pages,
             prefix_queried_tokens=s.prefix_queried_tokens, prefix_hit_tokens=s.prefix_hit_tokens,
             num_preemptions=s.num_preemptions, prompt_tokens=self.prompt_tokens,
+            prefill_tokens=self.prefill_tokens,
             generation_tokens=self.generation_tokens,
             runner=self.runner.stats() if hasattr(self.runner, "stats") else None,
             prompt_tokens_local_compute=s.prompt_tokens_local_compute,

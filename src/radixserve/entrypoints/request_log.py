@@ -101,7 +101,7 @@ class StatsLogger:
         prev_at = now if self._last_at is None else self._last_at
         self._last, self._last_at = stats, now
         dt = max(now - prev_at, 1e-9)
-        d_prompt = stats.prompt_tokens - prev.prompt_tokens
+        d_prompt = stats.prefill_tokens - prev.prefill_tokens
         d_gen = stats.generation_tokens - prev.generation_tokens
         active = bool(d_prompt or d_gen or stats.num_running or stats.num_waiting)
         if not active and not self._was_active:

@@ -190,6 +190,15 @@ class ForwardBatch:
     def num_prefill_tokens(self) -> int:
         return self.num_tokens - self.num_decodes
 
+    @property
+    def num_chunk_tokens(self) -> int:
+        """Tokens of the step's prefill chunks (a prompt, or a preempted request's context
+        recomputed): ``num_prefill_tokens`` less the rows verifying drafts."""
+        new = self.num_new[self.num_decodes:]
+        if self.num_draft is not None:
+            new = new[self.num_draft[self.num_decodes:] == 0]
+        return int(new.sum())
+
 
 @dataclass
 class SampleResult:
