@@ -445,6 +445,7 @@ def test_http_worker_behind_smg(http_server: ServerProcess, direct, tmp_path) ->
     base = http_server.base_url
     info = httpx.get(base + "/server_info").json()
     assert info["max_running_requests"] > 0 and info["context_length"] == 255 * 16
+    assert info["speculative_config"] is None
     assert httpx.get(base + "/model_info").json()["architectures"] == ["LlamaForCausalLM"]
     loads = httpx.get(base + "/v1/loads", params={"include": "core,disagg,queues,memory"})
     assert loads.json()["dp_rank_count"] == 1 and len(loads.json()["loads"]) == 1

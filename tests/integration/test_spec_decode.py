@@ -320,6 +320,10 @@ def test_server_flag_reaches_the_engine_process(tmp_path: Path) -> None:
         # 21 tokens in fewer verify steps than tokens: several per step
         assert accepted + drafts <= 21 and drafts < 21
         assert m["radixserve:spec_decode_disable_by_batch_size"] == 1
+        # /server_info names the settings in force, the cap resolved for the device
+        info = httpx.get(srv.base_url + "/server_info", timeout=10).json()
+        assert info["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3,
+                                              "disable_by_batch_size": 1}
         text = httpx.get(srv.base_url + "/metrics", timeout=10).text
         assert 'spec_decode_num_accepted_tokens_per_pos_total{model_name=' in text
         # bench serve reads those counters around each run: the copy set drafts, one

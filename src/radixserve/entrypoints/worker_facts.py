@@ -17,6 +17,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 import radixserve
 from radixserve.config import EngineConfig
 from radixserve.engine_types import EngineInfo, SchedulerStats
@@ -115,6 +117,9 @@ def server_info(facts: ModelFacts, config: EngineConfig, info: EngineInfo,
         "enable_prefix_caching": config.enable_prefix_caching,
         "schedule_policy": config.schedule_policy, "dtype": info.dtype,
         "device": info.device, "uptime_seconds": time.time() - started_at,
+        # vLLM's names; the batch-size cap as applied (its "auto" resolved for the device)
+        "speculative_config": (None if info.speculative is None
+                               else msgspec.structs.asdict(info.speculative)),
     }
 
 
