@@ -44,7 +44,10 @@ def test_padded_static_decode_equals_eager(tmp_path: Path, backend: str,
     path = tiny_model(tmp_path, "qwen2", 0.2)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, TINY_VOCAB, size=n).tolist() for n in (2, 7, 19, 40, 5)]
-    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    # Triton's interpreter runs each kernel launch in Python (seconds per step): fewer steps
+    # there, still several padded decode steps (5 requests in the bucket of 8)
+    max_tokens = 5 if backend == "triton" else 12
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
 
     def generate(graphs: bool) -> tuple[list, CountingGraphs | None]:
         llm = LLM(model=path, dtype="float32", page_size=4, num_pages=128,
@@ -61,7 +64,7 @@ def test_padded_static_decode_equals_eager(tmp_path: Path, backend: str,
 
     want, _ = generate(False)
     got, g = generate(True)
-    assert g is not None and g.steps >= 11 and g.padded_rows > 0
+    assert g is not None and g.steps >= max_tokens - 1 and g.padded_rows > 0
     for a, b in zip(want, got, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
