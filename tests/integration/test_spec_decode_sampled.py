@@ -8,6 +8,10 @@ target's distribution exactly.
   sampled tokens (top-k 3, so 81 outcomes) over 10,000 requests whose second and third tokens
   are verified against drafts, against the exact probabilities from the target's logprobs
   (a chi-square test; scipy's critical value when installed, else the Wilson-Hilferty one).
+- The same under a grammar: unseeded requests constrained to a choice list of 4-token
+  strings (top-k 3), with n-gram drafts cut to what the grammar allows, against the target's
+  probabilities with the refused tokens masked out (the mask worked out from the token
+  strings, not by xgrammar) and renormalised.
 - A seeded sampled request's tokens with speculation are the tokens it gets without (one
   draw per output token, in order), with logprobs, stop strings, max_tokens, n > 1,
   penalties, min_tokens and abort; with drafts that are the output itself, every draft of a
@@ -22,12 +26,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tiny_models import tiny_model
+from tiny_models import TINY_VOCAB, tiny_model
 
 from radixserve import LLM, SamplingParams
 from radixserve.engine_types import EngineRequest
 from radixserve.model_executor.forward_batch import SamplingBatch
 from radixserve.model_executor.sampler import sample
+from radixserve.sampling_params import StructuredOutputsParams
 
 #: null ``disable_by_batch_size``: batched verify steps, which the CPU default leaves out
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
@@ -64,6 +69,21 @@ def _chi2_ok(counts: np.ndarray, probs: np.ndarray) -> tuple[float, float]:
     assert expected.min() >= 5, expected.min()
     stat = float(((counts - expected) ** 2 / expected).sum())
     return stat, _chi2_critical(len(probs) - 1)
+
+
+def _pool_rare(counts: np.ndarray, probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``counts`` and ``probs`` with the outcomes expected fewer than 5 times pooled into one
+    (with the next rarest ones while the pool is expected fewer than 5 times)."""
+    n = counts.sum()
+    order = np.argsort(probs)
+    m = int((probs * n < 5).sum())
+    while m and probs[order[:m]].sum() * n < 5:
+        m += 1
+    rare, keep = order[:m], order[m:]
+    if not m:
+        return counts, probs
+    return (np.append(counts[keep], counts[rare].sum()),
+            np.append(probs[keep], probs[rare].sum()))
 
 
 def _probs(logits: torch.Tensor, temperature: float, top_k: int) -> np.ndarray:
@@ -221,6 +241,124 @@ def test_engine_samples_the_targets_joint_distribution(model_path: str) -> None:
     assert c is not None and c.num_drafts == n and c.num_draft_tokens == 2 * n
     assert 0.15 * n < c.accepted_per_pos[0] < 0.6 * n, c
     assert 0 < c.accepted_per_pos[1] < c.accepted_per_pos[0], c
+
+
+class _CountingProposer:
+    """The engine's proposer, counting the draft tokens it proposes (before the scheduler
+    cuts a constrained request's draft at the first token its grammar refuses)."""
+
+    def __init__(self, inner) -> None:  # noqa: ANN001 - the engine's NgramProposer
+        self.inner = inner
+        self.k = inner.k
+        self.proposed = 0
+
+    def active(self, batch_size: int) -> bool:
+        return self.inner.active(batch_size)
+
+    def propose(self, tokens: np.ndarray, most: int) -> np.ndarray:
+        d = self.inner.propose(tokens, most)
+        self.proposed += int(d.shape[0])
+        return d
+
+
+def test_engine_samples_the_constrained_targets_joint_distribution(model_path: str) -> None:
+    """Unseeded sampled requests under a grammar, with n-gram drafts cut to what it allows,
+    verified against rows masked with its state after the drafts before them: the joint
+    distribution of the first four tokens is the target's with the grammar's refused tokens
+    masked out, then top-k, renormalised (a chi-square test, as above)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # The grammar is a choice list of 4-token strings over t3..t9 (one digit each, so no
+    # other token's text, such as t38's, continues a prefix of a choice): after each prefix,
+    # the 3 of them the target finds likeliest there and the least likely (0.2% to 7% of its
+    # mass: the mask decides nearly every pick); top-k 3 drops the last (by 0.86 nats or
+    # more), so the filter must see masked probabilities. The prompt repeats a phrase of
+    # t3..t9 and t50, so prompt lookup drafts from it; drafts are cut where the grammar
+    # refuses a token (t50, or a digit it does not allow after the prefix), and what is left
+    # is verified.
+    phrase, top_k, n = [6, 4, 9, 50, 7, 8, 3, 5], 3, 10_000
+    prompt = phrase * 2
+    # the target's logprobs from transformers' model of the checkpoint (a batch of contexts
+    # in one forward, where the engine's whole-vocabulary prompt logprobs take seconds; they
+    # agree within 1e-5) and the token strings from its tokenizer
+    ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    strings = AutoTokenizer.from_pretrained(model_path).convert_ids_to_tokens(
+        list(range(TINY_VOCAB)))
+
+    def logprobs(contexts: list[tuple[int, ...]]) -> np.ndarray:
+        """float64 [len(contexts), V]: the raw next-token logprobs after each context."""
+        with torch.no_grad():
+            logits = ref(torch.tensor([prompt + list(c) for c in contexts])).logits[:, -1]
+        return torch.log_softmax(logits.double(), dim=-1).numpy()
+
+    lps: dict[tuple[int, ...], np.ndarray] = {}
+    level: list[tuple[int, ...]] = [()]
+    for _ in range(4):
+        nxt = []
+        for c, lp in zip(level, logprobs(level), strict=True):
+            lps[c] = lp
+            ranked = sorted(range(3, 10), key=lp.__getitem__, reverse=True)
+            nxt += [c + (t,) for t in ranked[:3] + ranked[-1:]]
+        level = nxt
+    choices = ["".join(strings[t] for t in c) for c in level]
+    # the mask from the choice strings and the token strings alone (not xgrammar's): a token
+    # is allowed when the text so far followed by its text begins some choice
+    prefixes = {w[:i] for w in choices for i in range(len(w) + 1)}
+
+    def dist(c: tuple[int, ...]) -> dict[int, float]:
+        text = "".join(strings[t] for t in c)
+        allowed = [t for t in range(TINY_VOCAB) if text + strings[t] in prefixes]
+        kept = sorted(allowed, key=lambda t: -lps[c][t])[:top_k]
+        w = np.exp(lps[c][kept] - lps[c][kept].max())  # temperature 1
+        return dict(zip(kept, w / w.sum(), strict=True))
+
+    exact: dict[tuple[int, ...], float] = {(): 1.0}
+    for _ in range(4):
+        exact = {c + (t,): pc * pt for c, pc in exact.items() for t, pt in dist(c).items()}
+
+    big = {"num_pages": 8192, "max_num_seqs": 1024, "max_num_batched_tokens": 8192}
+    spec = _llm(model_path, {**SPEC, "num_speculative_tokens": 2}, **big)
+    spec.engine.check_integrity_each_step = False  # checked once, at the end
+    eng = spec.engine
+    proposer = _CountingProposer(eng.scheduler.proposer)
+    eng.scheduler.proposer = proposer  # type: ignore[assignment]
+    sp = SamplingParams(temperature=1.0, top_k=top_k, max_tokens=4,
+                        structured_outputs=StructuredOutputsParams(choice=choices))
+    toks: dict[str, list[int]] = {}
+    for i in range(n):
+        toks[str(i)] = []
+        eng.add_request(EngineRequest(request_id=str(i),
+                                      prompt_token_ids=np.asarray(prompt, dtype=np.int32),
+                                      sampling_params=sp))
+    while eng.has_unfinished_requests():
+        out = eng.step()
+        if out is None:
+            continue
+        for o in out.outputs:
+            toks[o.request_id] += list(o.new_token_ids)
+        for rid, t in zip(out.decode_request_ids, out.decode_token_ids.tolist(), strict=True):
+            toks[rid].append(t)
+    eng.scheduler.check_integrity()
+    kv = eng.kv
+    assert kv.num_free_pages + kv.num_cached_pages == kv.num_usable_pages
+    cells = sorted(exact)
+    index = {c: j for j, c in enumerate(cells)}
+    counts = np.zeros(len(cells), dtype=np.int64)
+    outside = [t for t in toks.values() if tuple(t) not in index]
+    assert not outside, outside[:5]  # outcomes the masked target cannot give
+    for t in toks.values():
+        counts[index[tuple(t)]] += 1
+    stat, crit = _chi2_ok(*_pool_rare(counts, np.asarray([exact[c] for c in cells])))
+    assert stat < crit, (stat, crit)
+    # not vacuous: drafts were proposed, some cut by the grammar, and those verified were
+    # accepted and rejected at both draft positions (a verify step has 1 or 2 drafts, so
+    # num_draft_tokens - num_drafts steps verified a second one)
+    c = eng.get_stats().spec_decode
+    assert c is not None and c.num_drafts > 0.5 * n, c
+    assert c.num_draft_tokens < 0.8 * proposer.proposed, (c, proposer.proposed)
+    assert 0.1 * c.num_drafts < c.accepted_per_pos[0] < 0.9 * c.num_drafts, c
+    second = c.num_draft_tokens - c.num_drafts
+    assert 0.05 * second < c.accepted_per_pos[1] < 0.9 * second, c
 
 
 def _prompts(rng: np.random.Generator, n: int) -> list[list[int]]:
