@@ -174,14 +174,15 @@ def test_zmq_worker_drain_answers_503_retry_after(tmp_path: Path) -> None:
         assert r.status_code == 200, r.text
         client = openai.OpenAI(base_url=smg.base_url + "/v1", api_key="unused", max_retries=0,
                                timeout=HANG_TIMEOUT_S)
-        # >= 10 s of 2 ms steps: outlives the probes below
-        it = iter(client.completions.create(model=MODEL, prompt="Long story:", max_tokens=5000,
+        # >= 6 s of 2 ms steps: outlives the probes below (their 5 s deadline and three more;
+        # the 503 came 0.8 s after the SIGTERM on a 2-core machine)
+        it = iter(client.completions.create(model=MODEL, prompt="Long story:", max_tokens=3000,
                                             stream=True, extra_body={"ignore_eos": True}))
         next(it)
         worker.proc.send_signal(signal.SIGTERM)
         wait_until(lambda: "draining" in worker.log_tail(), "the worker to drain")
         seen: list[int] = []
-        deadline = time.monotonic() + 8  # a few of smg's 1 s load polls
+        deadline = time.monotonic() + 5  # a few of smg's 1 s load polls
         while time.monotonic() < deadline:
             r = httpx.post(smg.base_url + "/v1/completions", json=late, timeout=HANG_TIMEOUT_S)
             seen.append(r.status_code)
