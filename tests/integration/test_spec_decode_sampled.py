@@ -61,6 +61,22 @@ def _chi2_critical(df: int, alpha: float = 1e-3) -> float:
     return float(chi2.ppf(1.0 - alpha, df))
 
 
+def _run_to_completion(eng, toks: dict[str, list[int]]) -> None:  # noqa: ANN001
+    """Step ``eng`` (an ``EngineCore``) until every request finished, appending each request's
+    tokens to ``toks[request_id]``; then the KV pool is whole (every page free or cached)."""
+    while eng.has_unfinished_requests():
+        out = eng.step()
+        if out is None:
+            continue
+        for o in out.outputs:
+            toks[o.request_id] += list(o.new_token_ids)
+        for rid, t in zip(out.decode_request_ids, out.decode_token_ids.tolist(), strict=True):
+            toks[rid].append(t)
+    eng.scheduler.check_integrity()
+    kv = eng.kv
+    assert kv.num_free_pages + kv.num_cached_pages == kv.num_usable_pages
+
+
 def _chi2_ok(counts: np.ndarray, probs: np.ndarray) -> tuple[float, float]:
     """Pearson's statistic of ``counts`` (int [C]) against ``probs`` (float [C], summing to
     1) and its critical value; every expected count must be at least 5."""
@@ -218,17 +234,7 @@ def test_engine_samples_the_targets_joint_distribution(model_path: str) -> None:
         eng.add_request(EngineRequest(request_id=str(i),
                                       prompt_token_ids=np.asarray(prompt, dtype=np.int32),
                                       sampling_params=sp))
-    while eng.has_unfinished_requests():
-        out = eng.step()
-        if out is None:
-            continue
-        for o in out.outputs:
-            toks[o.request_id] += list(o.new_token_ids)
-        for rid, t in zip(out.decode_request_ids, out.decode_token_ids.tolist(), strict=True):
-            toks[rid].append(t)
-    eng.scheduler.check_integrity()
-    kv = eng.kv
-    assert kv.num_free_pages + kv.num_cached_pages == kv.num_usable_pages
+    _run_to_completion(eng, toks)
     cells = sorted(exact)
     index = {c: j for j, c in enumerate(cells)}
     counts = np.zeros(len(cells), dtype=np.int64)
@@ -330,17 +336,7 @@ def test_engine_samples_the_constrained_targets_joint_distribution(model_path: s
         eng.add_request(EngineRequest(request_id=str(i),
                                       prompt_token_ids=np.asarray(prompt, dtype=np.int32),
                                       sampling_params=sp))
-    while eng.has_unfinished_requests():
-        out = eng.step()
-        if out is None:
-            continue
-        for o in out.outputs:
-            toks[o.request_id] += list(o.new_token_ids)
-        for rid, t in zip(out.decode_request_ids, out.decode_token_ids.tolist(), strict=True):
-            toks[rid].append(t)
-    eng.scheduler.check_integrity()
-    kv = eng.kv
-    assert kv.num_free_pages + kv.num_cached_pages == kv.num_usable_pages
+    _run_to_completion(eng, toks)
     cells = sorted(exact)
     index = {c: j for j, c in enumerate(cells)}
     counts = np.zeros(len(cells), dtype=np.int64)
