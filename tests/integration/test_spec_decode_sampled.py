@@ -77,6 +77,18 @@ def _run_to_completion(eng, toks: dict[str, list[int]]) -> None:  # noqa: ANN001
     assert kv.num_free_pages + kv.num_cached_pages == kv.num_usable_pages
 
 
+def _outcome_counts(toks: dict[str, list[int]], cells: list[tuple[int, ...]]) -> np.ndarray:
+    """How many requests gave each outcome of ``cells`` (int64 [len(cells)]); every request's
+    tokens must be one of them (an outcome the target cannot give fails the test)."""
+    index = {c: j for j, c in enumerate(cells)}
+    outside = [t for t in toks.values() if tuple(t) not in index]
+    assert not outside, outside[:5]
+    counts = np.zeros(len(cells), dtype=np.int64)
+    for t in toks.values():
+        counts[index[tuple(t)]] += 1
+    return counts
+
+
 def _chi2_ok(counts: np.ndarray, probs: np.ndarray) -> tuple[float, float]:
     """Pearson's statistic of ``counts`` (int [C]) against ``probs`` (float [C], summing to
     1) and its critical value; every expected count must be at least 5."""
@@ -236,10 +248,7 @@ def test_engine_samples_the_targets_joint_distribution(model_path: str) -> None:
                                       sampling_params=sp))
     _run_to_completion(eng, toks)
     cells = sorted(exact)
-    index = {c: j for j, c in enumerate(cells)}
-    counts = np.zeros(len(cells), dtype=np.int64)
-    for t in toks.values():
-        counts[index[tuple(t)]] += 1  # KeyError: an outcome the target cannot give
+    counts = _outcome_counts(toks, cells)
     stat, crit = _chi2_ok(counts, np.asarray([exact[c] for c in cells]))
     assert stat < crit, (stat, crit)
     # not vacuous: every request verified two drafts; both positions accepted and rejected
@@ -338,12 +347,7 @@ def test_engine_samples_the_constrained_targets_joint_distribution(model_path: s
                                       sampling_params=sp))
     _run_to_completion(eng, toks)
     cells = sorted(exact)
-    index = {c: j for j, c in enumerate(cells)}
-    counts = np.zeros(len(cells), dtype=np.int64)
-    outside = [t for t in toks.values() if tuple(t) not in index]
-    assert not outside, outside[:5]  # outcomes the masked target cannot give
-    for t in toks.values():
-        counts[index[tuple(t)]] += 1
+    counts = _outcome_counts(toks, cells)
     stat, crit = _chi2_ok(*_pool_rare(counts, np.asarray([exact[c] for c in cells])))
     assert stat < crit, (stat, crit)
     # not vacuous: drafts were proposed, some cut by the grammar, and those verified were
