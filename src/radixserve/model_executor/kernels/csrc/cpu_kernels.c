@@ -1275,20 +1275,24 @@ static inline __attribute__((always_inline)) void f32_row64(
             F32_STORE(tot + u * F32_VW, k0 == 0 ? a[u] : F32_ADD(F32_LOAD(tot + u * F32_VW), a[u]));
     }
 }
-/* Steps [kc0, kc1) of one tile's sums over a widened panel (row stride F32_TILE), the
+/* Steps [kc0, kc1) of one tile's sums over weights of kind wk at `panel`, k-major with row
+ * stride ws (a widened panel: float32, F32_TILE; or a packed block's quarter, GEMV_NB), the
  * accumulators taken from and left in `acc` (zeroed first where `fresh`): splitting a chain at
  * any k this way changes no bit, the partial sums only pass through memory unrounded. */
 static inline __attribute__((always_inline)) void f32_tile_kc(
-        const int mr, const float *x, int64_t K, const float *panel, int64_t kc0, int64_t kc1,
-        float *acc, int fresh) {
+        const int mr, const float *x, int64_t K, const void *panel, const int wk, int64_t ws,
+        int64_t kc0, int64_t kc1, float *acc, int fresh, const char *pf, const int pf_lines) {
     f32v a[F32_MR][F32_NT];
     for (int r = 0; r < mr; ++r)
         for (int u = 0; u < F32_NT; ++u)
             a[r][u] = fresh ? F32_ZERO() : F32_LOAD(acc + r * F32_TILE + u * F32_VW);
     for (int64_t k = kc0; k < kc1; ++k) {
-        const float *wk = panel + k * F32_TILE;
+        /* pf_lines lines per k of what the caller reads next (none where pf is NULL) */
+        if (pf != NULL)
+            for (int l = 0; l < pf_lines; ++l)
+                __builtin_prefetch(pf + (k - kc0) * 64 * pf_lines + 64 * l, 0, 3);
         f32v b[F32_NT];
-        for (int u = 0; u < F32_NT; ++u) b[u] = F32_LOAD(wk + u * F32_VW);
+        for (int u = 0; u < F32_NT; ++u) b[u] = f32_load_w(wk, panel, k * ws + u * F32_VW);
         for (int r = 0; r < mr; ++r) {
             const f32v xv = F32_SET1(x[r * K + k]);
             for (int u = 0; u < F32_NT; ++u) a[r][u] = F32_FMA(xv, b[u], a[r][u]);
@@ -1298,7 +1302,15 @@ static inline __attribute__((always_inline)) void f32_tile_kc(
         for (int u = 0; u < F32_NT; ++u) F32_STORE(acc + r * F32_TILE + u * F32_VW, a[r][u]);
 }
 #define KC_TILE_W(R, xm, kc0, kc1, acc, fresh) \
-    f32_tile_kc(R, xm, K, scratch, kc0, kc1, acc, fresh)
+    f32_tile_kc(R, xm, K, scratch, W_F32, F32_TILE, kc0, kc1, acc, fresh, NULL, 0)
+/* the same over a packed block's quarter at wb, float32, bfloat16 or int8, each k prefetching
+ * its row of the next chunk (GEMV_NB weights: es lines) where pf is set */
+#define KD_TILE_F32(R, xm, kc0, kc1, acc, fresh) \
+    f32_tile_kc(R, xm, K, wb, W_F32, GEMV_NB, kc0, kc1, acc, fresh, pf, 4)
+#define KD_TILE_BF16(R, xm, kc0, kc1, acc, fresh) \
+    f32_tile_kc(R, xm, K, wb, W_BF16, GEMV_NB, kc0, kc1, acc, fresh, pf, 2)
+#define KD_TILE_I8(R, xm, kc0, kc1, acc, fresh) \
+    f32_tile_kc(R, xm, K, wb, W_I8, GEMV_NB, kc0, kc1, acc, fresh, pf, 1)
 /* inputs per pass over a widened panel's row tiles: F32_KC x F32_TILE float32 weights, 16 KiB
  * (AVX2: 256 inputs x 16 outputs; AVX-512: 64 x 64), stay in L1 while every tile of the share
  * runs them */
@@ -1309,6 +1321,13 @@ static inline __attribute__((always_inline)) void f32_tile_kc(
  * entries of Zen 3's L2 TLB: Qwen2.5-1.5B's projections ran at 85 GFLOP/s at 2048 rows
  * against 114 at 1024 (bf16_weight_linear_ab.py, Zen 3 kind). A multiple of F32_MR. */
 #define F32_MC (32 * F32_MR)
+/* row tiles (of F32_MR rows) up to which the GEMM runs whole blocks in k chunks (direct):
+ * Qwen2.5-1.5B's projections over bf16 weights, two layers, Zen 3 kind, interleaved runs,
+ * best ms: 8 rows 21.1 (widened panels: 29.3), 16 rows 23.5 (32.9), 24 rows 30.9 (37.0);
+ * from 32 rows level with the widened panels, and at 96 rows 16 tiles lost 20% */
+#ifndef F32_DIRECT_TILES
+#define F32_DIRECT_TILES 4
+#endif
 
 #define F32_TILE_W(R, ...) f32_tile(R, __VA_ARGS__, W_F32, GEMV_NB, kblk, tot, pf, &pf_off, \
                                     pf_end, pf_lines)
@@ -1338,6 +1357,11 @@ static int linear_f32_core(const float *x, const void *w, const int wk, const fl
     const int64_t steps = tiles * halves * K; /* k steps per block, over which to prefetch */
     const int64_t pf_lines = (block_bytes / 64 + steps - 1) / steps;
     int rc = 0;
+    /* 2..F32_DIRECT_TILES row tiles: whole blocks in k chunks (direct, below); one tile keeps
+     * the tile-by-tile order with its next-block prefetch (M = 5: 10% faster), more tiles the
+     * widened panels */
+    const int direct = tiles >= 2 && tiles <= F32_DIRECT_TILES;
+    const int64_t kd = 16384 / (GEMV_NB * (int64_t)es); /* a block's k chunk: 16 KiB */
 #pragma omp parallel num_threads(num_threads)
     {
         float tot[F32_MR * F32_TILE > GEMV_NB ? F32_MR * F32_TILE : GEMV_NB];
@@ -1345,8 +1369,70 @@ static int linear_f32_core(const float *x, const void *w, const int wk, const fl
         int64_t w0, w1;
         const int64_t per_block = halves * tiles;
         thread_share(blocks * per_block, &w0, &w1);
+        if (direct) {
+            /* Per block, kd inputs at a time (16 KiB of weights, in L1): every row tile of
+             * every quarter of the block in the share over them, their sums kept in `acc`
+             * between chunks. So the block's lines are read from memory once, front to back,
+             * where quarter panels run one after another cross the block 4 times (AVX2), and
+             * no panel is widened into a scratch that a long K (8960: 573 KiB) spills from L2.
+             * The FMAs per output are the same, in the same order. */
+            float accs[F32_DIRECT_TILES * F32_MR * GEMV_NB];
+            for (int64_t nb = w0 / per_block; nb * per_block < w1; ++nb) {
+                const char *blk = (const char *)w + (size_t)nb * (size_t)block_bytes;
+                for (int64_t k0 = 0; k0 < K; k0 += kblk) {
+                    const int64_t k1 = k0 + kblk < K ? k0 + kblk : K;
+                    for (int64_t kc0 = k0; kc0 < k1; kc0 += kd) {
+                        const int64_t kc1 = kc0 + kd < k1 ? kc0 + kd : k1;
+                        /* the next chunk's lines (the next block's first past the block's
+                         * end: blocks lie back to back), asked for in the first pass */
+                        const char *pf = blk + (size_t)kc1 * GEMV_NB * es;
+                        for (int64_t hf = 0; hf < halves; ++hf) {
+                            const void *wb = blk + es * (size_t)(hf * F32_TILE);
+                            int64_t t0, t1;
+                            share_tiles((nb * halves + hf) * tiles, tiles, w0, w1, &t0, &t1);
+                            for (int64_t t = t0; t < t1; ++t) {
+                                const int64_t m0 = t * F32_MR;
+                                const int mr = M - m0 < F32_MR ? (int)(M - m0) : F32_MR;
+                                float *acc = accs + (hf * tiles + t) * F32_MR * F32_TILE;
+                                const float *xm = x + m0 * K;
+                                if (wk == W_BF16)
+                                    TILE_BY_ROWS(KD_TILE_BF16, mr, xm, kc0, kc1, acc, kc0 == k0);
+                                else if (wk == W_I8)
+                                    TILE_BY_ROWS(KD_TILE_I8, mr, xm, kc0, kc1, acc, kc0 == k0);
+                                else
+                                    TILE_BY_ROWS(KD_TILE_F32, mr, xm, kc0, kc1, acc, kc0 == k0);
+                                pf = NULL;
+                            }
+                        }
+                    }
+                    for (int64_t hf = 0; hf < halves; ++hf) {
+                        int64_t t0, t1;
+                        share_tiles((nb * halves + hf) * tiles, tiles, w0, w1, &t0, &t1);
+                        const int64_t m_end = M < t1 * F32_MR ? M : t1 * F32_MR;
+                        for (int64_t m = t0 * F32_MR; m < m_end; ++m) {
+                            const float *acc = accs + (hf * tiles * F32_MR + m) * F32_TILE;
+                            float *yr = y + m * N + nb * GEMV_NB + hf * F32_TILE;
+                            for (int u = 0; u < F32_NT; ++u)
+                                F32_STORE(yr + u * F32_VW,
+                                          k0 == 0 ? F32_LOAD(acc + u * F32_VW)
+                                                  : F32_ADD(F32_LOAD(yr + u * F32_VW),
+                                                            F32_LOAD(acc + u * F32_VW)));
+                        }
+                    }
+                }
+                if (scale != NULL)
+                    for (int64_t hf = 0; hf < halves; ++hf) {
+                        int64_t t0, t1;
+                        share_tiles((nb * halves + hf) * tiles, tiles, w0, w1, &t0, &t1);
+                        const int64_t m_end = M < t1 * F32_MR ? M : t1 * F32_MR;
+                        for (int64_t m = t0 * F32_MR; m < m_end; ++m)
+                            scale_out(y + m * N + nb * GEMV_NB + hf * F32_TILE,
+                                      scale + nb * GEMV_NB + hf * F32_TILE, F32_TILE);
+                    }
+            }
+        }
         float *part = NULL; /* the share's tiles' running sums of one panel (kc passes) */
-        if (wk != W_F32 && tiles > 1) {
+        if (!direct && wk != W_F32 && tiles > 1) {
             scratch = (float *)malloc(sizeof(float) * (size_t)K * F32_TILE);
             part = (float *)malloc(sizeof(float) * (size_t)F32_MC * F32_TILE);
             if (scratch == NULL || part == NULL) {
@@ -1355,7 +1441,7 @@ static int linear_f32_core(const float *x, const void *w, const int wk, const fl
                 w1 = w0; /* this thread computes nothing */
             }
         }
-        for (int64_t nb = w0 / per_block; nb * per_block < w1; ++nb) {
+        for (int64_t nb = w0 / per_block; !direct && nb * per_block < w1; ++nb) {
             const char *blk = (const char *)w + (size_t)nb * (size_t)block_bytes;
             const char *pf = blk + block_bytes;
             int64_t pf_off = 0;
