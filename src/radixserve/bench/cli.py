@@ -410,7 +410,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="constrain every request by this JSON schema (a file or inline JSON), "
                         "sent as response_format json_schema strict")
     s.add_argument("--num-warmups", type=int, default=1)
-    s.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
+    s.add_argument("--timeout", type=float, default=6 * 3600.0,
+                   help="per-request timeout (s; default 6 hours, as vLLM's benchmark)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--label", default=None, help="series name in the plot")
     s.add_argument("--disable-tqdm", action="store_true")

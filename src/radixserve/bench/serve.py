@@ -33,6 +33,10 @@ from radixserve.bench.datasets import BenchPrompt
 from radixserve.engine_types import SpecDecodeCounts
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+#: per-request limit, seconds: 6 hours, as vLLM's benchmark client (``AIOHTTP_TIMEOUT``). Every
+#: request of a level lives for the whole level at c = its request count, and 64 requests of
+#: 256 -> 128 tokens at a 1.5B shape on two cores take more than the 600 s this once was
+REQUEST_TIMEOUT_S = 6 * 3600.0
 #: Latency metrics reported, each as mean/median/p90/p99 in milliseconds.
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
 PERCENTILES = (90, 99)
@@ -218,7 +222,7 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
 async def run_async(base_url: str, api: str, model: str, prompts: list[BenchPrompt],
                     request_rate: float = math.inf, max_concurrency: int | None = None,
                     ignore_eos: bool = True, temperature: float = 0.0, seed: int = 0,
-                    burstiness: float = 1.0, num_warmups: int = 1, timeout_s: float = 600.0,
+                    burstiness: float = 1.0, num_warmups: int = 1, timeout_s: float = REQUEST_TIMEOUT_S,
                     progress: bool = True, extra_body: dict[str, Any] | None = None,
                     force_close: bool = False) -> dict[str, Any]:
     """Run one load level; returns its metrics (see ``summarize``) plus its settings
