@@ -1336,6 +1336,19 @@ static inline __attribute__((always_inline)) void f32_tile_kc(
 #define I8_TILE_W(R, ...) f32_tile(R, __VA_ARGS__, W_I8, GEMV_NB, kblk, tot, pf, &pf_off, \
                                    pf_end, pf_lines)
 
+/* rows [m0, m1) of a K block's sums (acc: F32_TILE floats per row, row m0 first) into their
+ * F32_TILE outputs at y (row stride N): stored for the first block, added after, in order, as
+ * f32_tile adds them into tot */
+static inline void add_kblock_sums(float *y, int64_t N, int64_t m0, int64_t m1, const float *acc,
+                                   int first) {
+    for (int64_t m = m0; m < m1; ++m, acc += F32_TILE) {
+        float *yr = y + m * N;
+        for (int u = 0; u < F32_NT; ++u)
+            F32_STORE(yr + u * F32_VW,
+                      first ? F32_LOAD(acc + u * F32_VW)
+                            : F32_ADD(F32_LOAD(yr + u * F32_VW), F32_LOAD(acc + u * F32_VW)));
+    }
+}
 /* The float32 GEMM over weights packed [N/64][K][64], float32, bfloat16 or int8 (wk: W_F32,
  * W_BF16, W_I8; int8 sums are multiplied by `scale` [N], one float32 per output, at the end).
  * With narrow weights, a thread with more than one row tile of a panel widens that panel
@@ -1409,15 +1422,8 @@ static int linear_f32_core(const float *x, const void *w, const int wk, const fl
                         int64_t t0, t1;
                         share_tiles((nb * halves + hf) * tiles, tiles, w0, w1, &t0, &t1);
                         const int64_t m_end = M < t1 * F32_MR ? M : t1 * F32_MR;
-                        for (int64_t m = t0 * F32_MR; m < m_end; ++m) {
-                            const float *acc = accs + (hf * tiles * F32_MR + m) * F32_TILE;
-                            float *yr = y + m * N + nb * GEMV_NB + hf * F32_TILE;
-                            for (int u = 0; u < F32_NT; ++u)
-                                F32_STORE(yr + u * F32_VW,
-                                          k0 == 0 ? F32_LOAD(acc + u * F32_VW)
-                                                  : F32_ADD(F32_LOAD(yr + u * F32_VW),
-                                                            F32_LOAD(acc + u * F32_VW)));
-                        }
+                        add_kblock_sums(y + nb * GEMV_NB + hf * F32_TILE, N, t0 * F32_MR, m_end,
+                                        accs + (hf * tiles + t0) * F32_MR * F32_TILE, k0 == 0);
                     }
                 }
                 if (scale != NULL)
@@ -1477,15 +1483,8 @@ static int linear_f32_core(const float *x, const void *w, const int wk, const fl
                                                  kc0 == k0);
                                 }
                             }
-                            for (int64_t m = m_beg; m < m_end; ++m) {
-                                const float *acc = part + (m - m_beg) * F32_TILE;
-                                float *yr = y + m * N + nb * GEMV_NB + hf * F32_TILE;
-                                for (int u = 0; u < F32_NT; ++u)
-                                    F32_STORE(yr + u * F32_VW,
-                                              k0 == 0 ? F32_LOAD(acc + u * F32_VW)
-                                                      : F32_ADD(F32_LOAD(yr + u * F32_VW),
-                                                                F32_LOAD(acc + u * F32_VW)));
-                            }
+                            add_kblock_sums(y + nb * GEMV_NB + hf * F32_TILE, N, m_beg, m_end,
+                                            part, k0 == 0);
                         }
                         if (sc != NULL)
                             for (int64_t m = m_beg; m < m_end; ++m)
