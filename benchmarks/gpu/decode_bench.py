@@ -221,13 +221,23 @@ def copy_bandwidth(device: str, nbytes: int = 2**30, reps: int = 10) -> float:
     return bw
 
 
+def step_params(ns: argparse.Namespace, max_tokens: int) -> Any:
+    """The requests' ``SamplingParams``: greedy, or (``--sampling random``) temperature 0.8,
+    top-k 50, top-p 0.95, the sampler's costliest common setting."""
+    from radixserve.sampling_params import SamplingParams
+
+    if ns.sampling == "random":
+        return SamplingParams(temperature=0.8, top_k=50, top_p=0.95, max_tokens=max_tokens,
+                              ignore_eos=True)
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
 def decode_window(llm: Any, probe: ForwardProbe, batch: int, ns: argparse.Namespace,
                   rng: np.random.Generator, cuda: bool, weight_bytes: int,
                   kv_bytes_per_token: int, hbm_bw: float) -> dict[str, Any]:
     """Steady-state decode at ``batch``: B requests prefilled, ``ns.warmup`` steps, then
     ``ns.steps`` timed steps, then ``ns.profile_steps`` under the torch profiler (CUDA)."""
     from radixserve.engine_types import EngineRequest
-    from radixserve.sampling_params import SamplingParams
 
     eng = llm.engine
     budget = llm.config.max_num_batched_tokens
@@ -237,7 +247,7 @@ def decode_window(llm: Any, probe: ForwardProbe, batch: int, ns: argparse.Namesp
     if ns.prompt_len + max_tokens > llm.engine.max_model_len:
         raise ValueError(f"batch {batch}: {ns.prompt_len} prompt + {max_tokens} tokens do not "
                          f"fit max_model_len {llm.engine.max_model_len}: raise --max-model-len")
-    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    sp = step_params(ns, max_tokens)
     now = time.time()
     for i in range(batch):
         ids = rng.integers(3, llm.model_info.vocab_size, size=ns.prompt_len).astype(np.int32)
@@ -335,12 +345,11 @@ def offline_run(llm: Any, n: int, ns: argparse.Namespace, rng: np.random.Generat
                 cuda: bool) -> dict[str, Any]:
     """``n`` prompts of ``ns.prompt_len`` random tokens, ``ns.output_len`` tokens each, all
     submitted at once to ``LLM.generate`` (wall time, model already loaded and warm)."""
-    from radixserve.sampling_params import SamplingParams
 
     vocab = llm.model_info.vocab_size
     prompts = [{"prompt_token_ids": rng.integers(3, vocab, size=ns.prompt_len).tolist()}
                for _ in range(n)]
-    sp = SamplingParams(temperature=0.0, max_tokens=ns.output_len, ignore_eos=True)
+    sp = step_params(ns, ns.output_len)
     steps0 = llm.engine.step_count
     if cuda:
         torch.cuda.synchronize()
@@ -535,6 +544,8 @@ def main() -> None:
                          "smollm2-135m, or a `radixserve bench make-model` shape "
                          "(qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b, llama-3.2-1b, llama-3.1-8b)")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--sampling", choices=("greedy", "random"), default="greedy",
+                    help="random: temperature 0.8, top-k 50, top-p 0.95 (the sampler's cost)")
     ap.add_argument("--attention-backends", default=None,
                     help="comma-separated (default: torch,triton on CUDA, auto on CPU); one "
                          "not in this tree's ATTENTION_BACKENDS is recorded as skipped")
@@ -592,7 +603,7 @@ def main() -> None:
     report: dict[str, Any] = {
         "kind": "radixserve GPU decode bench (benchmarks/gpu/decode_bench.py)",
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "argv": sys.argv[1:], "tiny": tiny, "dtype": ns.dtype, **environment(ns.device)}
+        "argv": sys.argv[1:], "tiny": tiny, "dtype": ns.dtype, "sampling": ns.sampling, **environment(ns.device)}
     name = report["device"]["name"]
     hbm = ns.hbm_bw or next((bw for key, bw in HBM_BW if key in name), 3.35e12)
     report["hbm_bytes_per_s"] = hbm if cuda else None

@@ -10,12 +10,16 @@
 #   `parity`  benchmarks/gpu/test_cuda_parity.py (PARITY_TIMEOUT, 150 s)
 #   `bench`   benchmarks/gpu/decode_bench.py on Qwen2.5-0.5B's shapes, every backend x mode
 #             (BENCH_TIMEOUT, 200 s)
+#   `sampler` benchmarks/gpu/sampler_bench.py (where sampling measures best beside the graphs:
+#             on the device after the graph, inside it, or on the host), then decode_bench.py on
+#             the 0.5B folder with `--sampling random` (CUDA graphs, auto backend)
+#             (SAMPLER_TIMEOUT, 150 s)
 #   `online`  benchmarks/gpu/online.sh: `radixserve serve` + `bench serve` at c=1 and c=8 on that
 #             folder, beside the seeds' RTX 3060 baseline (ONLINE_TIMEOUT, 80 s)
 #   `shapes`  decode_bench.py on SHAPES (default qwen2.5-1.5b qwen2.5-7b smollm2-135m), CUDA
 #             graphs and the auto backend only, until SHAPES_DEADLINE seconds after the start
 #             (default 540)
-#   `all`     all four. Should it not end inside the call's 10 minutes, a second call runs what
+#   `all`     parity, bench, online, shapes; a comma list (`parity,sampler,shapes`) runs those. Should it not end inside the call's 10 minutes, a second call runs what
 #             is missing:
 #
 #   run(command="bash benchmarks/gpu/run.sh shapes", carry=[".whl", ".gpu-tok"], timeout_s=600)
@@ -31,8 +35,12 @@ cd "$(dirname "$0")/../.."
 
 PHASE=${1:-all}
 shift || true
-case "$PHASE" in all|parity|bench|online|shapes) ;;
-    *) echo "usage: run.sh [all|parity|bench|online|shapes] [bench args]"; exit 2;; esac
+for p in ${PHASE//,/ }; do
+    case "$p" in all|parity|bench|sampler|online|shapes) ;;
+        *) echo "usage: run.sh [all|PHASE[,PHASE...]] [bench args]; PHASE: parity bench" \
+               "sampler online shapes"; exit 2;; esac
+done
+want() { [[ $PHASE == all && $1 != sampler ]] || [[ ,$PHASE, == *,$1,* ]]; }
 START=$SECONDS
 OUT=${OUT:-/tmp/radixserve-gpu-out}
 mkdir -p "$OUT"
@@ -41,9 +49,11 @@ PARITY_TIMEOUT=${PARITY_TIMEOUT:-150}
 WHEELS_DIR=${WHEELS_DIR:-.whl}  # a local dry run of this script points it elsewhere
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-$([[ $PHASE == all ]] && echo 200 || echo 540)}
 ONLINE_TIMEOUT=${ONLINE_TIMEOUT:-80}
+SAMPLER_TIMEOUT=${SAMPLER_TIMEOUT:-150}
 SHAPES_DEADLINE=${SHAPES_DEADLINE:-540}
 SHAPES=${SHAPES:-qwen2.5-1.5b qwen2.5-7b smollm2-135m}
 BENCH_DEVICE=${BENCH_DEVICE:-cuda}  # cpu: a local dry run (with --tiny in the bench args)
+SAMPLER_ARGS=${SAMPLER_ARGS:-}  # e.g. "--vocab 4096 --batches 1,4" in a local dry run
 MODEL_ROOT=${MODEL_ROOT:-/tmp}
 
 main() {
@@ -87,21 +97,30 @@ print("attention backends in this tree:", c.ATTENTION_BACKENDS)
 EOF
 
     rc=0
-    if [[ $PHASE == all || $PHASE == parity ]]; then
+    if want parity; then
         echo "== parity on CUDA (limit ${PARITY_TIMEOUT}s)"
         RADIXSERVE_GPU_PARITY_LOG="$OUT/parity.jsonl" timeout -k 10 "$PARITY_TIMEOUT" \
             python3 -m pytest -q -p no:cacheprovider -rs --timeout 120 \
             --junitxml=/tmp/parity.xml benchmarks/gpu/test_cuda_parity.py
         r=$?; echo "== parity exit $r"; [[ $r != 0 ]] && rc=$r
     fi
-    if [[ $PHASE == all || $PHASE == bench ]]; then
+    if want bench; then
         echo "== decode bench (limit ${BENCH_TIMEOUT}s)"
         timeout -k 10 "$BENCH_TIMEOUT" python3 benchmarks/gpu/decode_bench.py \
             --device "$BENCH_DEVICE" --model-dir "$MODEL_ROOT/rs-qwen2.5-0.5b" \
             --out "$OUT/decode_bench.json" "$@"
         r=$?; echo "== bench exit $r"; [[ $r != 0 ]] && rc=$r
     fi
-    if [[ $PHASE == all || $PHASE == online ]]; then
+    if want sampler; then
+        echo "== sampler (limit ${SAMPLER_TIMEOUT}s)"
+        timeout -k 10 "$SAMPLER_TIMEOUT" bash -c "python3 benchmarks/gpu/sampler_bench.py \
+            --device $BENCH_DEVICE --out $OUT/sampler_bench.json $SAMPLER_ARGS && \
+            python3 benchmarks/gpu/decode_bench.py --device $BENCH_DEVICE --sampling random \
+            --attention-backends auto --modes graphs --offline-prompts 64 \
+            --model-dir $MODEL_ROOT/rs-qwen2.5-0.5b --out $OUT/decode_bench_random.json $*"
+        r=$?; echo "== sampler exit $r"; [[ $r != 0 ]] && rc=$r
+    fi
+    if want online; then
         echo "== online (limit ${ONLINE_TIMEOUT}s)"
         if [[ -f $MODEL_ROOT/rs-qwen2.5-0.5b/config.json ]]; then
             mkdir -p "$OUT/online"
@@ -113,7 +132,7 @@ EOF
         fi
         echo "== online exit $r"; [[ $r != 0 ]] && rc=$r
     fi
-    if [[ $PHASE == all || $PHASE == shapes ]]; then
+    if want shapes; then
         mkdir -p "$OUT/shapes"
         for shape in $SHAPES; do
             left=$((SHAPES_DEADLINE - (SECONDS - START)))

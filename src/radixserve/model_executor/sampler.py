@@ -110,12 +110,18 @@ def _apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
                                                 vocab_size=logits.shape[1])
 
 
-def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-            min_p: torch.Tensor) -> torch.Tensor:
-    """Probabilities [R, V] after top-k, top-p (nucleus, Holtzman et al. 2019) and min-p."""
+def _filter(logits: torch.Tensor, top_k: np.ndarray, top_p: np.ndarray,
+            min_p: np.ndarray) -> torch.Tensor:
+    """Probabilities [R, V] after top-k, top-p (nucleus, Holtzman et al. 2019) and min-p.
+
+    ``top_k`` int64 [R], ``top_p`` and ``min_p`` float32 [R] stay on the host: which filters
+    run is decided there, so a GPU step never waits on a device-to-host copy of a flag
+    before it can queue the sampler's kernels."""
+    dev = logits.device
     probs = torch.softmax(logits, dim=-1)
     if bool((min_p > 0).any()):
-        thresh = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+        min_p_t = torch.from_numpy(min_p).to(dev)
+        thresh = probs.max(dim=-1, keepdim=True).values * min_p_t[:, None]
         probs = probs.masked_fill(probs < thresh, 0.0)
     need_k = bool((top_k > 0).any())
     need_p = bool((top_p < 1.0).any())
@@ -123,13 +129,13 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
         sorted_p, idx = probs.sort(dim=-1, descending=True)
         keep = torch.ones_like(sorted_p, dtype=torch.bool)
         if need_k:
-            k = torch.where(top_k > 0, top_k, probs.shape[1])
-            keep &= torch.arange(probs.shape[1], device=probs.device)[None, :] < k[:, None]
+            k = torch.from_numpy(np.where(top_k > 0, top_k, probs.shape[1])).to(dev)
+            keep &= torch.arange(probs.shape[1], device=dev)[None, :] < k[:, None]
         if need_p:
             csum = sorted_p.cumsum(dim=-1)
             total = csum[:, -1:]
             # keep a token if the mass before it is below top_p (the top token always stays)
-            keep &= (csum - sorted_p) < top_p[:, None] * total
+            keep &= (csum - sorted_p) < torch.from_numpy(top_p).to(dev)[:, None] * total
         sorted_p = sorted_p.masked_fill(~keep, 0.0)
         probs = torch.zeros_like(probs).scatter_(1, idx, sorted_p)
     return probs
@@ -255,9 +261,7 @@ def _filtered(logits: torch.Tensor, sp: SamplingBatch, rows: np.ndarray) -> torc
     dev = logits.device
     idx = torch.from_numpy(rows).to(dev)
     temp = torch.from_numpy(sp.temperature[rows]).to(dev)
-    return _filter(logits[idx] / temp[:, None], torch.from_numpy(sp.top_k[rows]).to(dev),
-                   torch.from_numpy(sp.top_p[rows]).to(dev),
-                   torch.from_numpy(sp.min_p[rows]).to(dev))
+    return _filter(logits[idx] / temp[:, None], sp.top_k[rows], sp.top_p[rows], sp.min_p[rows])
 
 
 def _filtered_rows(sp: SamplingBatch, rows: list[int]) -> list[int]:
