@@ -92,6 +92,13 @@ HBM_BW = (("H200", 4.8e12), ("H100", 3.35e12))
 
 
 # ---------------------------------------------------------------------------- the model
+def draft_shape(shape: dict[str, Any]) -> dict[str, Any]:
+    """A one-layer model of ``shape``'s vocabulary and tokenizer (hidden 128): the cheapest
+    draft that shares the target's tokenizer, for ``--spec-draft-k``."""
+    return dict(shape, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+
+
 def build_model(shape: dict[str, Any], folder: Path, device: str) -> Path:
     """A random-weight Qwen2 or Llama checkpoint of ``shape`` in bfloat16 plus a stub word-level
     tokenizer of its vocabulary (``t0`` .. ``t{V-1}``; prompts go in as token ids). Reused
@@ -243,7 +250,7 @@ def decode_window(llm: Any, probe: ForwardProbe, batch: int, ns: argparse.Namesp
     budget = llm.config.max_num_batched_tokens
     # decodes run beside the prefill chunks of later prompts: leave them room
     mixed = 2 * math.ceil(batch * ns.prompt_len / budget) + 4
-    max_tokens = mixed + ns.warmup + ns.steps + ns.profile_steps + 4
+    max_tokens = (mixed + ns.warmup + ns.steps + ns.profile_steps + 4) * (ns.spec_draft_k + 1)
     if ns.prompt_len + max_tokens > llm.engine.max_model_len:
         raise ValueError(f"batch {batch}: {ns.prompt_len} prompt + {max_tokens} tokens do not "
                          f"fit max_model_len {llm.engine.max_model_len}: raise --max-model-len")
@@ -254,7 +261,11 @@ def decode_window(llm: Any, probe: ForwardProbe, batch: int, ns: argparse.Namesp
         eng.add_request(EngineRequest(request_id=f"bench-{batch}-{i}", prompt_token_ids=ids,
                                       sampling_params=sp, arrival_time=now))
 
-    def pure_decode() -> bool:
+    k = ns.spec_draft_k
+
+    def pure_decode() -> bool:  # with --spec-draft-k: every request verifies k drafts
+        if k:
+            return eng.last_num_decodes == 0 and eng.last_num_prefill_tokens == batch * (k + 1)
         return eng.last_num_decodes == batch and eng.last_num_prefill_tokens == 0
 
     for _ in range(100_000):
@@ -379,6 +390,19 @@ def run_config(path: Path, backend: str, mode: str, ns: argparse.Namespace,
         enforce_eager=mode == "eager", tensor_parallel_size=1, max_num_seqs=max_seqs,
         max_model_len=ns.max_model_len, page_size=ns.page_size,
         num_pages=max_seqs * pages_per_seq + 16, seed=0)
+    if ns.spec_draft_k:
+        # a one-layer random draft of the same vocabulary: it always proposes k tokens, so
+        # every step verifies k drafts per request (acceptance means nothing on random
+        # weights; the figures are the verify step's cost against a decode step's)
+        draft = build_model(draft_shape(shape), path.parent / (path.name + "-draft"),
+                            ns.device if cuda else "cpu")
+        kw["speculative_config"] = {"method": "draft_model", "model": str(draft),
+                                    "num_speculative_tokens": ns.spec_draft_k,
+                                    "disable_by_batch_size": None}
+        offline = []
+        max_seqs = max(batches)
+        kw["max_num_seqs"] = max_seqs
+        kw["num_pages"] = max_seqs * pages_per_seq + 16
     if not cuda:
         kw["pack_weights"] = False  # dense weights: the parameters are what the step reads
         if ns.num_threads:
@@ -544,6 +568,9 @@ def main() -> None:
                          "smollm2-135m, or a `radixserve bench make-model` shape "
                          "(qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b, llama-3.2-1b, llama-3.1-8b)")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--spec-draft-k", type=int, default=0,
+                    help="speculative decoding with a one-layer random draft proposing K "
+                         "tokens: every timed step verifies K drafts per request (no offline)")
     ap.add_argument("--sampling", choices=("greedy", "random"), default="greedy",
                     help="random: temperature 0.8, top-k 50, top-p 0.95 (the sampler's cost)")
     ap.add_argument("--attention-backends", default=None,
@@ -603,7 +630,8 @@ def main() -> None:
     report: dict[str, Any] = {
         "kind": "radixserve GPU decode bench (benchmarks/gpu/decode_bench.py)",
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "argv": sys.argv[1:], "tiny": tiny, "dtype": ns.dtype, "sampling": ns.sampling, **environment(ns.device)}
+        "argv": sys.argv[1:], "tiny": tiny, "dtype": ns.dtype,
+        "sampling": ns.sampling, "spec_draft_k": ns.spec_draft_k, **environment(ns.device)}
     name = report["device"]["name"]
     hbm = ns.hbm_bw or next((bw for key, bw in HBM_BW if key in name), 3.35e12)
     report["hbm_bytes_per_s"] = hbm if cuda else None

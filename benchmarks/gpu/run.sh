@@ -14,6 +14,9 @@
 #             on the device after the graph, inside it, or on the host), then decode_bench.py on
 #             the 0.5B folder with `--sampling random` (CUDA graphs, auto backend)
 #             (SAMPLER_TIMEOUT, 150 s)
+#   `spec`    decode_bench.py on the 0.5B folder with `--spec-draft-k 4` (a one-layer random
+#             draft: every step verifies 4 drafts per request), the verify step's cost beside
+#             a decode step's (SPEC_TIMEOUT, 150 s)
 #   `online`  benchmarks/gpu/online.sh: `radixserve serve` + `bench serve` at c=1 and c=8 on that
 #             folder, beside the seeds' RTX 3060 baseline (ONLINE_TIMEOUT, 80 s)
 #   `shapes`  decode_bench.py on SHAPES (default qwen2.5-1.5b qwen2.5-7b smollm2-135m), CUDA
@@ -36,11 +39,11 @@ cd "$(dirname "$0")/../.."
 PHASE=${1:-all}
 shift || true
 for p in ${PHASE//,/ }; do
-    case "$p" in all|parity|bench|sampler|online|shapes) ;;
+    case "$p" in all|parity|bench|sampler|spec|online|shapes) ;;
         *) echo "usage: run.sh [all|PHASE[,PHASE...]] [bench args]; PHASE: parity bench" \
-               "sampler online shapes"; exit 2;; esac
+               "sampler spec online shapes"; exit 2;; esac
 done
-want() { [[ $PHASE == all && $1 != sampler ]] || [[ ,$PHASE, == *,$1,* ]]; }
+want() { [[ $PHASE == all && $1 != sampler && $1 != spec ]] || [[ ,$PHASE, == *,$1,* ]]; }
 START=$SECONDS
 OUT=${OUT:-/tmp/radixserve-gpu-out}
 mkdir -p "$OUT"
@@ -50,6 +53,7 @@ WHEELS_DIR=${WHEELS_DIR:-.whl}  # a local dry run of this script points it elsew
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-$([[ $PHASE == all ]] && echo 200 || echo 540)}
 ONLINE_TIMEOUT=${ONLINE_TIMEOUT:-80}
 SAMPLER_TIMEOUT=${SAMPLER_TIMEOUT:-150}
+SPEC_TIMEOUT=${SPEC_TIMEOUT:-150}
 SHAPES_DEADLINE=${SHAPES_DEADLINE:-540}
 SHAPES=${SHAPES:-qwen2.5-1.5b qwen2.5-7b smollm2-135m}
 BENCH_DEVICE=${BENCH_DEVICE:-cuda}  # cpu: a local dry run (with --tiny in the bench args)
@@ -119,6 +123,13 @@ EOF
             --attention-backends auto --modes graphs --offline-prompts 64 \
             --model-dir $MODEL_ROOT/rs-qwen2.5-0.5b --out $OUT/decode_bench_random.json $*"
         r=$?; echo "== sampler exit $r"; [[ $r != 0 ]] && rc=$r
+    fi
+    if want spec; then
+        echo "== spec (limit ${SPEC_TIMEOUT}s)"
+        timeout -k 10 "$SPEC_TIMEOUT" python3 benchmarks/gpu/decode_bench.py \
+            --device "$BENCH_DEVICE" --spec-draft-k 4 --attention-backends auto --modes graphs \
+            --model-dir "$MODEL_ROOT/rs-qwen2.5-0.5b" --out "$OUT/decode_bench_spec.json" "$@"
+        r=$?; echo "== spec exit $r"; [[ $r != 0 ]] && rc=$r
     fi
     if want online; then
         echo "== online (limit ${ONLINE_TIMEOUT}s)"

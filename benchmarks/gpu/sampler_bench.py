@@ -89,7 +89,7 @@ def bench_batch(b: int, ns: argparse.Namespace, dev: torch.device, gen: torch.Ge
             sample(host, sp, g)
 
         row = {"batch": b, "params": kind, "gpu_us": timed(on_gpu, ns.iters, sync)}
-        if cuda:  # host is the same as gpu when the device is the CPU
+        if cuda and not ns.skip_host:  # host is the same as gpu when the device is the CPU
             row["host_us"] = timed(on_host, max(5, ns.iters // 5), sync)
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -117,6 +117,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--batches", default="1,16,64,256")
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--skip-host", action="store_true", help="no host-side figures (slow)")
     ap.add_argument("--out", default=None)
     ns = ap.parse_args()
     dev = torch.device(ns.device)

@@ -85,3 +85,48 @@ def test_sampled_token_rank_over_the_whole_vocabulary() -> None:
     tokens = torch.stack([order[0, 0], order[1, 4], order[2, 17]])
     rows = logprob_rows(lp, tokens, tokens.numpy(), np.array([0, 2, 3]))
     assert [int(r[0][2]) for r in rows] == [1, 5, 18]
+
+
+def _sorted_filter(logits: torch.Tensor, top_k: np.ndarray, top_p: np.ndarray) -> torch.Tensor:
+    """The reference: rank the whole vocabulary of every row, cut by top-k, then top-p."""
+    probs = torch.softmax(logits, dim=-1)
+    sorted_p, idx = probs.sort(dim=-1, descending=True)
+    k = torch.from_numpy(np.where(top_k > 0, top_k, probs.shape[1]))
+    keep = torch.arange(probs.shape[1])[None, :] < k[:, None]
+    csum = sorted_p.cumsum(dim=-1)
+    keep &= (csum - sorted_p) < torch.from_numpy(top_p)[:, None] * csum[:, -1:]
+    return torch.zeros_like(probs).scatter_(1, idx, sorted_p.masked_fill(~keep, 0.0))
+
+
+def test_top_k_top_p_among_candidates_keeps_what_a_full_sort_keeps(monkeypatch) -> None:
+    """Rows with a top-k, peaked and flat top-p rows, both, and none: the kept tokens and
+    their probabilities are those of ranking the whole vocabulary; a batch whose nucleus
+    fits the candidates ranks only them, one whose nucleus does not sorts the vocabulary."""
+    from radixserve.model_executor import sampler
+
+    vocab = 4000
+    gen = torch.Generator().manual_seed(3)
+    sorts = []
+    real_sort = torch.Tensor.sort
+    monkeypatch.setattr(torch.Tensor, "sort",
+                        lambda t, *a, **kw: (sorts.append(t.shape), real_sort(t, *a, **kw))[1])
+    cases = {  # name: (scale of the logits per row, top_k, top_p, a full sort expected)
+        "top-k": ([1.0, 3.0], [50, 7], [1.0, 1.0], False),
+        "peaked top-p": ([12.0, 9.0], [-1, 0], [0.9, 0.5], False),
+        "top-k and top-p": ([2.0, 1.0, 12.0], [20, 3000, -1], [0.5, 0.95, 0.8], False),
+        "flat top-p": ([0.5, 12.0], [-1, 10], [0.95, 0.9], True),
+        "some rows unfiltered": ([1.0, 12.0, 1.0], [-1, -1, 30], [1.0, 0.7, 1.0], False),
+        "top-k past the vocabulary": ([1.0], [vocab + 5], [0.9], True),
+    }
+    for name, (scale, top_k, top_p, full_sort) in cases.items():
+        logits = torch.randn(len(scale), vocab, generator=gen) * torch.tensor(scale)[:, None]
+        k, p = np.array(top_k, np.int64), np.array(top_p, np.float32)
+        sorts.clear()
+        got = sampler._filter(logits, k, p, np.zeros(len(scale), np.float32))
+        assert bool(sorts) == full_sort, (name, sorts)
+        cut = np.flatnonzero((k > 0) | (p < 1.0))
+        want = torch.softmax(logits, dim=-1)
+        want[cut] = _sorted_filter(logits[cut], k[cut], p[cut])
+        assert torch.equal(got > 0, want > 0), name
+        assert torch.equal(got, want), name
+        assert 0 < int((got[0] > 0).sum()) <= vocab

@@ -110,35 +110,79 @@ def _apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
                                                 vocab_size=logits.shape[1])
 
 
+#: Candidates a top-p row's nucleus is first looked for among: the most likely tokens by
+#: ``torch.topk``, which costs far less than sorting the vocabulary (on an H200, a full sort
+#: of [256, 151936] probabilities made a sampled decode step 3x a greedy one). A batch whose
+#: nucleus is not inside them, a flat distribution, sorts the whole vocabulary instead.
+TOP_P_CANDIDATES = 1024
+
+
 def _filter(logits: torch.Tensor, top_k: np.ndarray, top_p: np.ndarray,
             min_p: np.ndarray) -> torch.Tensor:
     """Probabilities [R, V] after top-k, top-p (nucleus, Holtzman et al. 2019) and min-p.
 
-    ``top_k`` int64 [R], ``top_p`` and ``min_p`` float32 [R] stay on the host: which filters
-    run is decided there, so a GPU step never waits on a device-to-host copy of a flag
-    before it can queue the sampler's kernels."""
+    ``top_k`` int64 [R] (<= 0: none), ``top_p`` and ``min_p`` float32 [R] stay on the host:
+    which filters run is decided there, so a GPU step never waits on a device-to-host copy
+    of a flag before it can queue the sampler's kernels.
+
+    The kept tokens are the largest ``top_k``, then of those the ones whose higher-ranked
+    mass is below ``top_p`` of the row's total (the top token always stays). They are found
+    among the ``m`` most likely tokens, ``m`` the largest ``top_k`` when every cut row has
+    one, else at least ``TOP_P_CANDIDATES``: a row without a ``top_k`` keeps only tokens
+    inside the first ``top_p`` of its mass, so when the candidates hold that much mass in
+    every such row no token outside them is kept; else the whole vocabulary is ranked. Rows
+    with neither filter keep every token."""
     dev = logits.device
     probs = torch.softmax(logits, dim=-1)
     if bool((min_p > 0).any()):
         min_p_t = torch.from_numpy(min_p).to(dev)
         thresh = probs.max(dim=-1, keepdim=True).values * min_p_t[:, None]
         probs = probs.masked_fill(probs < thresh, 0.0)
-    need_k = bool((top_k > 0).any())
+    cut = np.flatnonzero((top_k > 0) | (top_p < 1.0))
+    if len(cut) == 0:
+        return probs
+    if len(cut) == len(top_k):
+        return _top_k_top_p(probs, top_k, top_p)
+    rows = torch.from_numpy(cut).to(dev)
+    out = probs.clone()
+    out[rows] = _top_k_top_p(probs[rows], top_k[cut], top_p[cut])
+    return out
+
+
+def _top_k_top_p(probs: torch.Tensor, top_k: np.ndarray, top_p: np.ndarray) -> torch.Tensor:
+    """``probs`` [R, V] with all but each row's top-k / top-p tokens zeroed; every row has a
+    ``top_k`` > 0 or a ``top_p`` < 1 (see ``_filter``)."""
+    dev = probs.device
+    vocab = probs.shape[1]
+    k_rows = np.where(top_k > 0, np.minimum(top_k, vocab), vocab)
+    unbounded = k_rows == vocab  # rows only their top-p cuts
+    m = int(k_rows[~unbounded].max()) if not unbounded.all() else 0
+    if unbounded.any():
+        m = max(m, TOP_P_CANDIDATES)
+    m = min(m, vocab)
     need_p = bool((top_p < 1.0).any())
-    if need_k or need_p:
-        sorted_p, idx = probs.sort(dim=-1, descending=True)
-        keep = torch.ones_like(sorted_p, dtype=torch.bool)
-        if need_k:
-            k = torch.from_numpy(np.where(top_k > 0, top_k, probs.shape[1])).to(dev)
-            keep &= torch.arange(probs.shape[1], device=dev)[None, :] < k[:, None]
-        if need_p:
-            csum = sorted_p.cumsum(dim=-1)
-            total = csum[:, -1:]
-            # keep a token if the mass before it is below top_p (the top token always stays)
-            keep &= (csum - sorted_p) < torch.from_numpy(top_p).to(dev)[:, None] * total
-        sorted_p = sorted_p.masked_fill(~keep, 0.0)
-        probs = torch.zeros_like(probs).scatter_(1, idx, sorted_p)
-    return probs
+    top_p_t = None
+    if need_p:
+        total = probs.sum(dim=-1, keepdim=True)
+        top_p_t = torch.from_numpy(top_p).to(dev)[:, None] * total
+    if m < vocab:
+        cand_p, idx = probs.topk(m, dim=-1)
+        csum = cand_p.cumsum(dim=-1) if need_p else None
+        if unbounded.any():
+            assert csum is not None and top_p_t is not None
+            rows = torch.from_numpy(np.flatnonzero(unbounded)).to(dev)
+            if not bool((csum[rows, -1:] >= top_p_t[rows]).all()):
+                m = vocab  # a nucleus reaches past the candidates
+    if m == vocab:
+        cand_p, idx = probs.sort(dim=-1, descending=True)
+        csum = cand_p.cumsum(dim=-1) if need_p else None
+    keep = (torch.arange(m, device=dev)[None, :]
+            < torch.from_numpy(np.minimum(k_rows, m)).to(dev)[:, None])
+    if need_p:
+        assert csum is not None and top_p_t is not None
+        # keep a token if the mass before it is below top_p (the top token always stays)
+        keep &= (csum - cand_p) < top_p_t
+    return torch.zeros_like(probs).scatter_(1, idx, cand_p.masked_fill(~keep, 0.0))
 
 
 def sample(logits: torch.Tensor, sp: SamplingBatch, generator: torch.Generator | None,
