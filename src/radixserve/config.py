@@ -196,8 +196,8 @@ class SpeculativeConfig:
         disable_by_batch_size: no drafts in a step with more running requests than this
             (vLLM's field): a verify step costs more than it saves once a batch is
             compute-bound. Left out (or "auto"): the crossover measured for the engine's
-            device (``core.spec_decode.crossover_batch_size``: 1 on CPU); None (JSON null,
-            vLLM's default) drafts at every batch size; an integer >= 1 is kept as given.
+            device (``core.spec_decode.crossover_batch_size``: 1 on CPU and on CUDA); None
+            (JSON null, vLLM's default) drafts at every batch size; an integer >= 1 is kept.
 
     Raises:
         ValueError: from ``validate`` / ``parse``: an unknown field, a bad value or a method

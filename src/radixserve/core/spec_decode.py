@@ -87,14 +87,6 @@ def grammar_prefix(req: Request, drafts: np.ndarray) -> np.ndarray:
     return drafts[:req.grammar.valid_prefix(drafts)]
 
 
-#: On CUDA, verify rows a step may add before its linears stop being bound by reading the
-#: weights: H100's dense bf16 peak over its memory bandwidth is about 295 FLOPs per byte and
-#: A100's about 156, and a linear over M rows does M FLOPs per byte of bf16 weight; 128 stays
-#: under both, leaving room for attention and for verify steps running eagerly (no CUDA
-#: graphs, unlike decodes). Not measured yet.
-CUDA_BANDWIDTH_BOUND_ROWS = 128
-
-
 def crossover_batch_size(device_type: str, num_speculative_tokens: int) -> int:
     """``disable_by_batch_size`` when the configuration leaves it out: the most running
     requests at which a step still drafts on ``device_type`` ("cpu", "cuda").
@@ -107,13 +99,16 @@ def crossover_batch_size(device_type: str, num_speculative_tokens: int) -> int:
     gain whatever the acceptance. A smaller k costs fewer rows but also gains fewer tokens;
     unmeasured, so it stays 1. A CPU kind measured otherwise belongs here.
 
-    CUDA: a decode batch stays bound by reading the weights up to a few hundred rows, so
-    speculation stays cheap while every request's k + 1 rows fit under
-    ``CUDA_BANDWIDTH_BOUND_ROWS``: 128 // (k + 1) requests (25 at k = 4), at least 1. An
-    estimate from the roofline, to be replaced by a measurement.
+    CUDA: 1, measured. Decode steps replay CUDA graphs and verify steps run eagerly, so a
+    speculating step pays the eager forward's kernel launches: on an H200 at Qwen2.5-0.5B's
+    shapes (k = 4, a one-layer draft; ``benchmarks/gpu/decode_bench.py --spec-draft-k 4``,
+    docs/benchmarks.md) it took 14.4 / 18.7 / 20.5 / 33.5 ms at 1 / 16 / 64 / 256 requests
+    against 1.9 / 2.1 / 2.1 / 3.3 ms for a graphed decode step: 7.7x to 10x, more than the
+    k + 1 = 5 tokens a step can gain, at every batch size and growing with it. Only a model
+    whose GPU time per step dwarfs the launches (several billion parameters) can gain, and
+    then at a single request first.
     """
-    if device_type == "cuda":
-        return max(1, CUDA_BANDWIDTH_BOUND_ROWS // (num_speculative_tokens + 1))
+    del device_type, num_speculative_tokens  # both devices measured the same rule
     return 1
 
 
