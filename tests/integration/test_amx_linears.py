@@ -9,6 +9,7 @@ import torch
 from tiny_models import tiny_model
 
 from radixserve import LLM, SamplingParams
+from radixserve.model_executor.kernels.cpu import CpuKernels
 from radixserve.model_executor.runner import enable_decode_stack
 
 
@@ -17,17 +18,21 @@ def test_model_on_the_amx_gemm_is_batch_invariant_and_fused(tmp_path) -> None:
     off the AMX kind): greedy tokens and logprobs alone equal batched, and the fused decode
     stack gives the per-op path's bits."""
     path = tiny_model(tmp_path, "qwen2")  # Q/K/V bias: added after the product
+    kernels = CpuKernels.load()
+    assert kernels is not None
+    on_amx = kernels.amx.available
     results = {}
     for fused in (True, False):
+        # off the AMX kind the dense weights are kept (no oneDNN packing, which a bfloat16 CPU
+        # would pick) for use_amx_linears below to take
         llm = LLM(model=path, dtype="bfloat16", num_pages=128, seed=0, max_num_seqs=8,
-                  enable_prefix_caching=False)
+                  enable_prefix_caching=False, **({} if on_amx else {"pack_weights": False}))
         runner = llm.engine.runner
-        kernels = runner.kernels
-        assert kernels is not None
-        if kernels.amx.available:  # the engine's own pick on this kind
-            assert runner.paths.paths["linear"] == "amx", runner.paths.reasons["linear"]
         model = runner.model
-        model.use_amx_linears(kernels.amx, emulate=not kernels.amx.available)
+        if on_amx:  # the engine's own pick on this kind
+            assert runner.paths.paths["linear"] == "amx", runner.paths.reasons["linear"]
+        else:
+            model.use_amx_linears(kernels.amx, emulate=True)
         model.decode_stack = None
         path_name, why = enable_decode_stack(model, fused)
         assert path_name == ("fused" if fused else "per-op"), why

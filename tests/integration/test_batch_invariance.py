@@ -159,6 +159,7 @@ def test_fused_decode_gives_the_per_op_tokens_and_logprobs(auto_llm: LLM) -> Non
     ref = LLM(dtype="auto", seed=0, num_pages=128, fused_decode=False,
               quantization="none")
     assert ref.engine.runner.paths.paths["decode_layers"] == "per-op"
+    assert ref.engine.runner.paths.paths["linear"] == "packed"
     assert ref.engine.runner.paths.reasons["decode_layers"] == "--no-fused-decode"
     calls = []
     if stack is not None:
@@ -216,19 +217,21 @@ def test_fused_decode_rejects_bad_metadata(auto_llm: LLM) -> None:
     assert len(auto_llm.generate("Hello", sp, use_tqdm=False)[0].outputs[0].token_ids) == 4
 
 
-def test_fused_decode_and_linear_kernel_in_float32(default_llm: LLM) -> None:
-    """The float32 kernels (AVX2 + FMA or AVX-512) on both CPU kinds, whatever the default
+def test_fused_decode_and_linear_kernel_in_float32() -> None:
+    """The float32 kernels (AVX2 + FMA or AVX-512) on every CPU kind, whatever the default
     dtype: the fused stack and the linear kernel give the tokens and logprob values of the
-    per-op oneDNN reference, batched. The fast side is the session's float32 engine (the
-    default paths; its three prompts fill no 16-token page, so nothing of them is cached)."""
-    fast = default_llm
+    per-op oneDNN reference, batched. The fast side asks for packed weights: left to the
+    measurement at start-up, a machine may find the dense path faster for this model and
+    keep it (then nothing here would run the kernels)."""
+    fast = LLM(dtype="float32", seed=0, num_pages=128, quantization="none", pack_weights=True)
     ref = LLM(dtype="float32", seed=0, num_pages=128, cpu_linear_kernel=False,
-              quantization="none")
+              quantization="none", pack_weights=True)
     runner = fast.engine.runner
     has = runner.kernels is not None and runner.kernels.has_linear_kernel(torch.float32)
     assert runner.paths.paths["linear_kernel"] == ("radixserve" if has else "onednn")
     assert runner.paths.paths["decode_layers"] == ("fused" if has else "per-op")
     assert ref.engine.runner.paths.paths["decode_layers"] == "per-op"
+    assert ref.engine.runner.paths.paths["linear"] == "packed"
     if has:  # the row cap measured at start-up is the one every projection and the stack use
         cap = runner.kernel_rows.max_rows
         assert cap in KERNEL_ROWS and f"up to {cap} rows" in runner.paths.reasons["linear_kernel"]
@@ -243,3 +246,5 @@ def test_fused_decode_and_linear_kernel_in_float32(default_llm: LLM) -> None:
                          ref.generate(prompts, sp, use_tqdm=False), strict=True):
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
         assert got.outputs[0].logprobs == want.outputs[0].logprobs
+    fast.engine.shutdown()
+    ref.engine.shutdown()

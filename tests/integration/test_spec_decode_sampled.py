@@ -427,9 +427,10 @@ def test_penalties_and_min_tokens_see_earlier_drafts(model_path: str) -> None:
     params = [SamplingParams(temperature=0.7, seed=i, max_tokens=24, ignore_eos=True,
                              presence_penalty=0.8, frequency_penalty=0.5,
                              repetition_penalty=1.3, logprobs=1) for i in range(3)]
-    # EOS (id 1) made likely, and blocked until the 10th token
+    # EOS (id 1) made the likeliest token by far (on every CPU kind and dtype), and blocked
+    # until the 10th token: each request stops right after its min_tokens
     params += [SamplingParams(temperature=0.7, seed=i, max_tokens=24, min_tokens=10,
-                              logit_bias={1: 4.0}) for i in range(3)]
+                              logit_bias={1: 8.0}) for i in range(3)]
     want = _run(base, prompts, params)
     assert all(w[0][1] == "stop" and len(w[0][0]) >= 10 for w in want[3:])
     table = {}

@@ -120,12 +120,15 @@ RECORD = {"city": "Lyon", "population": 522250, "rivers": ["Rhone", "Saone"]}
 
 
 @pytest.mark.slow
-def test_default_model_repeats_json_under_its_schema(default_llm) -> None:
-    # the session's default model (float32, dense) without speculation is the reference
+def test_default_model_repeats_json_under_its_schema() -> None:
+    # the reference: the default model without speculation on the linears a speculating
+    # engine picks (packed, batch invariant; dense may be measured faster on a machine)
     spec = LLM(dtype="float32", seed=0, quantization="none",
                speculative_config={"method": "ngram", "num_speculative_tokens": 4,
                                    "prompt_lookup_min": 2, "prompt_lookup_max": 4})
     spec.engine.check_integrity_each_step = True
+    assert spec.engine.runner.paths.paths["linear"] == "packed"
+    default_llm = LLM(dtype="float32", seed=0, quantization="none", pack_weights=True)
     msgs = [[{"role": "user", "content": f"Repeat this JSON exactly:\n{json.dumps(RECORD)}"}]]
     params = SamplingParams(temperature=0, max_tokens=40,
                             structured_outputs=StructuredOutputsParams(json=SCHEMA))
@@ -137,3 +140,5 @@ def test_default_model_repeats_json_under_its_schema(default_llm) -> None:
     counts = spec.engine.get_stats().spec_decode
     assert counts is not None and counts.num_accepted_tokens > 0.5 * counts.num_draft_tokens, (
         counts)
+    spec.engine.shutdown()
+    default_llm.engine.shutdown()

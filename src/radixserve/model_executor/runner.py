@@ -294,7 +294,15 @@ class ModelRunner:
         model_key = (f"{a.arch} {a.hidden_size} {a.intermediate_size} {a.num_heads} "
                      f"{a.num_kv_heads} {a.head_dim} {a.vocab_size} {self.dtype}"
                      + (f" tp{self.shard.size}" if self.shard.size > 1 else ""))
-        if config.pack_weights is None:
+        invariant = (config.cpu_linear_kernel and self.kernels is not None
+                     and self.kernels.has_linear_kernel(self.dtype))
+        if config.pack_weights is None and config.speculative_config is not None and invariant:
+            # dense F.linear (MKL) rounds a row differently with the batch around it, so a
+            # verify row would not compute a decode row's bits and greedy output would change
+            # with speculation; the packed kernel's rows do not depend on the batch
+            reason = ("speculative decoding: packed weights on radixserve's kernel, whose "
+                      "rows do not depend on the batch (not measured against dense)")
+        elif config.pack_weights is None:
             head = m.embed if m.lm_head is None else m.lm_head
             choice = choose_linear_path(
                 [layer.qkv.detach(), layer.o.detach(), layer.gate_up.detach(),
@@ -306,8 +314,8 @@ class ModelRunner:
         else:
             reason = "--pack-weights"
         rows = None
-        if (config.cpu_linear_kernel and self.kernels is not None
-                and self.kernels.has_linear_kernel(self.dtype)):
+        if invariant:
+            assert self.kernels is not None
             rows = self.kernel_rows = choose_kernel_rows(
                 self.kernels, self.dtype,
                 [w.detach() for w in (layer.qkv, layer.o, layer.gate_up, layer.down)],
