@@ -31,7 +31,7 @@ from tiny_models import TINY_VOCAB, tiny_model
 from radixserve import LLM, SamplingParams
 from radixserve.engine_types import EngineRequest
 from radixserve.model_executor.forward_batch import SamplingBatch
-from radixserve.model_executor.sampler import sample
+from radixserve.model_executor.sampler import exponential_draws, sample
 from radixserve.sampling_params import StructuredOutputsParams
 
 #: null ``disable_by_batch_size``: batched verify steps, which the CPU default leaves out
@@ -163,7 +163,7 @@ def test_sampler_accepts_with_p_of_the_draft_and_rejects_to_the_residual(seeded:
         for i in (int(np.flatnonzero(accepted)[0]), int(np.flatnonzero(~accepted)[0])):
             g = torch.Generator().manual_seed(i)
             for _ in range(2 if accepted[i] else 1):
-                torch.empty(vocab).exponential_(generator=g)
+                exponential_draws(torch.empty(vocab), g)
             assert torch.equal(g.get_state(), sp.generators[2 * i].get_state())
 
 

@@ -257,6 +257,19 @@ def sample(logits: torch.Tensor, sp: SamplingBatch, generator: torch.Generator |
     return SampleResult(token_ids, logprob_rows(raw_logprobs, tokens, token_ids, sp.logprobs))
 
 
+def exponential_draws(out: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Fill float32 ``out`` with Exp(1) draws from ``generator`` in place: ``-log1p(-u)`` of
+    uniform ``u`` in [0, 1) (inverse transform), at least the smallest normal float (a draw
+    of 0 would divide a zero probability by zero).
+
+    Four times faster than ``Tensor.exponential_`` on CPU (a [64, 49152] fill: 17 against
+    69 ms on the Zen 5 kind), where the race's draws were most of a sampled step's sampler
+    time. Exact up to float32 uniforms' 2^-24 granularity, as torch's own.
+    """
+    out.uniform_(generator=generator)
+    return out.neg_().log1p_().neg_().clamp_(min=torch.finfo(out.dtype).tiny)
+
+
 def _pick(logits: torch.Tensor, sp: SamplingBatch, generator: torch.Generator | None,
           argmax: Callable[[torch.Tensor], torch.Tensor] | None = None
           ) -> tuple[torch.Tensor, tuple[np.ndarray, torch.Tensor] | None]:
@@ -287,13 +300,13 @@ def _pick(logits: torch.Tensor, sp: SamplingBatch, generator: torch.Generator | 
         if follows_draft and not matched:
             q[j].fill_(1.0)  # never drawn: its pick is not used
             continue
-        q[j].exponential_(generator=g)
+        exponential_draws(q[j], g)
         if drafts is not None and drafts[i] >= 0:
             matched = int((probs[j] / q[j]).argmax()) == int(drafts[i])
     if unseeded:
         u = torch.tensor(unseeded, dtype=torch.int64, device=dev)
-        q[u] = torch.empty(len(unseeded), probs.shape[1], device=dev
-                           ).exponential_(generator=generator)
+        q[u] = exponential_draws(torch.empty(len(unseeded), probs.shape[1], device=dev),
+                                 generator)
     tokens[ridx] = (probs / q).argmax(dim=-1)
     return tokens, (rand, q)
 
