@@ -107,3 +107,28 @@ def test_kernel_rows_measured_once_then_cached(tmp_path, monkeypatch,
         f.write_text("{not json")
     got = path_choice.choose_kernel_rows(kernels, torch.float32, shapes, 16, {}, "tiny")
     assert not got.cached and got.max_rows in path_choice.KERNEL_ROWS
+
+
+def test_the_dense_form_of_a_gguf_is_timed_through_the_served_linear() -> None:
+    """The GGUF form measurement times the dense form through the linear a dense model is
+    served with: radixserve's kernel for a one-row call where this build has it (oneDNN's
+    matrix-vector speed would make the dense form look slow at one row), AMX where it runs;
+    every path gives the product."""
+    kernels = CpuKernels.load()
+    assert kernels is not None
+    g = torch.Generator().manual_seed(0)
+    # a shape whose float32 K blocking the kernel reproduces on every kind (as above)
+    w = torch.randn(64, 256, generator=g)
+    x = torch.randn(3, 256, generator=g)
+    fn = path_choice.dense_form_linear(kernels, w, 16, {})
+    # both CPU kinds have AVX2 + FMA: the float32 kernel takes the decode-sized calls
+    assert kernels.has_linear_kernel(torch.float32) and hasattr(fn, "kernel")
+    assert fn.kernel.max_rows >= 1
+    torch.testing.assert_close(fn(x), x @ w.T, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(fn(x[:1]), x[:1] @ w.T, rtol=1e-4, atol=1e-4)
+    wb, xb = w.to(torch.bfloat16), x.to(torch.bfloat16)
+    fb = path_choice.dense_form_linear(kernels, wb, 16, {})
+    if kernels.amx.available:
+        assert type(fb).__name__ == "AmxLinear"
+    torch.testing.assert_close(fb(xb).float(), (xb.float() @ wb.float().T), rtol=2e-2,
+                               atol=5e-2)

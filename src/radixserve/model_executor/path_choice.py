@@ -29,8 +29,13 @@ import torch
 
 from radixserve.cache_dir import cache_dir
 from radixserve.model_executor.kernels.cpu import CpuKernels, cpu_signature
+from radixserve.model_executor.layers.amx_linear import AmxLinear
 from radixserve.model_executor.layers.linear import dense_linear, packed_linear
-from radixserve.model_executor.layers.packed_kernel import MAX_ROWS, find_k_block
+from radixserve.model_executor.layers.packed_kernel import (
+    MAX_ROWS,
+    find_k_block,
+    packed_kernel_linear,
+)
 
 log = logging.getLogger(__name__)
 
@@ -341,13 +346,35 @@ class GgufFormChoice:
     cached: bool = False
 
 
-def measure_gguf_forms(blocks: list[tuple[int, torch.Tensor, torch.Tensor]], quant: Any,
-                       dtype: torch.dtype, batch_hint: int) -> dict[str, list[float]]:
+def dense_form_linear(kernels: CpuKernels, weight: torch.Tensor, batch_hint: int,
+                      k_blocks: dict[tuple[int, int], int | None]) -> Callable[
+                          [torch.Tensor], torch.Tensor]:
+    """The linear a dense model's ``weight [N, K]`` (bfloat16 or float32) is served through
+    here, as ``ModelRunner`` picks it when packing: radixserve's AMX GEMM where it runs, else
+    oneDNN's packed GEMM with radixserve's kernel for decode-sized calls (its default row
+    cap; ``k_blocks`` shared between calls as in ``packed_kernel_linear``), else
+    ``F.linear``. Timing the dense form through oneDNN alone would charge it oneDNN's
+    matrix-vector speed at one row, which the served model never pays."""
+    if weight.dtype == torch.bfloat16 and kernels.amx.available and kernels.amx.self_check()[0]:
+        return AmxLinear(kernels.amx, weight)
+
+    def kernel(packed: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
+        return packed_kernel_linear(kernels, packed, w, b, batch_hint, k_blocks)
+
+    factory = kernel if kernels.has_linear_kernel(weight.dtype) else None
+    return packed_linear(weight, None, batch_hint, factory) or dense_linear(weight)
+
+
+def measure_gguf_forms(blocks: list[tuple[int, torch.Tensor, torch.Tensor]],
+                       kernels: CpuKernels, dtype: torch.dtype, batch_hint: int
+                       ) -> dict[str, list[float]]:
     """Seconds of one pass over ``blocks`` (``(ggml type, uint8 [N, row bytes] blocks, the
     same weight dequantized [N, K] in ``dtype``)``: a layer's projections and the LM head) at
-    each of ``FORM_M`` rows, through the quantized kernels ("gguf") and through the dense
-    path's oneDNN-packed GEMM ("none"); interleaved, best of two."""
-    packed = [packed_linear(d, None, batch_hint) or dense_linear(d) for _, _, d in blocks]
+    each of ``FORM_M`` rows, through the quantized kernels ("gguf") and through the linear
+    the dense model would run (``dense_form_linear``, "none"); interleaved, best of two."""
+    quant = kernels.quant
+    k_blocks: dict[tuple[int, int], int | None] = {}
+    packed = [dense_form_linear(kernels, d, batch_hint, k_blocks) for _, _, d in blocks]
     out: dict[str, list[float]] = {"gguf": [], "none": []}
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
@@ -372,7 +399,7 @@ def measure_gguf_forms(blocks: list[tuple[int, torch.Tensor, torch.Tensor]], qua
 
 
 def choose_gguf_form(blocks: Callable[[], list[tuple[int, torch.Tensor, torch.Tensor]]],
-                     quant: Any, dtype: torch.dtype, batch_hint: int,
+                     kernels: CpuKernels, dtype: torch.dtype, batch_hint: int,
                      cache_key: str) -> GgufFormChoice:
     """Serve a GGUF in its blocks or dequantized, whichever is faster on this machine: the
     cached verdict for ``cache_key`` (the file's shapes, types and the dtype) with this kernel
@@ -380,18 +407,20 @@ def choose_gguf_form(blocks: Callable[[], list[tuple[int, torch.Tensor, torch.Te
 
     Args:
         blocks: makes the measured weights (called only when nothing is cached).
-        quant: the quantized kernels (``CpuKernels.quant``).
+        kernels: the C kernels (their quantized ones and the dense form's).
         dtype: the serving dtype of the dense form and of activations.
         batch_hint: the hint dense weights are packed with.
         cache_key: identifies the file's shapes and types, the dtype and the kernels' build.
     """
-    path = _cache_file("gguf-form", cache_key, str(batch_hint))
+    # "dense-as-served": verdicts from when the dense form was timed through oneDNN alone
+    # are not reused
+    path = _cache_file("gguf-form", cache_key, str(batch_hint), "dense-as-served")
     with _exclusive(path):
         d = _read(path, "form", ("gguf", "none"))
         if d is not None:
             return GgufFormChoice(d["form"], f"measured before on this machine ({path.name}): "
                                   + d["reason"], d["seconds"], cached=True)
-        secs = measure_gguf_forms(blocks(), quant, dtype, batch_hint)
+        secs = measure_gguf_forms(blocks(), kernels, dtype, batch_hint)
         logs = [_WEIGHTS[m] * math.log(d / q)
                 for m, q, d in zip(FORM_M, secs["gguf"], secs["none"], strict=True)]
         speedup = math.exp(sum(logs) / sum(_WEIGHTS[m] for m in FORM_M))

@@ -154,7 +154,7 @@ def measured_gguf_form(gguf: Path, a: ModelArgs, dtype: torch.dtype, batch_hint:
         return [(t.ggml_type, t.block_rows(0, t.shape[0]), t.full().to(dtype))
                 for t in usable]
 
-    choice = choose_gguf_form(blocks, kernels.quant, dtype, batch_hint,
+    choice = choose_gguf_form(blocks, kernels, dtype, batch_hint,
                               f"{key} {dtype} {kernels.build_id}")
     if choice.form == "gguf":
         return "gguf", "the GGUF served in its blocks, faster here: " + choice.reason
