@@ -81,6 +81,16 @@
 #else
 #define RS_Q_AVX2 0
 #endif
+/* 512-bit tiles (AVX512-BW + VNNI): twice the integer products per instruction, and VNNI's
+ * vpdpwssd folds the scale's multiply-add into one instruction; the same integer lanes and
+ * float sequence as the AVX2 tiles (bit for bit). -DRS_Q_NO_AVX512 builds the AVX2 tiles only
+ * (tests compare the two, benchmarks A/B them). */
+#if RS_Q_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) \
+    && defined(__AVX512VNNI__) && !defined(RS_Q_NO_AVX512)
+#define RS_Q_AVX512 1
+#else
+#define RS_Q_AVX512 0
+#endif
 
 #define AI static inline __attribute__((always_inline))
 
@@ -730,6 +740,146 @@ ROW_TILE(q5_1_avx2, Q5_1_T)
 ROW_TILE(q4_k_avx2, Q4_K_T)
 ROW_TILE(q5_k_avx2, Q5_K_T)
 ROW_TILE(q6_k_avx2, Q6_K_T)
+
+#if RS_Q_AVX512
+/* zmm [sub-block 2j's 16-bit scale x 16 | sub-block 2j + 1's x 16] from [sc0 .. sc7] in every
+ * 128 bits: in-lane byte selectors */
+static const uint8_t k4_sel512[4][64] __attribute__((aligned(64))) = {
+#define SEL2(a, b) {2*a, 2*a+1, 2*a, 2*a+1, 2*a, 2*a+1, 2*a, 2*a+1, 2*a, 2*a+1, 2*a, 2*a+1, \
+                    2*a, 2*a+1, 2*a, 2*a+1, 2*a, 2*a+1, 2*a, 2*a+1, 2*a, 2*a+1, 2*a, 2*a+1, \
+                    2*a, 2*a+1, 2*a, 2*a+1, 2*a, 2*a+1, 2*a, 2*a+1, \
+                    2*b, 2*b+1, 2*b, 2*b+1, 2*b, 2*b+1, 2*b, 2*b+1, 2*b, 2*b+1, 2*b, 2*b+1, \
+                    2*b, 2*b+1, 2*b, 2*b+1, 2*b, 2*b+1, 2*b, 2*b+1, 2*b, 2*b+1, 2*b, 2*b+1, \
+                    2*b, 2*b+1, 2*b, 2*b+1, 2*b, 2*b+1, 2*b, 2*b+1}
+    SEL2(0, 1), SEL2(2, 3), SEL2(4, 5), SEL2(6, 7)
+#undef SEL2
+};
+
+/* the 8 int32 lanes of the AVX2 tiles from 16: lanes l and 8 + l hold the same value
+ * indices of two sub-blocks (integer sums, exact in any order) */
+AI __m256i fold16(__m512i v) {
+    return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+}
+
+/* qk45_tile_avx2 with each 64-value pair of sub-blocks in one zmm: [low nibbles (sub-block
+ * 2j) | high nibbles (2j + 1)], maddubs then vpdpwssd with [sc 2j | sc 2j + 1] */
+AI void qk45_tile_avx512(const uint8_t *w, const uint8_t *xq, int64_t xs, int64_t nb,
+                         float *y, const int R, const int hbit) {
+    const int bb = hbit ? 176 : 144;
+    const __m512i m4 = _mm512_set1_epi8(0x0F), b4 = _mm512_set1_epi8(0x10);
+    const __m512i nib = _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4);
+    const __m512i hsh = _mm512_setr_epi64(4, 4, 4, 4, 3, 3, 3, 3);
+    __m256 acc[TILE_M];
+    __m128 accm[TILE_M];
+    for (int r = 0; r < R; ++r) {
+        acc[r] = _mm256_setzero_ps();
+        accm[r] = _mm_setzero_ps();
+    }
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t *blk = w + b * bb;
+        for (int o = 0; o < bb; o += 64) _mm_prefetch((const char *)(blk + QPF + o), _MM_HINT_T0);
+        const uint8_t *qs = blk + (hbit ? 48 : 16);
+        uint32_t a0, a1, a2;
+        memcpy(&a0, blk + 4, 4);
+        memcpy(&a1, blk + 8, 4);
+        memcpy(&a2, blk + 12, 4);
+        const uint64_t sc = (a0 & 0x3F3F3F3Fu)
+                            | (uint64_t)((a2 & 0x0F0F0F0Fu) | (((a0 >> 6) & 0x03030303u) << 4)) << 32;
+        const uint64_t mn = (a1 & 0x3F3F3F3Fu)
+                            | (uint64_t)(((a2 >> 4) & 0x0F0F0F0Fu) | (((a1 >> 6) & 0x03030303u) << 4)) << 32;
+        const __m256i sm16 = _mm256_cvtepu8_epi16(_mm_set_epi64x((long long)mn, (long long)sc));
+        const __m512i sc16 = _mm512_broadcast_i32x4(_mm256_castsi256_si128(sm16));
+        const __m128i mins = _mm256_extracti128_si256(sm16, 1);
+        __m512i hbj = hbit ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16)))
+                           : _mm512_setzero_si512();
+        __m512i isum[TILE_M];
+        for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+#pragma GCC unroll 1
+        for (int j = 0; j < 4; ++j) {
+            const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * j)));
+            __m512i wv = _mm512_and_si512(_mm512_srlv_epi64(q, nib), m4);
+            if (hbit) { /* bits 2j, 2j + 1 of hb, at bits 0 and 1 of hbj, to bit 4 */
+                wv = _mm512_or_si512(wv, _mm512_and_si512(_mm512_sllv_epi64(hbj, hsh), b4));
+                hbj = _mm512_srli_epi16(hbj, 2);
+            }
+            const __m512i v = _mm512_shuffle_epi8(sc16, _mm512_load_si512((const __m512i *)k4_sel512[j]));
+            for (int r = 0; r < R; ++r) {
+                const int8_t *xr = ((const xqk_t *)(xq + r * xs) + b)->q + 64 * j;
+                isum[r] = _mm512_dpwssd_epi32(
+                    isum[r], _mm512_maddubs_epi16(wv, _mm512_loadu_si512((const void *)xr)), v);
+            }
+        }
+        const __m256 d = _mm256_set1_ps(f16(blk));
+        const __m128 dmin = _mm_set1_ps(f16(blk + 2));
+        for (int r = 0; r < R; ++r) {
+            const xqk_t *x = (const xqk_t *)(xq + r * xs) + b;
+            const __m128i im = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i *)x->bs32));
+            const __m256 s1 = _mm256_mul_ps(d, _mm256_broadcast_ss(&x->d));
+            acc[r] = _mm256_fmadd_ps(s1, _mm256_cvtepi32_ps(fold16(isum[r])), acc[r]);
+            const __m128 s2 = _mm_mul_ps(dmin, _mm_broadcast_ss(&x->d));
+            accm[r] = _mm_fmadd_ps(s2, _mm_cvtepi32_ps(im), accm[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) y[r] = hsum8_avx(acc[r]) - hsum4_avx(accm[r]);
+}
+
+/* Q6_K: groups 2p and 2p + 1 of a half side by side in one zmm (their low bits are the 64
+ * contiguous bytes of ql, low nibbles for p = 0, high for p = 1) */
+AI void q6k_tile_avx512(const uint8_t *w, const uint8_t *xq, int64_t xs, int64_t nb, float *y,
+                        const int R) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    const __m512i sh0 = _mm512_setr_epi64(4, 4, 4, 4, 2, 2, 2, 2);
+    const __m512i sh1 = _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2);
+    __m256 acc[TILE_M];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t *blk = w + b * 210;
+        for (int o = 0; o < 210; o += 64) _mm_prefetch((const char *)(blk + QPF + o), _MM_HINT_T0);
+        const __m128i sc8 = _mm_loadu_si128((const __m128i *)(blk + 192));
+        const __m256i sc8y = _mm256_broadcastsi128_si256(sc8);
+        __m512i isum[TILE_M];
+        for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+        for (int h = 0; h < 2; ++h) {
+            const __m512i l = _mm512_loadu_si512((const void *)(blk + 64 * h));
+            const __m512i hh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)));
+            for (int p = 0; p < 2; ++p) {
+                const __m512i lo = _mm512_and_si512(p ? _mm512_srli_epi16(l, 4) : l, m4);
+                const __m512i hs = p ? _mm512_srlv_epi64(hh, sh1) : _mm512_sllv_epi64(hh, sh0);
+                const __m512i wv = _mm512_or_si512(lo, _mm512_and_si512(hs, m30));
+                const int g = 4 * h + 2 * p;
+                /* int16 scales: sc[2g] x 8, sc[2g + 1] x 8, sc[2g + 2] x 8, sc[2g + 3] x 8 */
+                const __m512i sv = _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(
+                    sc8y, _mm256_set_epi64x(0x0101010101010101ll * (2 * g + 3),
+                                            0x0101010101010101ll * (2 * g + 2),
+                                            0x0101010101010101ll * (2 * g + 1),
+                                            0x0101010101010101ll * (2 * g))));
+                for (int r = 0; r < R; ++r) {
+                    const int8_t *xr = ((const xqk_t *)(xq + r * xs) + b)->q + 32 * g;
+                    isum[r] = _mm512_dpwssd_epi32(
+                        isum[r], _mm512_maddubs_epi16(wv, _mm512_loadu_si512((const void *)xr)), sv);
+                }
+            }
+        }
+        const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
+        const __m256 d = _mm256_set1_ps(f16(blk + 208));
+        for (int r = 0; r < R; ++r) {
+            const xqk_t *x = (const xqk_t *)(xq + r * xs) + b;
+            const __m256i off = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)x->bs16));
+            const __m256i is = _mm256_sub_epi32(fold16(isum[r]), _mm256_slli_epi32(off, 5));
+            const __m256 s1 = _mm256_mul_ps(d, _mm256_broadcast_ss(&x->d));
+            acc[r] = _mm256_fmadd_ps(s1, _mm256_cvtepi32_ps(is), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) y[r] = hsum8_avx(acc[r]);
+}
+
+#define Q4_K_T5(r) qk45_tile_avx512(w + c * ws, xq, xs, nb, y + c * R, r, 0)
+#define Q5_K_T5(r) qk45_tile_avx512(w + c * ws, xq, xs, nb, y + c * R, r, 1)
+#define Q6_K_T5(r) q6k_tile_avx512(w + c * ws, xq, xs, nb, y + c * R, r)
+ROW_TILE(q4_k_avx512, Q4_K_T5)
+ROW_TILE(q5_k_avx512, Q5_K_T5)
+ROW_TILE(q6_k_avx512, Q6_K_T5)
+#endif
 #endif
 
 /* ---- drivers ------------------------------------------------------------------------- */
@@ -746,21 +896,28 @@ static int qtype_info(int t, qtype_t *q) {
 #else
 #define FAST(f) NULL
 #endif
+#if RS_Q_AVX512
+#define FAST512(f) f##512
+#else
+#define FAST512(f) FAST(f##2)
+#endif
     case T_Q4_0: *q = (qtype_t){32, 18, 0, q4_0_ref, FAST(q4_0_avx2)}; return 0;
     case T_Q4_1: *q = (qtype_t){32, 20, 0, q4_1_ref, FAST(q4_1_avx2)}; return 0;
     case T_Q5_0: *q = (qtype_t){32, 22, 0, q5_0_ref, FAST(q5_0_avx2)}; return 0;
     case T_Q5_1: *q = (qtype_t){32, 24, 0, q5_1_ref, FAST(q5_1_avx2)}; return 0;
     case T_Q8_0: *q = (qtype_t){32, 34, 0, q8_0_ref, FAST(q8_0_avx2)}; return 0;
-    case T_Q4_K: *q = (qtype_t){256, 144, 1, q4_k_ref, FAST(q4_k_avx2)}; return 0;
-    case T_Q5_K: *q = (qtype_t){256, 176, 1, q5_k_ref, FAST(q5_k_avx2)}; return 0;
-    case T_Q6_K: *q = (qtype_t){256, 210, 1, q6_k_ref, FAST(q6_k_avx2)}; return 0;
+    case T_Q4_K: *q = (qtype_t){256, 144, 1, q4_k_ref, FAST512(q4_k_avx)}; return 0;
+    case T_Q5_K: *q = (qtype_t){256, 176, 1, q5_k_ref, FAST512(q5_k_avx)}; return 0;
+    case T_Q6_K: *q = (qtype_t){256, 210, 1, q6_k_ref, FAST512(q6_k_avx)}; return 0;
 #undef FAST
+#undef FAST512
     default: return 1;
     }
 }
 
-/* which tile code this build runs by default: 1 AVX2 (+FMA, F16C), 0 portable C */
-int rs_quant_isa(void) { return RS_Q_AVX2; }
+/* which tile code this build runs by default: 2 AVX-512 VNNI (the K-quants; the 32-value
+ * types stay on AVX2), 1 AVX2 (+FMA, F16C), 0 portable C */
+int rs_quant_isa(void) { return RS_Q_AVX512 ? 2 : RS_Q_AVX2; }
 
 /* y[M, N] (row stride ldo, elements) = x[M, K] @ W^T, W = N rows of K / block blocks.
  * xdt/odt: 0 float32, 1 bfloat16. flags bit 0: use the portable tiles (tests). */
