@@ -2,7 +2,7 @@
 rows of the column-parallel projections, embedding and LM head in blocks, and its columns of
 the row-parallel ones where they fall on block boundaries (dense otherwise); int8 per output
 channel shards exactly. Two ranks give one rank's greedy tokens and, within the float32
-rounding of the split reductions, its logprobs."""
+rounding of the split reductions (and the int8 activation steps it can tip), its logprobs."""
 
 from __future__ import annotations
 
@@ -44,13 +44,21 @@ def _run(path: str, size: int, prompts: list[list[int]], **kw) -> list:
         llm.engine.shutdown()
 
 
-def _assert_same(one: list, many: list) -> None:
+def _assert_same(one: list, many: list, tol: float = 1e-4) -> None:
     for k, (a, b) in enumerate(zip(one, many, strict=True)):
         ca, cb = a.outputs[0], b.outputs[0]
         assert ca.token_ids == cb.token_ids, f"prompt {k}"
         for la, lb in zip(ca.logprobs, cb.logprobs, strict=True):
             assert la.keys() == lb.keys()
-            assert all(abs(la[t] - lb[t]) < 1e-4 for t in la), f"prompt {k}"
+            assert all(abs(la[t] - lb[t]) < tol for t in la), f"prompt {k}"
+
+
+#: two ranks' split sums of a row-parallel projection round differently from one rank's in
+#: the last bit, and the block kernels round every activation block to int8 (llama.cpp's
+#: scheme): a last-bit change can move one activation by a rounding step, d = amax / 127,
+#: which moves a logit by about d * |w|, ~1e-3 on this model (measured: 2.8e-3 at most, on
+#: 1 of 3 prompts; int8 weights keep activations float, so 1e-4 holds there)
+GGUF_TP_TOL = 1e-2
 
 
 def test_int8_two_ranks_equal_one(tmp_path: Path) -> None:
@@ -68,7 +76,7 @@ def test_gguf_blocks_two_ranks_equal_one(tmp_path: Path) -> None:
     write_mixed_gguf(f32, path, ALIGNED)
     prompts = [[5, 9, 40, 200, 31], list(range(20, 70)), [7, 7, 7]]
     _assert_same(_run(str(path), 1, prompts, quantization="gguf"),
-                 _run(str(path), 2, prompts, quantization="gguf"))
+                 _run(str(path), 2, prompts, quantization="gguf"), GGUF_TP_TOL)
 
 
 def test_a_rank_holds_its_share_in_blocks_and_cut_blocks_dense(tmp_path: Path) -> None:

@@ -39,22 +39,20 @@
  *     and s = d_w * d_x: acc[k] = fma(s, (float)lo, acc[k]), acc[4 + k] = fma(s, (float)hi,
  *     acc[4 + k]) (AVX2: four blocks' lanes gathered by an add tree into one vector, one
  *     convert + FMA per 4 blocks), Q4_1/Q5_1 also accm[k] = fma(m_w, s_x, accm[k]);
- *   * K-quants: a super-block's integer dot is kept in 8 int32 lanes: lane l holds the
- *     products of the values whose index within their 32-value group is 4l .. 4l + 3 (the
- *     lanes AVX2's maddubs + madd leave them in), with the sub-block scales applied in
- *     integers; per super-block b: s = d_w * d_x; acc[l] = fma(s, (float)lane[l], acc[l]) for
- *     l < 8; Q4_K/Q5_K accm[k] = fma(dmin_w * d_x, (float)(m[2k] * bs32[2k] + m[2k+1] *
- *     bs32[2k+1]), accm[k]) for k < 4; Q6_K's -32 offset is subtracted from the lanes in
- *     integers (lane k: 32 * (sc[2k] bs16[2k] + sc[2k+1] bs16[2k+1]));
- *   * y = ((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 + acc7)) (the AVX2 horizontal
- *     sum), + ((accm0 + accm2) + (accm1 + accm3)) (Q4_1/Q5_1), - ((accm0 + accm2) + (accm1 +
- *     accm3)) (K-quants).
+ *   * Q4_0/Q4_1/Q5_0/Q5_1/Q8_0: y = ((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 +
+ *     acc7)) (the AVX2 horizontal sum), + ((accm0 + accm2) + (accm1 + accm3)) (Q4_1/Q5_1);
+ *   * K-quants: per super-block b and output, one exact integer isum (every product with its
+ *     sub-block scale, Q6_K's -32 offset subtracted as 32 * sum(sc * bs16)) and, for
+ *     Q4_K/Q5_K, msum = sum over sub-blocks of m[s] * bs32[s]; acc = fma(d_w * d_x,
+ *     (float)isum, acc), accm = fma(dmin_w * d_x, (float)msum, accm); y = acc - accm
+ *     (Q6_K: y = acc). The integers may be summed in any order, so the SIMD tiles keep them
+ *     in vector lanes and add the lanes of 8 outputs at once (`kcols_fma`), one FMA per 8
+ *     outputs instead of one per lane.
  * The portable C path (`*_ref`) performs exactly these operations, so it gives the AVX2 path's
- * bits (tests compare them); an AVX-512 VNNI / AMX-INT8 variant would be one more tile
- * function per type (`qtype_t.fast`) with the same lane contract (VNNI's vpdpbusd sums 4
- * consecutive u8 x s8 products into an int32). Each weight block is decoded once per tile of
- * up to TILE_M activation rows, its products added into each row's integer lanes. Threads
- * split the N output rows, never K.
+ * bits (tests compare them); the AVX-512 VNNI K-quant tiles (`*_cols_avx512`: 64 values per
+ * maddubs, vpdpwssd applying the sub-block scales) give the same bits again. Each weight
+ * block is decoded once per tile of up to TILE_M (K-quants: TILE_MK) activation rows, its
+ * products added into each row's integer lanes. Threads split the N output rows, never K.
  *
  * Measured (2-core Zen 3 VM, AVX2 path, 2 threads, W [8960, 1536] rotated over copies past the
  * L3 as bench/quant_kernels.py does, best of 7 batches, quiet machine), microseconds per call:
@@ -67,6 +65,13 @@
  *   5217 / 20346, Q4_K 457 / 1114 / 4592 / 16675, Q6_K 693 / 1252 / 4956 / 18814, Q8_0 828 /
  *   1386 / 5359 / 21042. Earlier yardsticks (other runs): torch int4pack g32 (bf16 x) 1067 /
  *   2108 / 5920 / 33134; F.linear float32 3306 / 11114 / 12320 / 25797.
+ * The K-quants on the avx512_bf16 kind (a 2-vCPU "Intel Xeon Processor" VM without AMX, 2
+ * threads, weights rotated over 640 MB, `benchmarks/quant_kernel_variants_ab.py`), best us at
+ * M = 1 / 16 / 64 / 256, one lane FMA per output before -> AVX-512 tiles, same contract ->
+ * 8-output columns, AVX-512, TILE_MK 16: Q4_K 364 / 2259 / 8922 / 36608 -> 362 / 1834 / 7233
+ * / 29278 -> 337 / 1347 / 5339 / 21350; Q5_K 522 / 3102 / 9597 / 39253 -> 384 / 1419 / 5434 /
+ * 22687; Q6_K 583 / 3298 / 8825 / 36726 -> 519 / 2016 / 6712 / 25900 (this VM's timings
+ * spread by up to 20% between runs).
  *
  * Error codes: 1 bad type or sizes; 2 an id out of range (dequantize_rows, nothing written);
  * 3 out of memory.
@@ -101,6 +106,16 @@ enum {
 #ifndef TILE_M
 #define TILE_M 8
 #endif
+/* activation rows per K-quant tile: their weight decode is shared by more rows where the
+ * 512-bit tiles keep only one row's sums in registers at a time */
+#ifndef TILE_MK
+#if RS_Q_AVX512
+#define TILE_MK 16
+#else
+#define TILE_MK TILE_M
+#endif
+#endif
+#define TILE_MAX (TILE_MK > TILE_M ? TILE_MK : TILE_M)
 
 /* ---- scalar helpers ----------------------------------------------------------------- */
 
@@ -361,7 +376,8 @@ static void q5_1_ref(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int
     q32_ref(w, ws, C, xq, xs, nb, R, y, 4);
 }
 
-/* Q4_K (hbit = 0) and Q5_K (hbit = 1) */
+/* Q4_K (hbit = 0) and Q5_K (hbit = 1): per super-block the exact integer sums (scales
+ * applied), one float FMA each (the K-quant contract) */
 static inline void qk45_ref(const uint8_t *w0, int64_t ws, int C, const uint8_t *xq,
                             int64_t xs, int64_t nb, int R, float *y, int hbit) {
     const int bb = hbit ? 176 : 144;
@@ -369,27 +385,26 @@ static inline void qk45_ref(const uint8_t *w0, int64_t ws, int C, const uint8_t 
     for (int r = 0; r < R; ++r) {
         const uint8_t *w = w0 + c * ws;
         const xqk_t *x = (const xqk_t *)(xq + r * xs);
-        float acc[8] = {0}, accm[4] = {0};
+        float acc = 0.0f, accm = 0.0f;
         for (int64_t b = 0; b < nb; ++b) {
             const uint8_t *blk = w + b * bb;
             const uint8_t *qh = blk + 16, *qs = blk + (hbit ? 48 : 16);
             uint8_t sc[8], mn[8];
             k4_scale_min(blk + 4, sc, mn);
-            int32_t lane[8] = {0}, ml[4];
+            int32_t isum = 0, msum = 0;
             for (int s = 0; s < 8; ++s) {
                 for (int e = 0; e < 32; ++e) {
                     const uint8_t byte = qs[32 * (s / 2) + e];
                     int q = (s & 1) ? byte >> 4 : byte & 15;
                     if (hbit) q |= ((qh[e] >> s) & 1) << 4;
-                    lane[e / 4] += sc[s] * (q * x[b].q[32 * s + e]);
+                    isum += sc[s] * (q * x[b].q[32 * s + e]);
                 }
+                msum += mn[s] * x[b].bs32[s];
             }
-            for (int k = 0; k < 4; ++k)
-                ml[k] = mn[2 * k] * x[b].bs32[2 * k] + mn[2 * k + 1] * x[b].bs32[2 * k + 1];
-            lanes_fma(acc, fp16_to_f32(blk) * x[b].d, lane, 8);
-            lanes_fma(accm, fp16_to_f32(blk + 2) * x[b].d, ml, 4);
+            acc = fmaf(fp16_to_f32(blk) * x[b].d, (float)isum, acc);
+            accm = fmaf(fp16_to_f32(blk + 2) * x[b].d, (float)msum, accm);
         }
-        y[c * R + r] = hsum8_ref(acc) - hsum4_ref(accm);
+        y[c * R + r] = acc - accm;
     }
 }
 
@@ -417,19 +432,18 @@ static void q6_k_ref(const uint8_t *w0, int64_t ws, int C, const uint8_t *xq, in
     for (int r = 0; r < R; ++r) {
         const uint8_t *w = w0 + c * ws;
         const xqk_t *x = (const xqk_t *)(xq + r * xs);
-        float acc[8] = {0};
+        float acc = 0.0f;
         for (int64_t b = 0; b < nb; ++b) {
             const uint8_t *blk = w + b * 210;
             const int8_t *sc = (const int8_t *)(blk + 192);
-            int32_t lane[8] = {0};
+            int32_t isum = 0;
             for (int g = 0; g < 8; ++g)
                 for (int e = 0; e < 32; ++e)
-                    lane[e / 4] += sc[(32 * g + e) / 16] * (q6_value(blk, g, e) * x[b].q[32 * g + e]);
-            for (int k = 0; k < 8; ++k)
-                lane[k] -= 32 * (sc[2 * k] * x[b].bs16[2 * k] + sc[2 * k + 1] * x[b].bs16[2 * k + 1]);
-            lanes_fma(acc, fp16_to_f32(blk + 208) * x[b].d, lane, 8);
+                    isum += sc[(32 * g + e) / 16] * (q6_value(blk, g, e) * x[b].q[32 * g + e]);
+            for (int k = 0; k < 16; ++k) isum -= 32 * (sc[k] * x[b].bs16[k]);
+            acc = fmaf(fp16_to_f32(blk + 208) * x[b].d, (float)isum, acc);
         }
-        y[c * R + r] = hsum8_ref(acc);
+        y[c * R + r] = acc;
     }
 }
 
@@ -582,122 +596,209 @@ static const uint8_t k4_sel[8][32] __attribute__((aligned(32))) = {
 #undef SEL
 };
 
-/* Q4_K (hbit = 0) and Q5_K (hbit = 1), one weight row x R activation rows. The scales and mins
- * are unpacked in general registers; each 64-value pair of sub-blocks is decoded once and its
- * two 16-bit-scale products added into each row's integer lanes, converted to float once per
- * super-block (the lane contract). */
-AI void qk45_tile_avx2(const uint8_t *w, const uint8_t *xq, int64_t xs, int64_t nb, float *y,
-                       const int R, const int hbit) {
-    const int bb = hbit ? 176 : 144;
-    const __m256i m4 = _mm256_set1_epi8(0x0F), b4 = _mm256_set1_epi8(0x10);
-    __m256 acc[TILE_M];
-    __m128 accm[TILE_M];
-    for (int r = 0; r < R; ++r) {
-        acc[r] = _mm256_setzero_ps();
-        accm[r] = _mm_setzero_ps();
+/* bytes ahead of a K-quant weight block that its tile asks the cache for: the tiles walk 8
+ * weight rows in lock step, so the same block KPF_GROUPS groups of 8 rows on, plus QPF */
+#ifndef KPF_GROUPS
+#define KPF_GROUPS 1
+#endif
+#define KPF(ws) ((ws) * 8 * KPF_GROUPS + QPF)
+
+/* ---- K-quant column tiles: 8 weight rows (outputs) at a time, super-block by super-block.
+ * Each weight block is decoded once for the R activation rows and each (row, output)'s
+ * integer lanes go to a scratch tile; then per row the 8 outputs' lanes are summed into one
+ * vector (lane c: output c), so the scales' product, the conversion and the FMA run once per
+ * 8 outputs (the K-quant contract: one exact integer per super-block and output). */
+typedef struct {
+    int32_t lanes[TILE_MK][8][16] __attribute__((aligned(64))); /* AVX2 uses 8 of the 16 */
+    int32_t mins[4][8];    /* mins[k][c]: output c's mins 2k and 2k + 1 as an int16 pair */
+    uint16_t dh[8], mh[8]; /* the outputs' fp16 d and dmin (0 for absent outputs) */
+    float acc[TILE_MK][8], accm[TILE_MK][8];
+} kcols_t;
+
+/* a column group of nc <= 8 outputs starts: sums zero, absent outputs' lanes and scales 0 */
+AI void kcols_begin(kcols_t *t, const int R, int nc) {
+    memset(t->acc, 0, sizeof t->acc);
+    memset(t->accm, 0, sizeof t->accm);
+    for (int c = nc; c < 8; ++c) {
+        for (int r = 0; r < R; ++r) memset(t->lanes[r][c], 0, sizeof t->lanes[r][c]);
+        for (int k = 0; k < 4; ++k) t->mins[k][c] = 0;
+        t->dh[c] = t->mh[c] = 0;
     }
-    for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t *blk = w + b * bb;
-        for (int o = 0; o < bb; o += 64) _mm_prefetch((const char *)(blk + QPF + o), _MM_HINT_T0);
-        const uint8_t *qs = blk + (hbit ? 48 : 16);
-        uint32_t a0, a1, a2;
-        memcpy(&a0, blk + 4, 4);
-        memcpy(&a1, blk + 8, 4);
-        memcpy(&a2, blk + 12, 4);
-        const uint64_t sc = (a0 & 0x3F3F3F3Fu)
-                            | (uint64_t)((a2 & 0x0F0F0F0Fu) | (((a0 >> 6) & 0x03030303u) << 4)) << 32;
-        const uint64_t mn = (a1 & 0x3F3F3F3Fu)
-                            | (uint64_t)(((a2 >> 4) & 0x0F0F0F0Fu) | (((a1 >> 6) & 0x03030303u) << 4)) << 32;
-        const __m256i sm16 = _mm256_cvtepu8_epi16(_mm_set_epi64x((long long)mn, (long long)sc));
-        const __m256i sc16 = _mm256_permute2x128_si256(sm16, sm16, 0x00);
-        const __m128i mins = _mm256_extracti128_si256(sm16, 1);
-        const __m256i hb = hbit ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
-        __m256i isum[TILE_M];
-        for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
-        /* one 64-value pair of sub-blocks per (rolled) step: w0, w1, their scales and the R
-         * sums stay in registers */
-        __m256i hbj = hb;
-#pragma GCC unroll 1
-        for (int j = 0; j < 4; ++j) {
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
-            __m256i w0 = _mm256_and_si256(q, m4);
-            __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-            if (hbit) { /* bits 2j, 2j + 1 of hb, at bits 0 and 1 of hbj, to bit 4 */
-                w0 = _mm256_or_si256(w0, _mm256_and_si256(_mm256_slli_epi16(hbj, 4), b4));
-                w1 = _mm256_or_si256(w1, _mm256_and_si256(_mm256_slli_epi16(hbj, 3), b4));
-                hbj = _mm256_srli_epi16(hbj, 2);
-            }
-            const __m256i v0 = _mm256_shuffle_epi8(sc16, _mm256_load_si256((const __m256i *)k4_sel[2 * j]));
-            const __m256i v1 = _mm256_shuffle_epi8(sc16, _mm256_load_si256((const __m256i *)k4_sel[2 * j + 1]));
-            for (int r = 0; r < R; ++r) {
-                const int8_t *xr = ((const xqk_t *)(xq + r * xs) + b)->q + 64 * j;
-                const __m256i p0 = _mm256_madd_epi16(
-                    _mm256_maddubs_epi16(w0, _mm256_loadu_si256((const __m256i *)xr)), v0);
-                const __m256i p1 = _mm256_madd_epi16(
-                    _mm256_maddubs_epi16(w1, _mm256_loadu_si256((const __m256i *)(xr + 32))), v1);
-                isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(p0, p1));
-            }
-        }
-        const __m256 d = _mm256_set1_ps(f16(blk));
-        const __m128 dmin = _mm_set1_ps(f16(blk + 2));
-        for (int r = 0; r < R; ++r) {
-            const xqk_t *x = (const xqk_t *)(xq + r * xs) + b;
-            const __m128i im = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i *)x->bs32));
-            const __m256 s1 = _mm256_mul_ps(d, _mm256_broadcast_ss(&x->d));
-            acc[r] = _mm256_fmadd_ps(s1, _mm256_cvtepi32_ps(isum[r]), acc[r]);
-            const __m128 s2 = _mm_mul_ps(dmin, _mm_broadcast_ss(&x->d));
-            accm[r] = _mm_fmadd_ps(s2, _mm_cvtepi32_ps(im), accm[r]);
-        }
-    }
-    for (int r = 0; r < R; ++r) y[r] = hsum8_avx(acc[r]) - hsum4_avx(accm[r]);
 }
 
-/* Q6_K, one weight row x R activation rows: each 32-value group decoded once (low nibble |
- * two high bits << 4), its two 16-value scales widened from one byte shuffle */
-AI void q6k_tile_avx2(const uint8_t *w, const uint8_t *xq, int64_t xs, int64_t nb, float *y,
-                      const int R) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
-    __m256 acc[TILE_M];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t *blk = w + b * 210;
-        for (int o = 0; o < 210; o += 64) _mm_prefetch((const char *)(blk + QPF + o), _MM_HINT_T0);
-        const __m128i sc8 = _mm_loadu_si128((const __m128i *)(blk + 192));
-        __m256i isum[TILE_M];
-        for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
-        for (int h = 0; h < 2; ++h) {
-            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
-            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
-            const __m256i hh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
-            for (int c = 0; c < 4; ++c) {
-                const __m256i l = c & 1 ? l1 : l0;
-                const __m256i lo = _mm256_and_si256(c & 2 ? _mm256_srli_epi16(l, 4) : l, m4);
-                const __m256i hs = c == 0 ? _mm256_slli_epi16(hh, 4)
-                                 : c == 1 ? _mm256_slli_epi16(hh, 2)
-                                 : c == 2 ? hh : _mm256_srli_epi16(hh, 2);
-                const __m256i wv = _mm256_or_si256(lo, _mm256_and_si256(hs, m30));
-                const int g = 4 * h + c;
-                const __m256i sv = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(
-                    sc8, _mm_set_epi64x(0x0101010101010101ll * (2 * g + 1),
-                                        0x0101010101010101ll * (2 * g))));
-                for (int r = 0; r < R; ++r) {
-                    const int8_t *xr = ((const xqk_t *)(xq + r * xs) + b)->q + 32 * g;
-                    isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(
-                        _mm256_maddubs_epi16(wv, _mm256_loadu_si256((const __m256i *)xr)), sv));
-                }
-            }
+/* Q4_K/Q5_K's 8 six-bit scales (sc) and mins (mn) as bytes of a uint64 (ggml's
+ * get_scale_min_k4 for all 8 at once); records output c's d, dmin and mins */
+AI uint64_t k4_scales(kcols_t *t, int c, const uint8_t *blk) {
+    uint32_t a0, a1, a2;
+    memcpy(&a0, blk + 4, 4);
+    memcpy(&a1, blk + 8, 4);
+    memcpy(&a2, blk + 12, 4);
+    const uint64_t sc = (a0 & 0x3F3F3F3Fu)
+                        | (uint64_t)((a2 & 0x0F0F0F0Fu) | (((a0 >> 6) & 0x03030303u) << 4)) << 32;
+    const uint64_t mn = (a1 & 0x3F3F3F3Fu)
+                        | (uint64_t)(((a2 >> 4) & 0x0F0F0F0Fu) | (((a1 >> 6) & 0x03030303u) << 4)) << 32;
+    for (int k = 0; k < 4; ++k)
+        t->mins[k][c] = (int32_t)((mn >> (16 * k)) & 0xFF) | (int32_t)((mn >> (16 * k + 8)) & 0xFF) << 16;
+    memcpy(&t->dh[c], blk, 2);
+    memcpy(&t->mh[c], blk + 2, 2);
+    return sc;
+}
+
+/* [sum of a[c]'s 8 int32, c < 8]: a tree of horizontal adds (exact) */
+AI __m256i sum8x8(const __m256i *a) {
+    const __m256i u0 = _mm256_hadd_epi32(_mm256_hadd_epi32(a[0], a[1]), _mm256_hadd_epi32(a[2], a[3]));
+    const __m256i u1 = _mm256_hadd_epi32(_mm256_hadd_epi32(a[4], a[5]), _mm256_hadd_epi32(a[6], a[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20),
+                            _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+
+/* after a super-block b of the group: per row, the 8 outputs' integers, one FMA (and the
+ * mins' one, `mins`) into the row's float sums; `wide`: lanes hold 16 int32 (AVX-512) */
+AI void kcols_fma(kcols_t *t, const uint8_t *xq, int64_t xs, int64_t b, const int R,
+                  const int mins, const int wide) {
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t->dh));
+    const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t->mh));
+    __m256i mv[4];
+    if (mins)
+        for (int k = 0; k < 4; ++k) mv[k] = _mm256_loadu_si256((const __m256i *)t->mins[k]);
+    for (int r = 0; r < R; ++r) {
+        const xqk_t *x = (const xqk_t *)(xq + r * xs) + b;
+        __m256i a[8];
+        for (int c = 0; c < 8; ++c) {
+            a[c] = _mm256_load_si256((const __m256i *)t->lanes[r][c]);
+            if (wide)
+                a[c] = _mm256_add_epi32(a[c], _mm256_load_si256((const __m256i *)(t->lanes[r][c] + 8)));
         }
-        const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
-        const __m256 d = _mm256_set1_ps(f16(blk + 208));
-        for (int r = 0; r < R; ++r) {
-            const xqk_t *x = (const xqk_t *)(xq + r * xs) + b;
-            const __m256i off = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)x->bs16));
-            const __m256i is = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(off, 5));
-            const __m256 s1 = _mm256_mul_ps(d, _mm256_broadcast_ss(&x->d));
-            acc[r] = _mm256_fmadd_ps(s1, _mm256_cvtepi32_ps(is), acc[r]);
+        const __m256 dx = _mm256_broadcast_ss(&x->d);
+        _mm256_storeu_ps(t->acc[r], _mm256_fmadd_ps(_mm256_mul_ps(dw, dx),
+                                                    _mm256_cvtepi32_ps(sum8x8(a)),
+                                                    _mm256_loadu_ps(t->acc[r])));
+        if (mins) {
+            int32_t bp[4];
+            memcpy(bp, x->bs32, sizeof bp);
+            __m256i ms = _mm256_madd_epi16(mv[0], _mm256_set1_epi32(bp[0]));
+            for (int k = 1; k < 4; ++k)
+                ms = _mm256_add_epi32(ms, _mm256_madd_epi16(mv[k], _mm256_set1_epi32(bp[k])));
+            _mm256_storeu_ps(t->accm[r], _mm256_fmadd_ps(_mm256_mul_ps(mw, dx),
+                                                         _mm256_cvtepi32_ps(ms),
+                                                         _mm256_loadu_ps(t->accm[r])));
         }
     }
-    for (int r = 0; r < R; ++r) y[r] = hsum8_avx(acc[r]);
+}
+
+/* y[c * R + r] = acc - accm for the group's nc outputs */
+AI void kcols_end(const kcols_t *t, float *y, const int R, int nc) {
+    for (int r = 0; r < R; ++r) {
+        float v[8];
+        _mm256_storeu_ps(v, _mm256_sub_ps(_mm256_loadu_ps(t->acc[r]), _mm256_loadu_ps(t->accm[r])));
+        for (int c = 0; c < nc; ++c) y[c * R + r] = v[c];
+    }
+}
+
+/* Q4_K (hbit = 0) and Q5_K (hbit = 1), C weight rows x R activation rows. Each 64-value pair
+ * of sub-blocks is decoded once and its two 16-bit-scale products added into each row's
+ * integer lanes. */
+AI void qk45_cols_avx2(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
+                       int64_t nb, float *y, const int R, const int hbit) {
+    const int bb = hbit ? 176 : 144;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), b4 = _mm256_set1_epi8(0x10);
+    kcols_t t;
+    const int64_t kpf = KPF(ws);
+    for (int c0 = 0; c0 < C; c0 += 8) {
+        const int nc = C - c0 < 8 ? C - c0 : 8;
+        kcols_begin(&t, R, nc);
+        for (int64_t b = 0; b < nb; ++b) {
+            for (int c = 0; c < nc; ++c) {
+                const uint8_t *blk = w + (c0 + c) * ws + b * bb;
+                for (int o = 0; o < bb; o += 64) _mm_prefetch((const char *)(blk + kpf + o), _MM_HINT_T0);
+                const uint8_t *qs = blk + (hbit ? 48 : 16);
+                const uint64_t sc = k4_scales(&t, c, blk);
+                const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc)));
+                __m256i hbj = hbit ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
+                __m256i isum[TILE_M];
+                for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+                for (int j = 0; j < 4; ++j) {
+                    const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+                    __m256i w0 = _mm256_and_si256(q, m4);
+                    __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+                    if (hbit) { /* bits 2j, 2j + 1 of hb, at bits 0 and 1 of hbj, to bit 4 */
+                        w0 = _mm256_or_si256(w0, _mm256_and_si256(_mm256_slli_epi16(hbj, 4), b4));
+                        w1 = _mm256_or_si256(w1, _mm256_and_si256(_mm256_slli_epi16(hbj, 3), b4));
+                        hbj = _mm256_srli_epi16(hbj, 2);
+                    }
+                    const __m256i v0 = _mm256_shuffle_epi8(sc16, _mm256_load_si256((const __m256i *)k4_sel[2 * j]));
+                    const __m256i v1 = _mm256_shuffle_epi8(sc16, _mm256_load_si256((const __m256i *)k4_sel[2 * j + 1]));
+                    for (int r = 0; r < R; ++r) {
+                        const int8_t *xr = ((const xqk_t *)(xq + r * xs) + b)->q + 64 * j;
+                        const __m256i p0 = _mm256_madd_epi16(
+                            _mm256_maddubs_epi16(w0, _mm256_loadu_si256((const __m256i *)xr)), v0);
+                        const __m256i p1 = _mm256_madd_epi16(
+                            _mm256_maddubs_epi16(w1, _mm256_loadu_si256((const __m256i *)(xr + 32))), v1);
+                        isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(p0, p1));
+                    }
+                }
+                for (int r = 0; r < R; ++r) _mm256_store_si256((__m256i *)t.lanes[r][c], isum[r]);
+            }
+            kcols_fma(&t, xq, xs, b, R, 1, 0);
+        }
+        kcols_end(&t, y + c0 * R, R, nc);
+    }
+}
+
+/* Q6_K, C weight rows x R activation rows: each 32-value group decoded once (low nibble | two
+ * high bits << 4), its two 16-value scales widened from one byte shuffle; the -32 offset
+ * subtracted from the lanes in integers */
+AI void q6k_cols_avx2(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
+                      int64_t nb, float *y, const int R) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    kcols_t t;
+    const int64_t kpf = KPF(ws);
+    for (int c0 = 0; c0 < C; c0 += 8) {
+        const int nc = C - c0 < 8 ? C - c0 : 8;
+        kcols_begin(&t, R, nc);
+        for (int64_t b = 0; b < nb; ++b) {
+            for (int c = 0; c < nc; ++c) {
+                const uint8_t *blk = w + (c0 + c) * ws + b * 210;
+                for (int o = 0; o < 210; o += 64) _mm_prefetch((const char *)(blk + kpf + o), _MM_HINT_T0);
+                memcpy(&t.dh[c], blk + 208, 2);
+                const __m128i sc8 = _mm_loadu_si128((const __m128i *)(blk + 192));
+                __m256i isum[TILE_M];
+                for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+                for (int h = 0; h < 2; ++h) {
+                    const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
+                    const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+                    const __m256i hh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+                    for (int cc = 0; cc < 4; ++cc) {
+                        const __m256i l = cc & 1 ? l1 : l0;
+                        const __m256i lo = _mm256_and_si256(cc & 2 ? _mm256_srli_epi16(l, 4) : l, m4);
+                        const __m256i hs = cc == 0 ? _mm256_slli_epi16(hh, 4)
+                                         : cc == 1 ? _mm256_slli_epi16(hh, 2)
+                                         : cc == 2 ? hh : _mm256_srli_epi16(hh, 2);
+                        const __m256i wv = _mm256_or_si256(lo, _mm256_and_si256(hs, m30));
+                        const int g = 4 * h + cc;
+                        const __m256i sv = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(
+                            sc8, _mm_set_epi64x(0x0101010101010101ll * (2 * g + 1),
+                                                0x0101010101010101ll * (2 * g))));
+                        for (int r = 0; r < R; ++r) {
+                            const int8_t *xr = ((const xqk_t *)(xq + r * xs) + b)->q + 32 * g;
+                            isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(
+                                _mm256_maddubs_epi16(wv, _mm256_loadu_si256((const __m256i *)xr)), sv));
+                        }
+                    }
+                }
+                const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
+                for (int r = 0; r < R; ++r) {
+                    const xqk_t *x = (const xqk_t *)(xq + r * xs) + b;
+                    const __m256i off = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)x->bs16));
+                    _mm256_store_si256((__m256i *)t.lanes[r][c],
+                                       _mm256_sub_epi32(isum[r], _mm256_slli_epi32(off, 5)));
+                }
+            }
+            kcols_fma(&t, xq, xs, b, R, 0, 0);
+        }
+        kcols_end(&t, y + c0 * R, R, nc);
+    }
 }
 
 /* one tile function per type: the R (and, at R = 1, C) counts as compile-time constants; the
@@ -724,9 +825,6 @@ AI void q6k_tile_avx2(const uint8_t *w, const uint8_t *xq, int64_t xs, int64_t n
                      int64_t nb, int R, float *y) {                                          \
         BY_ROWS(call)                                                                        \
     }
-#define Q4_K_T(r) qk45_tile_avx2(w + c * ws, xq, xs, nb, y + c * R, r, 0)
-#define Q5_K_T(r) qk45_tile_avx2(w + c * ws, xq, xs, nb, y + c * R, r, 1)
-#define Q6_K_T(r) q6k_tile_avx2(w + c * ws, xq, xs, nb, y + c * R, r)
 #define Q4_0_T(r) q32_tile_avx2(w + c * ws, xq, xs, nb, y + c * R, r, 0)
 #define Q8_0_T(r) q32_tile_avx2(w + c * ws, xq, xs, nb, y + c * R, r, 1)
 #define Q4_1_T(r) q32_tile_avx2(w + c * ws, xq, xs, nb, y + c * R, r, 2)
@@ -737,9 +835,51 @@ ROW_TILE(q8_0_avx2, Q8_0_T)
 ROW_TILE(q4_1_avx2, Q4_1_T)
 ROW_TILE(q5_0_avx2, Q5_0_T)
 ROW_TILE(q5_1_avx2, Q5_1_T)
-ROW_TILE(q4_k_avx2, Q4_K_T)
-ROW_TILE(q5_k_avx2, Q5_K_T)
-ROW_TILE(q6_k_avx2, Q6_K_T)
+/* the K-quant tiles loop over the C weight rows themselves (8 at a time) */
+#if TILE_MK > 8
+#define ONCE_9_16(call)                                                                      \
+    case 16: call(16); break;                                                                \
+    case 15: call(15); break;                                                                \
+    case 14: call(14); break;                                                                \
+    case 13: call(13); break;                                                                \
+    case 12: call(12); break;                                                                \
+    case 11: call(11); break;                                                                \
+    case 10: call(10); break;                                                                \
+    case 9: call(9); break;
+#else
+#define ONCE_9_16(call)
+#endif
+#if TILE_MK > 4
+#define ONCE_5_8(call)                                                                       \
+    case 8: call(8); break;                                                                  \
+    case 7: call(7); break;                                                                  \
+    case 6: call(6); break;                                                                  \
+    case 5: call(5); break;
+#else
+#define ONCE_5_8(call)
+#endif
+#define BY_ROWS_ONCE(call)                                                                   \
+    switch (R) {                                                                             \
+    ONCE_9_16(call)                                                                          \
+    ONCE_5_8(call)                                                                           \
+    case 4: call(4); break;                                                                  \
+    case 3: call(3); break;                                                                  \
+    case 2: call(2); break;                                                                  \
+    default: call(1); break;                                                                 \
+    }
+#define COL_TILE(name, call)                                                                 \
+    static void name(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,     \
+                     int64_t nb, int R, float *y) {                                          \
+        BY_ROWS_ONCE(call)                                                                   \
+    }
+#define Q4_K_T(r) qk45_cols_avx2(w, ws, C, xq, xs, nb, y, r, 0)
+#define Q5_K_T(r) qk45_cols_avx2(w, ws, C, xq, xs, nb, y, r, 1)
+#define Q6_K_T(r) q6k_cols_avx2(w, ws, C, xq, xs, nb, y, r)
+#if !RS_Q_AVX512
+COL_TILE(q4_k_avx2, Q4_K_T)
+COL_TILE(q5_k_avx2, Q5_K_T)
+COL_TILE(q6_k_avx2, Q6_K_T)
+#endif
 
 #if RS_Q_AVX512
 /* zmm [sub-block 2j's 16-bit scale x 16 | sub-block 2j + 1's x 16] from [sc0 .. sc7] in every
@@ -755,130 +895,114 @@ static const uint8_t k4_sel512[4][64] __attribute__((aligned(64))) = {
 #undef SEL2
 };
 
-/* the 8 int32 lanes of the AVX2 tiles from 16: lanes l and 8 + l hold the same value
- * indices of two sub-blocks (integer sums, exact in any order) */
-AI __m256i fold16(__m512i v) {
-    return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
-}
-
-/* qk45_tile_avx2 with each 64-value pair of sub-blocks in one zmm: [low nibbles (sub-block
- * 2j) | high nibbles (2j + 1)], maddubs then vpdpwssd with [sc 2j | sc 2j + 1] */
-AI void qk45_tile_avx512(const uint8_t *w, const uint8_t *xq, int64_t xs, int64_t nb,
-                         float *y, const int R, const int hbit) {
+/* qk45_cols_avx2 with each 64-value pair of sub-blocks in one zmm: [low nibbles (sub-block
+ * 2j) | high nibbles (2j + 1)], maddubs then vpdpwssd with [sc 2j | sc 2j + 1]; a row's 16
+ * lanes are stored whole (kcols_fma adds their halves) */
+AI void qk45_cols_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
+                         int64_t nb, float *y, const int R, const int hbit) {
     const int bb = hbit ? 176 : 144;
     const __m512i m4 = _mm512_set1_epi8(0x0F), b4 = _mm512_set1_epi8(0x10);
     const __m512i nib = _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4);
     const __m512i hsh = _mm512_setr_epi64(4, 4, 4, 4, 3, 3, 3, 3);
-    __m256 acc[TILE_M];
-    __m128 accm[TILE_M];
-    for (int r = 0; r < R; ++r) {
-        acc[r] = _mm256_setzero_ps();
-        accm[r] = _mm_setzero_ps();
-    }
-    for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t *blk = w + b * bb;
-        for (int o = 0; o < bb; o += 64) _mm_prefetch((const char *)(blk + QPF + o), _MM_HINT_T0);
-        const uint8_t *qs = blk + (hbit ? 48 : 16);
-        uint32_t a0, a1, a2;
-        memcpy(&a0, blk + 4, 4);
-        memcpy(&a1, blk + 8, 4);
-        memcpy(&a2, blk + 12, 4);
-        const uint64_t sc = (a0 & 0x3F3F3F3Fu)
-                            | (uint64_t)((a2 & 0x0F0F0F0Fu) | (((a0 >> 6) & 0x03030303u) << 4)) << 32;
-        const uint64_t mn = (a1 & 0x3F3F3F3Fu)
-                            | (uint64_t)(((a2 >> 4) & 0x0F0F0F0Fu) | (((a1 >> 6) & 0x03030303u) << 4)) << 32;
-        const __m256i sm16 = _mm256_cvtepu8_epi16(_mm_set_epi64x((long long)mn, (long long)sc));
-        const __m512i sc16 = _mm512_broadcast_i32x4(_mm256_castsi256_si128(sm16));
-        const __m128i mins = _mm256_extracti128_si256(sm16, 1);
-        __m512i hbj = hbit ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16)))
-                           : _mm512_setzero_si512();
-        __m512i isum[TILE_M];
-        for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
-#pragma GCC unroll 1
-        for (int j = 0; j < 4; ++j) {
-            const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * j)));
-            __m512i wv = _mm512_and_si512(_mm512_srlv_epi64(q, nib), m4);
-            if (hbit) { /* bits 2j, 2j + 1 of hb, at bits 0 and 1 of hbj, to bit 4 */
-                wv = _mm512_or_si512(wv, _mm512_and_si512(_mm512_sllv_epi64(hbj, hsh), b4));
-                hbj = _mm512_srli_epi16(hbj, 2);
+    kcols_t t;
+    const int64_t kpf = KPF(ws);
+    for (int c0 = 0; c0 < C; c0 += 8) {
+        const int nc = C - c0 < 8 ? C - c0 : 8;
+        kcols_begin(&t, R, nc);
+        for (int64_t b = 0; b < nb; ++b) {
+            for (int c = 0; c < nc; ++c) {
+                const uint8_t *blk = w + (c0 + c) * ws + b * bb;
+                for (int o = 0; o < bb; o += 64) _mm_prefetch((const char *)(blk + kpf + o), _MM_HINT_T0);
+                const uint8_t *qs = blk + (hbit ? 48 : 16);
+                const uint64_t sc = k4_scales(&t, c, blk);
+                const __m512i sc16 = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc)));
+                __m512i hbj = hbit ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16)))
+                                   : _mm512_setzero_si512();
+                __m512i wv[4], sv[4];
+                for (int j = 0; j < 4; ++j) {
+                    const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * j)));
+                    wv[j] = _mm512_and_si512(_mm512_srlv_epi64(q, nib), m4);
+                    if (hbit) { /* bits 2j, 2j + 1 of hb, at bits 0 and 1 of hbj, to bit 4 */
+                        wv[j] = _mm512_or_si512(wv[j], _mm512_and_si512(_mm512_sllv_epi64(hbj, hsh), b4));
+                        hbj = _mm512_srli_epi16(hbj, 2);
+                    }
+                    sv[j] = _mm512_shuffle_epi8(sc16, _mm512_load_si512((const __m512i *)k4_sel512[j]));
+                }
+                for (int r = 0; r < R; ++r) {
+                    const int8_t *xr = ((const xqk_t *)(xq + r * xs) + b)->q;
+                    __m512i is = _mm512_setzero_si512();
+                    for (int j = 0; j < 4; ++j)
+                        is = _mm512_dpwssd_epi32(
+                            is, _mm512_maddubs_epi16(wv[j], _mm512_loadu_si512((const void *)(xr + 64 * j))), sv[j]);
+                    _mm512_store_si512((__m512i *)t.lanes[r][c], is);
+                }
             }
-            const __m512i v = _mm512_shuffle_epi8(sc16, _mm512_load_si512((const __m512i *)k4_sel512[j]));
-            for (int r = 0; r < R; ++r) {
-                const int8_t *xr = ((const xqk_t *)(xq + r * xs) + b)->q + 64 * j;
-                isum[r] = _mm512_dpwssd_epi32(
-                    isum[r], _mm512_maddubs_epi16(wv, _mm512_loadu_si512((const void *)xr)), v);
-            }
+            kcols_fma(&t, xq, xs, b, R, 1, 1);
         }
-        const __m256 d = _mm256_set1_ps(f16(blk));
-        const __m128 dmin = _mm_set1_ps(f16(blk + 2));
-        for (int r = 0; r < R; ++r) {
-            const xqk_t *x = (const xqk_t *)(xq + r * xs) + b;
-            const __m128i im = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i *)x->bs32));
-            const __m256 s1 = _mm256_mul_ps(d, _mm256_broadcast_ss(&x->d));
-            acc[r] = _mm256_fmadd_ps(s1, _mm256_cvtepi32_ps(fold16(isum[r])), acc[r]);
-            const __m128 s2 = _mm_mul_ps(dmin, _mm_broadcast_ss(&x->d));
-            accm[r] = _mm_fmadd_ps(s2, _mm_cvtepi32_ps(im), accm[r]);
-        }
+        kcols_end(&t, y + c0 * R, R, nc);
     }
-    for (int r = 0; r < R; ++r) y[r] = hsum8_avx(acc[r]) - hsum4_avx(accm[r]);
 }
 
 /* Q6_K: groups 2p and 2p + 1 of a half side by side in one zmm (their low bits are the 64
  * contiguous bytes of ql, low nibbles for p = 0, high for p = 1) */
-AI void q6k_tile_avx512(const uint8_t *w, const uint8_t *xq, int64_t xs, int64_t nb, float *y,
-                        const int R) {
+AI void q6k_cols_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
+                        int64_t nb, float *y, const int R) {
     const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
     const __m512i sh0 = _mm512_setr_epi64(4, 4, 4, 4, 2, 2, 2, 2);
     const __m512i sh1 = _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2);
-    __m256 acc[TILE_M];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t *blk = w + b * 210;
-        for (int o = 0; o < 210; o += 64) _mm_prefetch((const char *)(blk + QPF + o), _MM_HINT_T0);
-        const __m128i sc8 = _mm_loadu_si128((const __m128i *)(blk + 192));
-        const __m256i sc8y = _mm256_broadcastsi128_si256(sc8);
-        __m512i isum[TILE_M];
-        for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
-        for (int h = 0; h < 2; ++h) {
-            const __m512i l = _mm512_loadu_si512((const void *)(blk + 64 * h));
-            const __m512i hh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)));
-            for (int p = 0; p < 2; ++p) {
-                const __m512i lo = _mm512_and_si512(p ? _mm512_srli_epi16(l, 4) : l, m4);
-                const __m512i hs = p ? _mm512_srlv_epi64(hh, sh1) : _mm512_sllv_epi64(hh, sh0);
-                const __m512i wv = _mm512_or_si512(lo, _mm512_and_si512(hs, m30));
-                const int g = 4 * h + 2 * p;
-                /* int16 scales: sc[2g] x 8, sc[2g + 1] x 8, sc[2g + 2] x 8, sc[2g + 3] x 8 */
-                const __m512i sv = _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(
-                    sc8y, _mm256_set_epi64x(0x0101010101010101ll * (2 * g + 3),
-                                            0x0101010101010101ll * (2 * g + 2),
-                                            0x0101010101010101ll * (2 * g + 1),
-                                            0x0101010101010101ll * (2 * g))));
+    kcols_t t;
+    const int64_t kpf = KPF(ws);
+    for (int c0 = 0; c0 < C; c0 += 8) {
+        const int nc = C - c0 < 8 ? C - c0 : 8;
+        kcols_begin(&t, R, nc);
+        for (int64_t b = 0; b < nb; ++b) {
+            for (int c = 0; c < nc; ++c) {
+                const uint8_t *blk = w + (c0 + c) * ws + b * 210;
+                for (int o = 0; o < 210; o += 64) _mm_prefetch((const char *)(blk + kpf + o), _MM_HINT_T0);
+                memcpy(&t.dh[c], blk + 208, 2);
+                const __m128i sc8 = _mm_loadu_si128((const __m128i *)(blk + 192));
+                const __m256i sc8y = _mm256_broadcastsi128_si256(sc8);
+                __m512i wv[4], sv[4];
+                for (int h = 0; h < 2; ++h) {
+                    const __m512i l = _mm512_loadu_si512((const void *)(blk + 64 * h));
+                    const __m512i hh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)));
+                    for (int p = 0; p < 2; ++p) {
+                        const __m512i lo = _mm512_and_si512(p ? _mm512_srli_epi16(l, 4) : l, m4);
+                        const __m512i hs = p ? _mm512_srlv_epi64(hh, sh1) : _mm512_sllv_epi64(hh, sh0);
+                        wv[2 * h + p] = _mm512_or_si512(lo, _mm512_and_si512(hs, m30));
+                        const int g = 4 * h + 2 * p;
+                        /* int16 scales: sc[2g] x 8, sc[2g + 1] x 8, sc[2g + 2] x 8, sc[2g + 3] x 8 */
+                        sv[2 * h + p] = _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(
+                            sc8y, _mm256_set_epi64x(0x0101010101010101ll * (2 * g + 3),
+                                                    0x0101010101010101ll * (2 * g + 2),
+                                                    0x0101010101010101ll * (2 * g + 1),
+                                                    0x0101010101010101ll * (2 * g))));
+                    }
+                }
+                const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
                 for (int r = 0; r < R; ++r) {
-                    const int8_t *xr = ((const xqk_t *)(xq + r * xs) + b)->q + 32 * g;
-                    isum[r] = _mm512_dpwssd_epi32(
-                        isum[r], _mm512_maddubs_epi16(wv, _mm512_loadu_si512((const void *)xr)), sv);
+                    const xqk_t *x = (const xqk_t *)(xq + r * xs) + b;
+                    __m512i is = _mm512_setzero_si512();
+                    for (int i = 0; i < 4; ++i) /* group pair i: groups 2i, 2i + 1 */
+                        is = _mm512_dpwssd_epi32(
+                            is, _mm512_maddubs_epi16(wv[i], _mm512_loadu_si512((const void *)(x->q + 64 * i))), sv[i]);
+                    const __m256i off = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)x->bs16));
+                    _mm512_store_si512((__m512i *)t.lanes[r][c],
+                                       _mm512_sub_epi32(is, _mm512_zextsi256_si512(_mm256_slli_epi32(off, 5))));
                 }
             }
+            kcols_fma(&t, xq, xs, b, R, 0, 1);
         }
-        const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
-        const __m256 d = _mm256_set1_ps(f16(blk + 208));
-        for (int r = 0; r < R; ++r) {
-            const xqk_t *x = (const xqk_t *)(xq + r * xs) + b;
-            const __m256i off = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)x->bs16));
-            const __m256i is = _mm256_sub_epi32(fold16(isum[r]), _mm256_slli_epi32(off, 5));
-            const __m256 s1 = _mm256_mul_ps(d, _mm256_broadcast_ss(&x->d));
-            acc[r] = _mm256_fmadd_ps(s1, _mm256_cvtepi32_ps(is), acc[r]);
-        }
+        kcols_end(&t, y + c0 * R, R, nc);
     }
-    for (int r = 0; r < R; ++r) y[r] = hsum8_avx(acc[r]);
 }
 
-#define Q4_K_T5(r) qk45_tile_avx512(w + c * ws, xq, xs, nb, y + c * R, r, 0)
-#define Q5_K_T5(r) qk45_tile_avx512(w + c * ws, xq, xs, nb, y + c * R, r, 1)
-#define Q6_K_T5(r) q6k_tile_avx512(w + c * ws, xq, xs, nb, y + c * R, r)
-ROW_TILE(q4_k_avx512, Q4_K_T5)
-ROW_TILE(q5_k_avx512, Q5_K_T5)
-ROW_TILE(q6_k_avx512, Q6_K_T5)
+#define Q4_K_T5(r) qk45_cols_avx512(w, ws, C, xq, xs, nb, y, r, 0)
+#define Q5_K_T5(r) qk45_cols_avx512(w, ws, C, xq, xs, nb, y, r, 1)
+#define Q6_K_T5(r) q6k_cols_avx512(w, ws, C, xq, xs, nb, y, r)
+COL_TILE(q4_k_avx512, Q4_K_T5)
+COL_TILE(q5_k_avx512, Q5_K_T5)
+COL_TILE(q6_k_avx512, Q6_K_T5)
 #endif
 #endif
 
@@ -929,6 +1053,7 @@ int rs_quant_linear(int wtype, const uint8_t *w, int64_t N, int64_t K, int xdt, 
         return 1;
     if (M == 0 || N == 0) return 0;
     const tile_fn tile = (flags & 1) || !qt.fast ? qt.ref : qt.fast;
+    const int tm = qt.kquant ? TILE_MK : TILE_M; /* rows per tile (any count gives the same bits) */
     const int64_t nb = K / qt.block, row_bytes = nb * qt.bytes;
     const int64_t xs = qt.kquant ? nb * (int64_t)sizeof(xqk_t) : (nb + 3) / 4 * (int64_t)sizeof(xq32_t);
     uint8_t *xq = aligned_alloc(64, (size_t)((M * xs + 63) / 64 * 64));
@@ -952,11 +1077,11 @@ int rs_quant_linear(int wtype, const uint8_t *w, int64_t N, int64_t K, int xdt, 
     schedule(static)
     for (int64_t gi = 0; gi < groups; ++gi) {
         const int64_t j0 = gi * jb, j1 = j0 + jb < N ? j0 + jb : N;
-        for (int64_t i0 = 0; i0 < M; i0 += TILE_M) {
-            const int R = (int)(M - i0 < TILE_M ? M - i0 : TILE_M);
+        for (int64_t i0 = 0; i0 < M; i0 += tm) {
+            const int R = (int)(M - i0 < tm ? M - i0 : tm);
             /* the whole group in one call: y[c * R + r] */
             const int C = (int)(j1 - j0);
-            float y[256 * TILE_M];
+            float y[256 * TILE_MAX];
             tile(w + j0 * row_bytes, row_bytes, C, xq + i0 * xs, xs, nb, R, y);
             for (int r = 0; r < R; ++r) {
                 const int64_t o = (i0 + r) * ldo + j0;
