@@ -82,9 +82,8 @@ class QuantKernels:
         fn = lib.rs_quant_isa
         fn.argtypes = []
         fn.restype = c_int
-        #: the tiles this build runs: "avx512" (AVX-512 BW + VNNI tiles for the K-quants,
-        #: AVX2 for the others), "avx2" (AVX2 + FMA + F16C) or "portable" (plain C); the same
-        #: bits on each
+        #: the tiles this build runs: "avx512" (AVX-512 BW + VNNI), "avx2" (AVX2 + FMA +
+        #: F16C) or "portable" (plain C); the same bits on each
         self.isa = {2: "avx512", 1: "avx2"}.get(fn(), "portable")
         # the int8-weight GEMM lives in cpu_kernels.c: a library of quant_kernels.c alone
         # (the plain-x86-64 build the tests compare) has the block kernels only
