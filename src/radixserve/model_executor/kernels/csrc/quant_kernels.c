@@ -34,13 +34,18 @@
  *
  * Dot products are exact integers per block; the float arithmetic is one fixed sequence per
  * output, whatever the tiling, the row count M or the instruction set:
- *   * Q4_0/Q4_1/Q5_0/Q5_1/Q8_0: block b's integer dot is kept as two int32 "lanes", lo (its
- *     values 0..15) and hi (16..31), Q4_0's -8 and Q5_0's -16 offsets included; with k = b % 4
+ *   * Q4_0/Q8_0/Q4_1: per block b and output one exact integer dot (Q4_0's -8 included) and
+ *     acc = fma(d_w * d_x, (float)dot, acc); Q4_1 also accm = fma(m_w, s_x, accm); y = acc
+ *     (+ accm). The SIMD tiles transpose the weights of 8 (AVX2) or 16 (AVX-512) outputs so
+ *     that one int32 lane holds 4 values of one output, and a dot product instruction against
+ *     4 broadcast activation values adds into all of them (`q32b_cols_*`);
+ *   * Q5_0/Q5_1: block b's integer dot is kept as two int32 "lanes", lo (its
+ *     values 0..15) and hi (16..31), Q5_0's -16 offset included; with k = b % 4
  *     and s = d_w * d_x: acc[k] = fma(s, (float)lo, acc[k]), acc[4 + k] = fma(s, (float)hi,
  *     acc[4 + k]) (AVX2: four blocks' lanes gathered by an add tree into one vector, one
- *     convert + FMA per 4 blocks), Q4_1/Q5_1 also accm[k] = fma(m_w, s_x, accm[k]);
- *   * Q4_0/Q4_1/Q5_0/Q5_1/Q8_0: y = ((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 +
- *     acc7)) (the AVX2 horizontal sum), + ((accm0 + accm2) + (accm1 + accm3)) (Q4_1/Q5_1);
+ *     convert + FMA per 4 blocks), Q5_1 also accm[k] = fma(m_w, s_x, accm[k]);
+ *     y = ((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 + acc7)) (the AVX2
+ *     horizontal sum), + ((accm0 + accm2) + (accm1 + accm3)) (Q5_1);
  *   * K-quants: per super-block b and output, one exact integer isum (every product with its
  *     sub-block scale, Q6_K's -32 offset subtracted as 32 * sum(sc * bs16)) and, for
  *     Q4_K/Q5_K, msum = sum over sub-blocks of m[s] * bs32[s]; acc = fma(d_w * d_x,
@@ -65,6 +70,11 @@
  *   5217 / 20346, Q4_K 457 / 1114 / 4592 / 16675, Q6_K 693 / 1252 / 4956 / 18814, Q8_0 828 /
  *   1386 / 5359 / 21042. Earlier yardsticks (other runs): torch int4pack g32 (bf16 x) 1067 /
  *   2108 / 5920 / 33134; F.linear float32 3306 / 11114 / 12320 / 25797.
+ * Q4_0 / Q4_1 / Q8_0 on the same VM, M = 1 / 16 / 64, row tiles (two lanes per block, one
+ * 8-lane FMA per 4 blocks) -> transposed column tiles: AVX-512 356 / 2356 / 9937 -> 361 /
+ * 1220 / 4823, 362 / 2394 / 9610 -> 420 / 1460 / 5788, 626 / 2331 / 9249 -> 673 / 1635 /
+ * 5858; the AVX2 build on the same CPU 352 / 2349 / 9355 -> 375 / 2029 / 8107, 365 / 2480 /
+ * 9822 -> 392 / 2052 / 8060, 627 / 2935 / 11657 -> 698 / 2788 / 10555.
  * The K-quants on the avx512_bf16 kind (a 2-vCPU "Intel Xeon Processor" VM without AMX, 2
  * threads, weights rotated over 640 MB, `benchmarks/quant_kernel_variants_ab.py`), best us at
  * M = 1 / 16 / 64 / 256, one lane FMA per output before -> AVX-512 tiles, same contract ->
@@ -201,6 +211,7 @@ typedef struct {
     float s[4];    /* d * sum(q) (Q4_1/Q5_1's min term) */
     int32_t c[8];  /* -8 * sum(q[k][0..15]) for block k, then -8 * sum(q[k][16..31]) (Q4_0's
                     * offset; Q5_0 adds it twice) */
+    int32_t o[4];  /* c[k] + c[4 + k]: -8 * sum(q[k]) */
 } xq32_t;
 
 typedef struct {
@@ -268,6 +279,7 @@ static void quantize_row_32(int xdt, const void *x, int64_t off, int64_t nb, xq3
         g->s[k] = g->d[k] * (float)(lo + hi);
         g->c[k] = -8 * lo;
         g->c[4 + k] = -8 * hi;
+        g->o[k] = -8 * (lo + hi);
     }
 }
 
@@ -351,19 +363,51 @@ static inline void q32_ref(const uint8_t *w0, int64_t ws, int C, const uint8_t *
     }
 }
 
+/* Q4_0 (type 0), Q8_0 (1), Q4_1 (2) under the per-block contract: per block one exact integer
+ * dot (Q4_0's -8 included) and one FMA; Q4_1's min term its own FMA chain */
+static inline void q32b_ref(const uint8_t *w0, int64_t ws, int C, const uint8_t *xq, int64_t xs,
+                            int64_t nb, int R, float *y, int type) {
+    const int bb = Q32_BYTES(type), qo = Q32_QS(type);
+    for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) {
+        const uint8_t *w = w0 + c * ws;
+        const xq32_t *x = (const xq32_t *)(xq + r * xs);
+        float acc = 0.0f, accm = 0.0f;
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t *blk = w + b * bb;
+            const xq32_t *g = x + b / 4;
+            const int k = (int)(b % 4);
+            int32_t dot = type == 0 ? g->o[k] : 0;
+            if (type == 1) {
+                /* read as int8 through an int8 pointer: GCC 12's vectorizer took
+                 * `(int8_t)u8 * s8` for an unsigned x signed dot product (vpdpbusd) and
+                 * dropped the cast (wrong sums at -O2 -march with AVX512-VNNI) */
+                const int8_t *qs = (const int8_t *)(blk + 2);
+                for (int e = 0; e < 32; ++e) dot += qs[e] * g->q[k][e];
+            } else {
+                for (int e = 0; e < 16; ++e)
+                    dot += (blk[qo + e] & 15) * g->q[k][e] + (blk[qo + e] >> 4) * g->q[k][16 + e];
+            }
+            acc = fmaf(fp16_to_f32(blk) * g->d[k], (float)dot, acc);
+            if (type == 2) accm = fmaf(fp16_to_f32(blk + 2), g->s[k], accm);
+        }
+        y[c * R + r] = type == 2 ? acc + accm : acc;
+    }
+}
+
 static void q4_0_ref(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
                      int64_t nb, int R, float *y) {
-    q32_ref(w, ws, C, xq, xs, nb, R, y, 0);
+    q32b_ref(w, ws, C, xq, xs, nb, R, y, 0);
 }
 
 static void q8_0_ref(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
                      int64_t nb, int R, float *y) {
-    q32_ref(w, ws, C, xq, xs, nb, R, y, 1);
+    q32b_ref(w, ws, C, xq, xs, nb, R, y, 1);
 }
 
 static void q4_1_ref(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
                      int64_t nb, int R, float *y) {
-    q32_ref(w, ws, C, xq, xs, nb, R, y, 2);
+    q32b_ref(w, ws, C, xq, xs, nb, R, y, 2);
 }
 
 static void q5_0_ref(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
@@ -825,18 +869,125 @@ AI void q6k_cols_avx2(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, in
                      int64_t nb, int R, float *y) {                                          \
         BY_ROWS(call)                                                                        \
     }
-#define Q4_0_T(r) q32_tile_avx2(w + c * ws, xq, xs, nb, y + c * R, r, 0)
-#define Q8_0_T(r) q32_tile_avx2(w + c * ws, xq, xs, nb, y + c * R, r, 1)
-#define Q4_1_T(r) q32_tile_avx2(w + c * ws, xq, xs, nb, y + c * R, r, 2)
 #define Q5_0_T(r) q32_tile_avx2(w + c * ws, xq, xs, nb, y + c * R, r, 3)
 #define Q5_1_T(r) q32_tile_avx2(w + c * ws, xq, xs, nb, y + c * R, r, 4)
 #if !RS_Q_AVX512
-ROW_TILE(q4_0_avx2, Q4_0_T)
-ROW_TILE(q8_0_avx2, Q8_0_T)
-ROW_TILE(q4_1_avx2, Q4_1_T)
 ROW_TILE(q5_0_avx2, Q5_0_T)
 ROW_TILE(q5_1_avx2, Q5_1_T)
 #endif
+/* ---- Q4_0 / Q8_0 / Q4_1 column tiles: 8 (AVX2) or 16 (AVX-512) weight rows at a time,
+ * block by block, the weight values transposed so that one int32 lane holds 4 consecutive
+ * values of one output: a dot product instruction with 4 activation values broadcast then
+ * adds into every output's sum at once, and the block's scale, conversion and FMA run once
+ * for all the outputs (the per-block contract of q32b_ref). */
+
+/* absent outputs of a group read this block: zero values and scales */
+static const uint8_t zero_block[64] __attribute__((aligned(64)));
+
+/* per 128 bits: o[j] element m = a[m]'s element j (four 4 x 4 transposes of dwords) */
+AI void tr4x4_256(const __m256i *a, __m256i *o) {
+    const __m256i t0 = _mm256_unpacklo_epi32(a[0], a[1]), t1 = _mm256_unpackhi_epi32(a[0], a[1]);
+    const __m256i t2 = _mm256_unpacklo_epi32(a[2], a[3]), t3 = _mm256_unpackhi_epi32(a[2], a[3]);
+    o[0] = _mm256_unpacklo_epi64(t0, t2);
+    o[1] = _mm256_unpackhi_epi64(t0, t2);
+    o[2] = _mm256_unpacklo_epi64(t1, t3);
+    o[3] = _mm256_unpackhi_epi64(t1, t3);
+}
+
+/* the low 16 bits of each int32 lane, in order */
+AI __m128i low16(__m256i v) {
+    const __m256i packed = _mm256_shuffle_epi8(v, _mm256_setr_epi8(
+        0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1,
+        0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1));
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
+}
+
+/* type 0 Q4_0, 1 Q8_0, 2 Q4_1; C weight rows x R activation rows */
+AI void q32b_cols_avx2(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
+                       int64_t nb, float *y, const int R, const int type) {
+    const int bb = Q32_BYTES(type), qo = Q32_QS(type);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    float acc[TILE_MK][8], accm[TILE_MK][8];
+    /* the group's rows are walked in lock step: the same block of the next group's */
+    const int64_t pf = 8 * KPF_GROUPS * ws;
+    const __m256i offs = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                            _mm256_set1_epi32((int)ws));
+    for (int c0 = 0; c0 < C; c0 += 8) {
+        const int nc = C - c0 < 8 ? C - c0 : 8;
+        const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(nc),
+                                                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        memset(acc, 0, sizeof acc);
+        memset(accm, 0, sizeof accm);
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t *bp[8];
+            for (int c = 0; c < 8; ++c) {
+                bp[c] = c < nc ? w + (c0 + c) * ws + b * bb : zero_block;
+                if (c < nc) _mm_prefetch((const char *)(bp[c] + pf), _MM_HINT_T0);
+            }
+            /* the 8 blocks' fp16 d (and m) gathered as dwords and narrowed in registers (16-bit
+             * stores read back as one vector would stall store forwarding every block) */
+            const uint8_t *base = w + c0 * ws + b * bb;
+            const __m256i dd = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), (const int *)base, offs,
+                                                           live, 1);
+            const __m256i md = type == 2 ? _mm256_mask_i32gather_epi32(_mm256_setzero_si256(),
+                                                                        (const int *)(base + 2), offs, live, 1)
+                                         : dd;
+            __m256i T[8], a[4];
+            if (type == 1) {
+                for (int h = 0; h < 2; ++h) {
+                    for (int m = 0; m < 4; ++m)
+                        a[m] = _mm256_loadu2_m128i((const __m128i *)(bp[m + 4] + 2 + 16 * h),
+                                                   (const __m128i *)(bp[m] + 2 + 16 * h));
+                    tr4x4_256(a, T + 4 * h);
+                }
+            } else {
+                __m256i raw[4];
+                for (int m = 0; m < 4; ++m)
+                    a[m] = _mm256_loadu2_m128i((const __m128i *)(bp[m + 4] + qo),
+                                               (const __m128i *)(bp[m] + qo));
+                tr4x4_256(a, raw);
+                for (int j = 0; j < 4; ++j) {
+                    T[j] = _mm256_and_si256(raw[j], m4);
+                    T[j + 4] = _mm256_and_si256(_mm256_srli_epi16(raw[j], 4), m4);
+                }
+            }
+            __m256i A[8];
+            if (type == 1)
+                for (int q = 0; q < 8; ++q) A[q] = _mm256_sign_epi8(T[q], T[q]);
+            const __m256 dw = _mm256_cvtph_ps(low16(dd));
+            const __m256 mw = _mm256_cvtph_ps(low16(md));
+            const int k = (int)(b % 4);
+            for (int r = 0; r < R; ++r) {
+                const xq32_t *g = (const xq32_t *)(xq + r * xs) + b / 4;
+                int32_t xi[8];
+                memcpy(xi, g->q[k], sizeof xi);
+                __m256i dot;
+                if (type == 1) {
+                    dot = _mm256_setzero_si256();
+                    for (int q = 0; q < 8; ++q)
+                        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(
+                            A[q], _mm256_sign_epi8(_mm256_set1_epi32(xi[q]), T[q])), ones));
+                } else {
+                    /* eight products of 4-bit values and int8 stay within int16 (8 * 3810) */
+                    __m256i s16 = _mm256_maddubs_epi16(T[0], _mm256_set1_epi32(xi[0]));
+                    for (int q = 1; q < 8; ++q)
+                        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(T[q], _mm256_set1_epi32(xi[q])));
+                    dot = _mm256_madd_epi16(s16, ones);
+                    if (type == 0) dot = _mm256_add_epi32(dot, _mm256_set1_epi32(g->o[k]));
+                }
+                _mm256_storeu_ps(acc[r], _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(g->d[k])),
+                                                         _mm256_cvtepi32_ps(dot), _mm256_loadu_ps(acc[r])));
+                if (type == 2)
+                    _mm256_storeu_ps(accm[r], _mm256_fmadd_ps(mw, _mm256_set1_ps(g->s[k]),
+                                                              _mm256_loadu_ps(accm[r])));
+            }
+        }
+        for (int r = 0; r < R; ++r)
+            for (int c = 0; c < nc; ++c)
+                y[(c0 + c) * R + r] = type == 2 ? acc[r][c] + accm[r][c] : acc[r][c];
+    }
+}
+
 /* the K-quant tiles loop over the C weight rows themselves (8 at a time) */
 #if TILE_MK > 8
 #define ONCE_9_16(call)                                                                      \
@@ -874,10 +1025,16 @@ ROW_TILE(q5_1_avx2, Q5_1_T)
                      int64_t nb, int R, float *y) {                                          \
         BY_ROWS_ONCE(call)                                                                   \
     }
+#define Q4_0_B(r) q32b_cols_avx2(w, ws, C, xq, xs, nb, y, r, 0)
+#define Q8_0_B(r) q32b_cols_avx2(w, ws, C, xq, xs, nb, y, r, 1)
+#define Q4_1_B(r) q32b_cols_avx2(w, ws, C, xq, xs, nb, y, r, 2)
 #define Q4_K_T(r) qk45_cols_avx2(w, ws, C, xq, xs, nb, y, r, 0)
 #define Q5_K_T(r) qk45_cols_avx2(w, ws, C, xq, xs, nb, y, r, 1)
 #define Q6_K_T(r) q6k_cols_avx2(w, ws, C, xq, xs, nb, y, r)
 #if !RS_Q_AVX512
+COL_TILE(q4_0_avx2, Q4_0_B)
+COL_TILE(q8_0_avx2, Q8_0_B)
+COL_TILE(q4_1_avx2, Q4_1_B)
 COL_TILE(q4_k_avx2, Q4_K_T)
 COL_TILE(q5_k_avx2, Q5_K_T)
 COL_TILE(q6_k_avx2, Q6_K_T)
@@ -1082,14 +1239,99 @@ AI void q32_tile_avx512(const uint8_t *w, const uint8_t *xq, int64_t xs, int64_t
         y[r] = Q32_MIN(type) ? hsum8_avx(acc[r]) + hsum4_avx(accm[r]) : hsum8_avx(acc[r]);
 }
 
-#define Q4_0_T5(r) q32_tile_avx512(w + c * ws, xq, xs, nb, y + c * R, r, 0)
-#define Q8_0_T5(r) q32_tile_avx512(w + c * ws, xq, xs, nb, y + c * R, r, 1)
-#define Q4_1_T5(r) q32_tile_avx512(w + c * ws, xq, xs, nb, y + c * R, r, 2)
+/* q32b_cols_avx2 with 16 outputs per zmm and vpdpbusd (4 products per lane in one
+ * instruction); Q8_0's int8 weights are shifted to unsigned (w + 128, a sign-bit flip) and the
+ * shift's 128 * sum(x) = -16 * o taken off the start of each block's sum */
+AI void tr4x4_512(const __m512i *a, __m512i *o) {
+    const __m512i t0 = _mm512_unpacklo_epi32(a[0], a[1]), t1 = _mm512_unpackhi_epi32(a[0], a[1]);
+    const __m512i t2 = _mm512_unpacklo_epi32(a[2], a[3]), t3 = _mm512_unpackhi_epi32(a[2], a[3]);
+    o[0] = _mm512_unpacklo_epi64(t0, t2);
+    o[1] = _mm512_unpackhi_epi64(t0, t2);
+    o[2] = _mm512_unpacklo_epi64(t1, t3);
+    o[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+/* [16 bytes at p[m], p[m + 4], p[m + 8], p[m + 12]] */
+AI __m512i load4x128(const uint8_t *const *p, int m, int off) {
+    __m512i z = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(p[m] + off)));
+    z = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i *)(p[m + 4] + off)), 1);
+    z = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i *)(p[m + 8] + off)), 2);
+    return _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i *)(p[m + 12] + off)), 3);
+}
+
+AI void q32b_cols_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
+                         int64_t nb, float *y, const int R, const int type) {
+    const int bb = Q32_BYTES(type), qo = Q32_QS(type);
+    const __m512i m4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x80);
+    float acc[TILE_MK][16], accm[TILE_MK][16];
+    const int64_t pf = 16 * KPF_GROUPS * ws;
+    const __m512i offs = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
+                                                              12, 13, 14, 15),
+                                            _mm512_set1_epi32((int)ws));
+    for (int c0 = 0; c0 < C; c0 += 16) {
+        const int nc = C - c0 < 16 ? C - c0 : 16;
+        const __mmask16 live = (__mmask16)((1u << nc) - 1u);
+        memset(acc, 0, sizeof acc);
+        memset(accm, 0, sizeof accm);
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t *bp[16];
+            for (int c = 0; c < 16; ++c) {
+                bp[c] = c < nc ? w + (c0 + c) * ws + b * bb : zero_block;
+                if (c < nc) _mm_prefetch((const char *)(bp[c] + pf), _MM_HINT_T0);
+            }
+            const uint8_t *base = w + c0 * ws + b * bb;
+            const __m512i dd = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, offs, base, 1);
+            const __m512i md = type == 2 ? _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, offs,
+                                                                        base + 2, 1)
+                                         : dd;
+            __m512i T[8], a[4];
+            if (type == 1) {
+                for (int h = 0; h < 2; ++h) {
+                    for (int m = 0; m < 4; ++m) a[m] = load4x128(bp, m, 2 + 16 * h);
+                    tr4x4_512(a, T + 4 * h);
+                }
+                for (int q = 0; q < 8; ++q) T[q] = _mm512_xor_si512(T[q], flip);
+            } else {
+                __m512i raw[4];
+                for (int m = 0; m < 4; ++m) a[m] = load4x128(bp, m, qo);
+                tr4x4_512(a, raw);
+                for (int j = 0; j < 4; ++j) {
+                    T[j] = _mm512_and_si512(raw[j], m4);
+                    T[j + 4] = _mm512_and_si512(_mm512_srli_epi16(raw[j], 4), m4);
+                }
+            }
+            const __m512 dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
+            const __m512 mw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(md));
+            const int k = (int)(b % 4);
+            for (int r = 0; r < R; ++r) {
+                const xq32_t *g = (const xq32_t *)(xq + r * xs) + b / 4;
+                int32_t xi[8];
+                memcpy(xi, g->q[k], sizeof xi);
+                __m512i dot = type == 0 ? _mm512_set1_epi32(g->o[k])
+                            : type == 1 ? _mm512_set1_epi32(16 * g->o[k]) : _mm512_setzero_si512();
+                for (int q = 0; q < 8; ++q)
+                    dot = _mm512_dpbusd_epi32(dot, T[q], _mm512_set1_epi32(xi[q]));
+                _mm512_storeu_ps(acc[r], _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(g->d[k])),
+                                                         _mm512_cvtepi32_ps(dot), _mm512_loadu_ps(acc[r])));
+                if (type == 2)
+                    _mm512_storeu_ps(accm[r], _mm512_fmadd_ps(mw, _mm512_set1_ps(g->s[k]),
+                                                              _mm512_loadu_ps(accm[r])));
+            }
+        }
+        for (int r = 0; r < R; ++r)
+            for (int c = 0; c < nc; ++c)
+                y[(c0 + c) * R + r] = type == 2 ? acc[r][c] + accm[r][c] : acc[r][c];
+    }
+}
+
+#define Q4_0_B5(r) q32b_cols_avx512(w, ws, C, xq, xs, nb, y, r, 0)
+#define Q8_0_B5(r) q32b_cols_avx512(w, ws, C, xq, xs, nb, y, r, 1)
+#define Q4_1_B5(r) q32b_cols_avx512(w, ws, C, xq, xs, nb, y, r, 2)
+COL_TILE(q4_0_avx512, Q4_0_B5)
+COL_TILE(q8_0_avx512, Q8_0_B5)
+COL_TILE(q4_1_avx512, Q4_1_B5)
 #define Q5_0_T5(r) q32_tile_avx512(w + c * ws, xq, xs, nb, y + c * R, r, 3)
 #define Q5_1_T5(r) q32_tile_avx512(w + c * ws, xq, xs, nb, y + c * R, r, 4)
-ROW_TILE(q4_0_avx512, Q4_0_T5)
-ROW_TILE(q8_0_avx512, Q8_0_T5)
-ROW_TILE(q4_1_avx512, Q4_1_T5)
 ROW_TILE(q5_0_avx512, Q5_0_T5)
 ROW_TILE(q5_1_avx512, Q5_1_T5)
 #define Q4_K_T5(r) qk45_cols_avx512(w, ws, C, xq, xs, nb, y, r, 0)
@@ -1148,7 +1390,10 @@ int rs_quant_linear(int wtype, const uint8_t *w, int64_t N, int64_t K, int xdt, 
         return 1;
     if (M == 0 || N == 0) return 0;
     const tile_fn tile = (flags & 1) || !qt.fast ? qt.ref : qt.fast;
-    const int tm = qt.kquant ? TILE_MK : TILE_M; /* rows per tile (any count gives the same bits) */
+    /* rows per tile (any count gives the same bits): the column tiles' (K-quants, Q4_0,
+     * Q8_0, Q4_1) keep one row's sums in registers at a time */
+    const int tm = qt.kquant || wtype == T_Q4_0 || wtype == T_Q8_0 || wtype == T_Q4_1 ? TILE_MK
+                                                                             : TILE_M;
     const int64_t nb = K / qt.block, row_bytes = nb * qt.bytes;
     const int64_t xs = qt.kquant ? nb * (int64_t)sizeof(xqk_t) : (nb + 3) / 4 * (int64_t)sizeof(xq32_t);
     uint8_t *xq = aligned_alloc(64, (size_t)((M * xs + 63) / 64 * 64));
