@@ -128,7 +128,7 @@ def test_the_dense_form_of_a_gguf_is_timed_through_the_served_linear() -> None:
     torch.testing.assert_close(fn(x[:1]), x[:1] @ w.T, rtol=1e-4, atol=1e-4)
     wb, xb = w.to(torch.bfloat16), x.to(torch.bfloat16)
     fb = path_choice.dense_form_linear(kernels, wb, 16, {})
-    if kernels.amx.available:
+    if kernels.amx.available and kernels.amx.self_check()[0]:
         assert type(fb).__name__ == "AmxLinear"
     torch.testing.assert_close(fb(xb).float(), (xb.float() @ wb.float().T), rtol=2e-2,
                                atol=5e-2)

@@ -555,7 +555,8 @@ AI __m256i tree4_16(const __m256i *p) {
     return _mm256_madd_epi16(_mm256_shuffle_epi8(c, order), _mm256_set1_epi16(1));
 }
 
-/* Q4_0 (type 0: unsigned nibbles, the -8 added to the lanes in integers), Q8_0 (type 1:
+/* Row tiles, now run for Q5_0/Q5_1 only (Q4_0/Q8_0/Q4_1 take the column tiles below; the
+ * type cases are compile-time constants). Q4_0 (type 0: unsigned nibbles, the -8 added to the lanes in integers), Q8_0 (type 1:
  * signed, abs/sign trick), Q4_1 (type 2: unsigned, min term), Q5_0 (type 3: unsigned 5-bit,
  * the -16 added in integers), Q5_1 (type 4: unsigned 5-bit, min term): one weight row x R
  * activation rows, four blocks at a time. Each block's maddubs + madd leave 8 int32; a
@@ -871,10 +872,9 @@ AI void q6k_cols_avx2(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, in
     }
 #define Q5_0_T(r) q32_tile_avx2(w + c * ws, xq, xs, nb, y + c * R, r, 3)
 #define Q5_1_T(r) q32_tile_avx2(w + c * ws, xq, xs, nb, y + c * R, r, 4)
-#if !RS_Q_AVX512
+/* Q5_0 / Q5_1 (llama.cpp's fall-back types) run these on AVX-512 builds too */
 ROW_TILE(q5_0_avx2, Q5_0_T)
 ROW_TILE(q5_1_avx2, Q5_1_T)
-#endif
 /* ---- Q4_0 / Q8_0 / Q4_1 column tiles: 8 (AVX2) or 16 (AVX-512) weight rows at a time,
  * block by block, the weight values transposed so that one int32 lane holds 4 consecutive
  * values of one output: a dot product instruction with 4 activation values broadcast then
@@ -1156,89 +1156,6 @@ AI void q6k_cols_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, 
     }
 }
 
-/* q32_group_avx2 over two zmm of two blocks each: vpdpbusd sums the 4 products of each
- * int32 lane in one instruction (u8 x s8). Q4_0/Q4_1/Q5_0/Q5_1 weights are unsigned already;
- * Q8_0's int8 weights meet activations shifted to unsigned (x + 128, a sign-bit flip), the
- * shift's 128 * (sum of 4 weights) taken off the lane's starting value once per weight block.
- * [lo b0, hi b0, lo b1, hi b1 | lo b2 ...] (4 lanes each) folds into q32_group_avx2's
- * [lo(b0..b3) | hi(b0..b3)]: the same integers, the same float steps. */
-AI void q32_group_avx512(const uint8_t *w, const uint8_t *xq, int64_t xs, int64_t g, int nv,
-                         __m256 *acc, __m128 *accm, const int R, const int type) {
-    const int bb = Q32_BYTES(type), qo = Q32_QS(type);
-    const uint8_t *blk = w + g * 4 * bb;
-    _mm_prefetch((const char *)(blk + QPF), _MM_HINT_T0);
-    _mm_prefetch((const char *)(blk + QPF + 64), _MM_HINT_T0);
-    if (type == 1) _mm_prefetch((const char *)(blk + QPF + 128), _MM_HINT_T0);
-    __m256i wq[4];
-    uint64_t hd = 0, hm = 0;
-    for (int k = 0; k < 4; ++k) {
-        if (k < nv) {
-            const uint8_t *p = blk + k * bb;
-            uint16_t h;
-            memcpy(&h, p, 2);
-            hd |= (uint64_t)h << (16 * k);
-            if (Q32_MIN(type)) {
-                memcpy(&h, p + 2, 2);
-                hm |= (uint64_t)h << (16 * k);
-            }
-            wq[k] = type == 1 ? _mm256_loadu_si256((const __m256i *)(p + 2))
-                  : type >= 3 ? _mm256_or_si256(nibbles32(p + qo), hbits32(p + qo - 4))
-                  : nibbles32(p + qo);
-        } else {
-            wq[k] = _mm256_setzero_si256();
-        }
-    }
-    const __m512i w01 = _mm512_inserti64x4(_mm512_castsi256_si512(wq[0]), wq[1], 1);
-    const __m512i w23 = _mm512_inserti64x4(_mm512_castsi256_si512(wq[2]), wq[3], 1);
-    const __m512i flip = _mm512_set1_epi8((char)0x80);
-    const __m512i zero = _mm512_setzero_si512();
-    /* Q8_0: -128 * (sum of each lane's 4 weights), the lanes' starting value */
-    const __m512i c01 = type == 1 ? _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, flip, w01)) : zero;
-    const __m512i c23 = type == 1 ? _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, flip, w23)) : zero;
-    const __m512i order = _mm512_setr_epi32(0, 8, 1, 9, 4, 12, 5, 13, 0, 8, 1, 9, 4, 12, 5, 13);
-    const __m128 dw4 = _mm_cvtph_ps(_mm_cvtsi64_si128((long long)hd));
-    const __m256 dw8 = _mm256_insertf128_ps(_mm256_castps128_ps256(dw4), dw4, 1);
-    const __m128 mw4 = Q32_MIN(type) ? _mm_cvtph_ps(_mm_cvtsi64_si128((long long)hm)) : dw4;
-    for (int r = 0; r < R; ++r) {
-        const xq32_t *x = (const xq32_t *)(xq + r * xs) + g;
-        __m512i x01 = _mm512_loadu_si512((const void *)x->q[0]);
-        __m512i x23 = _mm512_loadu_si512((const void *)x->q[2]);
-        __m512i a, b;
-        if (type == 1) {
-            a = _mm512_dpbusd_epi32(c01, _mm512_xor_si512(x01, flip), w01);
-            b = _mm512_dpbusd_epi32(c23, _mm512_xor_si512(x23, flip), w23);
-        } else {
-            a = _mm512_dpbusd_epi32(zero, w01, x01);
-            b = _mm512_dpbusd_epi32(zero, w23, x23);
-        }
-        /* per 128 bits i: [sum a_i, sum b_i, sum a_i, sum b_i], then lanes in block order */
-        const __m512i s1 = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
-        const __m512i s2 = _mm512_add_epi32(s1, _mm512_shuffle_epi32(s1, _MM_PERM_BADC));
-        __m256i t = _mm512_castsi512_si256(_mm512_permutexvar_epi32(order, s2));
-        if (Q32_OFF(type) == 1) t = _mm256_add_epi32(t, _mm256_loadu_si256((const __m256i *)x->c));
-        if (Q32_OFF(type) == 2)
-            t = _mm256_add_epi32(t, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)x->c), 1));
-        const __m256 s = _mm256_mul_ps(dw8, _mm256_broadcast_ps((const __m128 *)x->d));
-        acc[r] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(t), acc[r]);
-        if (Q32_MIN(type)) accm[r] = _mm_fmadd_ps(mw4, _mm_loadu_ps(x->s), accm[r]);
-    }
-}
-
-AI void q32_tile_avx512(const uint8_t *w, const uint8_t *xq, int64_t xs, int64_t nb, float *y,
-                        const int R, const int type) {
-    __m256 acc[TILE_M];
-    __m128 accm[TILE_M];
-    for (int r = 0; r < R; ++r) {
-        acc[r] = _mm256_setzero_ps();
-        accm[r] = _mm_setzero_ps();
-    }
-    const int64_t full = nb / 4;
-    for (int64_t g = 0; g < full; ++g) q32_group_avx512(w, xq, xs, g, 4, acc, accm, R, type);
-    if (nb % 4) q32_group_avx512(w, xq, xs, full, (int)(nb % 4), acc, accm, R, type);
-    for (int r = 0; r < R; ++r)
-        y[r] = Q32_MIN(type) ? hsum8_avx(acc[r]) + hsum4_avx(accm[r]) : hsum8_avx(acc[r]);
-}
-
 /* q32b_cols_avx2 with 16 outputs per zmm and vpdpbusd (4 products per lane in one
  * instruction); Q8_0's int8 weights are shifted to unsigned (w + 128, a sign-bit flip) and the
  * shift's 128 * sum(x) = -16 * o taken off the start of each block's sum */
@@ -1330,10 +1247,6 @@ AI void q32b_cols_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq,
 COL_TILE(q4_0_avx512, Q4_0_B5)
 COL_TILE(q8_0_avx512, Q8_0_B5)
 COL_TILE(q4_1_avx512, Q4_1_B5)
-#define Q5_0_T5(r) q32_tile_avx512(w + c * ws, xq, xs, nb, y + c * R, r, 3)
-#define Q5_1_T5(r) q32_tile_avx512(w + c * ws, xq, xs, nb, y + c * R, r, 4)
-ROW_TILE(q5_0_avx512, Q5_0_T5)
-ROW_TILE(q5_1_avx512, Q5_1_T5)
 #define Q4_K_T5(r) qk45_cols_avx512(w, ws, C, xq, xs, nb, y, r, 0)
 #define Q5_K_T5(r) qk45_cols_avx512(w, ws, C, xq, xs, nb, y, r, 1)
 #define Q6_K_T5(r) q6k_cols_avx512(w, ws, C, xq, xs, nb, y, r)
@@ -1364,8 +1277,8 @@ static int qtype_info(int t, qtype_t *q) {
 #endif
     case T_Q4_0: *q = (qtype_t){32, 18, 0, q4_0_ref, FAST512(q4_0_avx)}; return 0;
     case T_Q4_1: *q = (qtype_t){32, 20, 0, q4_1_ref, FAST512(q4_1_avx)}; return 0;
-    case T_Q5_0: *q = (qtype_t){32, 22, 0, q5_0_ref, FAST512(q5_0_avx)}; return 0;
-    case T_Q5_1: *q = (qtype_t){32, 24, 0, q5_1_ref, FAST512(q5_1_avx)}; return 0;
+    case T_Q5_0: *q = (qtype_t){32, 22, 0, q5_0_ref, FAST(q5_0_avx2)}; return 0;
+    case T_Q5_1: *q = (qtype_t){32, 24, 0, q5_1_ref, FAST(q5_1_avx2)}; return 0;
     case T_Q8_0: *q = (qtype_t){32, 34, 0, q8_0_ref, FAST512(q8_0_avx)}; return 0;
     case T_Q4_K: *q = (qtype_t){256, 144, 1, q4_k_ref, FAST512(q4_k_avx)}; return 0;
     case T_Q5_K: *q = (qtype_t){256, 176, 1, q5_k_ref, FAST512(q5_k_avx)}; return 0;
