@@ -3,7 +3,9 @@ random-weight checkpoint of ~300 MB written here: a bf16 safetensors folder and 
 weights as a BF16 GGUF. Loading is streamed into the serving dtype, so the peak stays within
 the weights plus a bounded overhead; the float32-then-cast loader this replaced peaked at the
 bf16 weights three times over (measured: 899 MiB above the interpreter for 297 MiB of bf16
-weights, against 403 MiB now), which the tight bound below fails."""
+weights), which the tight bound below fails. Measured now on the avx512_bf16 kind: 484 MiB (the
+folder) and 441 MiB (the GGUF, whose one-off conversion runs in a child process: in-process it
+left ~160 MiB behind and this bound failed by 25-40 MiB)."""
 
 from __future__ import annotations
 

@@ -345,6 +345,30 @@ def test_edited_gguf_is_reconverted(tmp_path):
     assert second != first and gguf_loader.is_complete_folder(second)
 
 
+def test_gguf_conversion_leaves_the_serving_process_without_the_converter(tmp_path):
+    """The conversion runs in a child: the process that converts (the server) never imports
+    transformers' GGUF reader, whose memory it would otherwise keep beside the weights; and a
+    broken file still fails in the caller with the child's ValueError."""
+    import subprocess
+    import sys
+
+    gguf_file = tmp_path / "m.gguf"
+    write_tiny_gguf("llama", gguf_file, tie=True)
+    code = ("import sys; from pathlib import Path\n"
+            "from radixserve.model_executor.loader.gguf_loader import gguf_to_hf_folder\n"
+            "folder = gguf_to_hf_folder(Path(sys.argv[1]), cache_dir=Path(sys.argv[2]))\n"
+            "print(folder, 'transformers.modeling_gguf_pytorch_utils' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, str(gguf_file), str(tmp_path / "c")],
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert gguf_loader.is_complete_folder(Path(out[0]))
+    assert out[1] == "False"
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(gguf_file.read_bytes()[:4] + b"\xff" * 64)  # the magic, then garbage
+    with pytest.raises(ValueError, match="bad.gguf: cannot read the GGUF metadata"):
+        gguf_to_hf_folder(bad, cache_dir=tmp_path / "c")
+    assert not [p for p in (tmp_path / "c").iterdir() if p.name.startswith(".")]  # no temp left
+
+
 def test_resolve_gguf_uses_cache_env(tmp_path, monkeypatch):
     monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path / "rs"))
     gguf_file = tmp_path / "My-Model.Q8_0.gguf"

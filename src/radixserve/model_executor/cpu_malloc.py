@@ -15,6 +15,7 @@ in the process for reuse instead of going back to the OS.
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import platform
 from dataclasses import dataclass
@@ -71,3 +72,25 @@ def tune_malloc(enabled: bool = True) -> MallocTuning:
     return MallocTuning(True, f"glibc mmap threshold {MMAP_THRESHOLD_BYTES >> 20} MiB, trim "
                               f"threshold {TRIM_THRESHOLD_BYTES >> 20} MiB: a step's "
                               "activations reuse heap memory instead of fresh pages")
+
+
+def release_free_heap(collect: bool = True) -> bool:
+    """Give the C heap's free pages back to the OS (glibc's ``malloc_trim(0)``), once a one-off
+    phase is over: reading a GGUF's metadata and building its tokenizer frees ~180 MiB of small
+    Python objects, and loading frees each layer's dense weights as it packs them. The raised
+    trim threshold (``tune_malloc``) would keep all of that as if it were a step's activations,
+    so a served model's resident memory would carry its own loading. Returns False where the C
+    library has no ``malloc_trim`` (not glibc); never raises. ``collect``: run Python's cycle
+    collector first (tens of ms), for garbage that only it frees."""
+    if collect:
+        gc.collect()
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    trim(0)
+    return True

@@ -15,7 +15,7 @@ from radixserve.engine_types import RunnerStats
 from radixserve.kvcache.sizing import plan_kv_pool
 from radixserve.kvcache.storage import KVStorage
 from radixserve.model_executor.attention.paged_attention import AttentionMetadata
-from radixserve.model_executor.cpu_malloc import tune_malloc
+from radixserve.model_executor.cpu_malloc import release_free_heap, tune_malloc
 from radixserve.model_executor.cuda_graphs import maybe_decode_graphs
 from radixserve.model_executor.device_policy import (
     ForwardPaths,
@@ -168,6 +168,7 @@ class ModelRunner:
             paths.pick("dtype", str(self.dtype).removeprefix("torch."), dtype_change)
             log.warning("--dtype auto: %s", dtype_change)
         if self.device.type == "cpu":
+            release_free_heap()  # what resolving the model (a GGUF's conversion) freed
             tuned = tune_malloc(config.tune_malloc)
             paths.pick("malloc", "tuned" if tuned.applied else "default", tuned.reason)
         paths.pick("attention", self.attention_backend, *attention_reason(
@@ -197,6 +198,8 @@ class ModelRunner:
         #: the packed linear kernel's row cap measured on this machine (None: not measured)
         self.kernel_rows: KernelRowsChoice | None = None
         self.packed_weights = self._pick_linears(config, paths)
+        if self.device.type == "cpu":
+            release_free_heap()  # the dense weights freed as their packed copies were made
         if "decode_layers" not in paths.paths:
             paths.pick("decode_layers", "per-op", "the fused stack needs packed bf16 linears")
         #: greedy rows' argmax: the C kernel's (3.3x torch's at 64 x 49,152) with the C kernels
@@ -320,6 +323,8 @@ class ModelRunner:
                 self.kernels, self.dtype,
                 [w.detach() for w in (layer.qkv, layer.o, layer.gate_up, layer.down)],
                 hint, m.kernel_k_blocks, model_key)
+        if self.device.type == "cpu":
+            release_free_heap()  # the measurements' packed copies and activations, before packing
         if self.model.pack_linears(batch_hint=hint, linear_kernel=config.cpu_linear_kernel,
                                    kernel_max_rows=None if rows is None else rows.max_rows):
             paths.pick("linear", "packed", reason)
