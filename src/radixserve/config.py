@@ -16,6 +16,8 @@ ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 #: checkpoint's linears at load, "awq" / "gptq" serve such a 4-bit checkpoint's weights (the
 #: default for one), "none" keeps every weight dense
 QUANTIZATIONS = ("gguf", "int8", "awq", "gptq", "none")
+#: the arithmetic of a bfloat16 model's linears on CPU (``EngineConfig.cpu_bf16_gemm``)
+BF16_GEMMS = ("auto", "bf16", "float32")
 #: KV connectors ``kv_transfer_config.kv_connector`` may name (``kv_transfer/factory.py``).
 KV_CONNECTORS = ("NixlConnector", "TcpConnector")
 #: Roles of an instance in prefill/decode disaggregation (vLLM's ``kv_role`` values).
@@ -315,6 +317,14 @@ class EngineConfig:
             reproduced and changes a row's bits with the batch); False
             (``--no-cpu-linear-kernel``): oneDNN's GEMM for every call (one row as two equal
             rows), the reference.
+        cpu_bf16_gemm: a bfloat16 model's linears on a CPU without AMX: "bf16" (bf16 pair dot
+            products, ``vdpbf16ps``: radixserve's kernel and oneDNN, as ``cpu_linear_kernel``
+            says), "float32" (radixserve's float32 GEMM over the bf16 weights, the rows
+            widened and the sums rounded back to bf16, ``layers/bf16_weight_linear.py``: one
+            reduction order for every row count, the float32 oneDNN path's arithmetic), or
+            "auto" (default): whichever measured faster on one layer and the LM head at
+            start-up (``path_choice.choose_bf16_gemm``, cached). Some CPUs run float32 FMAs
+            at twice the rate of their bf16 dot products. Needs ``cpu_linear_kernel``.
         fused_decode: run a decode step's layers in one call into radixserve's C kernels
             (the same kernels in the same order as the per-op path, so the same bits) where
             the model allows it: weights on ``cpu_linear_kernel``, the "cpu" attention
@@ -379,6 +389,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     pack_weights: bool | None = None
     cpu_linear_kernel: bool = True
+    cpu_bf16_gemm: str = "auto"
     fused_decode: bool = True
     tune_malloc: bool = True
     shadow_rate: float = 0.0
@@ -433,6 +444,9 @@ class EngineConfig:
         if self.tensor_parallel_size > 1 and self.kv_transfer_config is not None:
             raise ValueError("kv_transfer_config (prefill/decode disaggregation) is not "
                              "supported with tensor_parallel_size > 1")
+        if self.cpu_bf16_gemm not in BF16_GEMMS:
+            raise ValueError(f"cpu_bf16_gemm={self.cpu_bf16_gemm!r} is not one of "
+                             f"{', '.join(BF16_GEMMS)}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r} is not one of "
                              f"{', '.join(ATTENTION_BACKENDS)}")

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from radixserve.config import (
     ATTENTION_BACKENDS,
+    BF16_GEMMS,
     DTYPES,
     QUANTIZATIONS,
     SCHEDULE_POLICIES,
@@ -35,7 +36,8 @@ def parse_bytes(text: str) -> int:
 
 
 _CHOICES = {"dtype": DTYPES, "schedule_policy": SCHEDULE_POLICIES,
-            "attention_backend": ATTENTION_BACKENDS, "quantization": QUANTIZATIONS}
+            "attention_backend": ATTENTION_BACKENDS, "quantization": QUANTIZATIONS,
+            "cpu_bf16_gemm": BF16_GEMMS}
 _ALIASES = {"enable_prefix_caching": ["--no-prefix-caching", "--no-prefix-cache"]}
 #: vLLM's short spellings
 _SHORT = {"tensor_parallel_size": ["-tp"]}

@@ -30,6 +30,7 @@ import torch
 from radixserve.cache_dir import cache_dir
 from radixserve.model_executor.kernels.cpu import CpuKernels, cpu_signature
 from radixserve.model_executor.layers.amx_linear import AmxLinear
+from radixserve.model_executor.layers.bf16_weight_linear import Bf16WeightLinear
 from radixserve.model_executor.layers.linear import dense_linear, packed_linear
 from radixserve.model_executor.layers.packed_kernel import (
     MAX_ROWS,
@@ -431,3 +432,95 @@ def choose_gguf_form(blocks: Callable[[], list[tuple[int, torch.Tensor, torch.Te
                   f"{speedup:.2f}x (taken above {GGUF_FORM_MARGIN}x)")
         _write(path, {"form": form, "reason": reason, "seconds": secs})
         return GgufFormChoice(form, reason, secs)
+
+
+#: how much faster the float32 GEMM must measure for a bfloat16 model to take it: it costs a
+#: widening and a rounding per call and rows some 5-10% more at one row on the machines
+#: measured (its single-row path streams bf16 weights a little slower than the bf16 GEMV),
+#: so a near-tie stays on the bf16 dot products
+BF16_GEMM_MARGIN = 1.05
+
+
+@dataclass
+class Bf16GemmChoice:
+    """Verdict of ``choose_bf16_gemm``.
+
+    Attributes:
+        path: "bf16" (bf16 pair dot products: radixserve's packed kernel and oneDNN) or
+            "float32" (radixserve's float32 GEMM over the bf16 weights).
+        reason: one line for the start-up log.
+        seconds: path -> seconds of one pass over a layer's projections and the LM head at
+            each of ``FORM_M`` (empty if not measured).
+        cached: the verdict came from the cache file.
+    """
+
+    path: str
+    reason: str
+    seconds: dict[str, list[float]]
+    cached: bool = False
+
+
+def measure_bf16_gemms(kernels: CpuKernels, weights: list[torch.Tensor], batch_hint: int,
+                       k_blocks: dict[tuple[int, int], int]) -> dict[str, list[float]]:
+    """Seconds of one pass over ``weights`` (bfloat16 [N, K] each: a layer's projections and
+    the LM head) at each of ``FORM_M`` bf16 rows, through the linear a bf16 model is served
+    with ("bf16", ``dense_form_linear``) and through the float32 GEMM over the same weights
+    with the rows widened and the sums rounded back ("float32", ``Bf16WeightLinear``;
+    ``k_blocks`` gives each [N, K]'s K blocking); interleaved, best of two."""
+    shared: dict[tuple[int, int], int | None] = {}
+    dot = [dense_form_linear(kernels, w, batch_hint, shared) for w in weights]
+    fma = [Bf16WeightLinear(kernels, w, None, k_blocks[tuple(w.shape)], torch.bfloat16)
+           for w in weights]
+    out: dict[str, list[float]] = {"bf16": [], "float32": []}
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for m in FORM_M:
+            xs = [torch.randn(m, w.shape[1], generator=g).bfloat16() for w in weights]
+
+            def run(fns: list, xs=xs) -> Callable[[object], None]:
+                def go(_: object) -> None:
+                    for f, x in zip(fns, xs, strict=True):
+                        f(x)
+                return go
+
+            reps = 5 if m <= 64 else 1
+            for name, fns in (("bf16", dot), ("float32", fma)):
+                out[name].append(min(_time(run(fns), None, reps), _time(run(fns), None, reps)))
+    return out
+
+
+def choose_bf16_gemm(kernels: CpuKernels, weights: Callable[[], list[torch.Tensor]],
+                     batch_hint: int, k_blocks: dict[tuple[int, int], int],
+                     cache_key: str) -> Bf16GemmChoice:
+    """The arithmetic of a bfloat16 model's linears on this CPU (``cpu_bf16_gemm="auto"``):
+    bf16 pair dot products, or float32 FMAs over the widened bf16 weights where they measure
+    ``BF16_GEMM_MARGIN`` faster (weighted as ``_WEIGHTS``). The cached verdict for
+    ``cache_key`` (the model's shapes) on this CPU and torch build, or a fresh
+    ``measure_bf16_gemms`` (then cached).
+
+    Why: on the avx512_bf16 VM measured (Intel, AMX hidden) ``vdpbf16ps`` ran ~44 GMAC/s per
+    core against ~85 for float32 FMAs, and the float32 GEMM over Qwen2.5-1.5B's projections
+    took 0.90 / 0.77 / 0.70 the bf16 path's time at 16 / 64 / 256 rows (1.07 at one row); a
+    CPU with full-rate bf16 dot products ranks them the other way.
+
+    Args:
+        weights: makes the measured bfloat16 weights (called only when nothing is cached).
+        k_blocks: the float32 GEMM's K blocking per [N, K].
+    """
+    path = _cache_file("bf16-gemm", cache_key, str(batch_hint))
+    with _exclusive(path):
+        d = _read(path, "path", ("bf16", "float32"))
+        if d is not None:
+            return Bf16GemmChoice(d["path"], f"measured before on this machine ({path.name}): "
+                                  + d["reason"], d["seconds"], cached=True)
+        secs = measure_bf16_gemms(kernels, weights(), batch_hint, k_blocks)
+        logs = [_WEIGHTS[m] * math.log(b / f)
+                for m, b, f in zip(FORM_M, secs["bf16"], secs["float32"], strict=True)]
+        speedup = math.exp(sum(logs) / sum(_WEIGHTS[m] for m in FORM_M))
+        best = "float32" if speedup > BF16_GEMM_MARGIN else "bf16"
+        ms = " ".join(f"M={m}: {b * 1e3:.2f}/{f * 1e3:.2f}"
+                      for m, b, f in zip(FORM_M, secs["bf16"], secs["float32"], strict=True))
+        reason = (f"measured on a layer and the LM head, bf16 dot products/float32 FMAs ms {ms}; "
+                  f"float32 {speedup:.2f}x (taken above {BF16_GEMM_MARGIN}x)")
+        _write(path, {"path": best, "reason": reason, "seconds": secs})
+        return Bf16GemmChoice(best, reason, secs)

@@ -37,6 +37,7 @@ from radixserve.model_executor.parallel.group import TensorParallelGroup
 from radixserve.model_executor.parallel.sharding import ShardLayout
 from radixserve.model_executor.path_choice import (
     KernelRowsChoice,
+    choose_bf16_gemm,
     choose_kernel_rows,
     choose_linear_path,
 )
@@ -253,6 +254,51 @@ class ModelRunner:
             return None, "the GGUF is dequantized at load: the C kernels are unavailable"
         return measured_gguf_form(gguf, a, dense, min(config.max_num_seqs, 64), kernels)
 
+    def _bf16_on_f32_gemm(self, config: EngineConfig, hint: int, model_key: str,
+                          paths: ForwardPaths) -> bool:
+        """A bfloat16 model's linears on the float32 GEMM over its bf16 weights
+        (``EngineConfig.cpu_bf16_gemm``: asked for, or measured faster here); True when they
+        were put there, with the paths recorded."""
+        m = self.model
+        if (self.dtype != torch.bfloat16 or not config.cpu_linear_kernel
+                or config.cpu_bf16_gemm == "bf16" or self.kernels is None
+                or self.kernels.f32_gemm_isa is None
+                or any(w.shape[0] % 64 for w in self._dense_weights())):
+            if config.cpu_bf16_gemm == "float32":
+                log.warning("cpu_bf16_gemm=float32 not used: it needs a bfloat16 model, "
+                            "cpu_linear_kernel, radixserve's float32 GEMM and output sizes "
+                            "that are multiples of 64")
+            elif config.cpu_bf16_gemm == "bf16" and self.dtype == torch.bfloat16:
+                paths.pick("bf16_gemm", "bf16", "--cpu-bf16-gemm bf16")
+            return False
+        blocks = m.f32_k_blocks(self.kernels, hint)
+        if config.cpu_bf16_gemm == "float32":
+            reason = "--cpu-bf16-gemm float32"
+        else:
+            choice = choose_bf16_gemm(self.kernels, self._dense_weights, hint, blocks,
+                                      model_key)
+            if choice.path == "bf16":
+                paths.pick("bf16_gemm", "bf16", choice.reason)
+                return False
+            reason = choice.reason
+        paths.pick("bf16_gemm", "float32", reason)
+        m.use_bf16_weight_linears(self.kernels, hint)
+        found = {f"{n}x{k}": kb for (n, k), kb in m.kernel_k_blocks.items()}
+        paths.pick("linear", "bf16-weights", "radixserve's float32 GEMM over the bf16 weights "
+                   "for every row count, rows widened and sums rounded back to bf16: one "
+                   "reduction order per output, so rows do not change with the batch")
+        paths.pick("linear_kernel", "radixserve", f"K blocking per [N, K], oneDNN's float32 "
+                   f"one where found (None: K): {found}")
+        paths.pick("decode_layers", *enable_decode_stack(m, config.fused_decode))
+        return True
+
+    def _dense_weights(self) -> list[torch.Tensor]:
+        """The first layer's four projections and the LM head, [N, K] each (measurements)."""
+        m = self.model
+        layer = m.layers[0]
+        head = m.embed if m.lm_head is None else m.lm_head
+        return [w.detach() for w in (layer.qkv, layer.o, layer.gate_up, layer.down, head)]
+
     def _pick_linears(self, config: EngineConfig, paths: ForwardPaths) -> bool:
         """Pack the linears or keep them dense (``--pack-weights``: on, off, or measured on
         this machine when unset); records the path and why. Returns True when packed."""
@@ -297,6 +343,8 @@ class ModelRunner:
         model_key = (f"{a.arch} {a.hidden_size} {a.intermediate_size} {a.num_heads} "
                      f"{a.num_kv_heads} {a.head_dim} {a.vocab_size} {self.dtype}"
                      + (f" tp{self.shard.size}" if self.shard.size > 1 else ""))
+        if self._bf16_on_f32_gemm(config, hint, model_key, paths):
+            return True
         invariant = (config.cpu_linear_kernel and self.kernels is not None
                      and self.kernels.has_linear_kernel(self.dtype))
         if config.pack_weights is None and config.speculative_config is not None and invariant:

@@ -333,15 +333,16 @@ class DecoderLayer(nn.Module):
             w.data = torch.empty(0, dtype=w.dtype)
 
     def use_bf16_weight_linears(self, kernels: CpuKernels,
-                                k_blocks: dict[tuple[int, int], int]) -> None:
+                                k_blocks: dict[tuple[int, int], int],
+                                act_dtype: torch.dtype = torch.float32) -> None:
         """Run the four projections on the float32 GEMM over their bfloat16 weights
         (``layers.bf16_weight_linear``), for every row count, and free the dense weights;
-        ``k_blocks`` gives each [N, K]'s K blocking."""
+        ``k_blocks`` gives each [N, K]'s K blocking, ``act_dtype`` the activations' dtype."""
         bias = {"qkv": self.qkv_bias}
         for n in _LINEAR_PARAMS:
             w = self.get_parameter(n)
             setattr(self, n + "_proj", Bf16WeightLinear(kernels, w.data, bias.get(n),
-                                                        k_blocks[tuple(w.shape)]))
+                                                        k_blocks[tuple(w.shape)], act_dtype))
             w.data = torch.empty(0, dtype=w.dtype)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
@@ -457,6 +458,7 @@ class CausalLM(nn.Module):
         #: the tied embedding looked up in the LM head's packed bf16 weights
         #: (``use_bf16_weight_linears``), else None
         self.embed_rows: Bf16WeightLinear | None = None
+        self._f32_k_blocks: dict[tuple[int, int], int] | None = None
         self.layers = nn.ModuleList(DecoderLayer(local, kernels, attention_backend, dtype,
                                                  device, layer_ops, weight_dtype)
                                     for _ in range(a.num_layers))
@@ -540,37 +542,50 @@ class CausalLM(nn.Module):
             if self.lm_head is not None:
                 self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype)
 
+    def f32_k_blocks(self, kernels: CpuKernels, batch_hint: int) -> dict[tuple[int, int], int]:
+        """The float32 GEMM's K blocking for each [N, K] of the projections and the LM head:
+        oneDNN's float32 one where ``find_k_block`` finds it, else K; ``kernel_k_blocks``
+        records what the probe found (None: not reproduced). Memoized: later calls return
+        the first answer. The LM head is probed at ``PROBE_MAX_ROWS`` rows: a full-size
+        float32 probe of a 152k-row head would cost up to 2 GiB of transient memory."""
+        if self._f32_k_blocks is None:
+            w_head = self.embed if self.lm_head is None else self.lm_head
+            shapes = {tuple(layer.get_parameter(n).shape) for layer in self.layers
+                      for n in _LINEAR_PARAMS} | {tuple(w_head.shape)}
+            blocks: dict[tuple[int, int], int] = {}
+            for n, k in shapes:
+                kb = find_k_block(kernels, min(n, PROBE_MAX_ROWS), k, batch_hint, torch.float32)
+                self.kernel_k_blocks[(n, k)] = kb
+                blocks[(n, k)] = k if kb is None else kb
+            self._f32_k_blocks = blocks
+        return self._f32_k_blocks
+
     def use_bf16_weight_linears(self, kernels: CpuKernels, batch_hint: int) -> None:
         """Every projection and the LM head on the float32 GEMM over their bfloat16 weights
         (``layers.bf16_weight_linear``), for every row count; the dense weights are freed, a
         tied embedding too (its rows are then looked up in the LM head's packed weights).
-        Call after the weights are loaded, on a model made with ``weight_dtype`` bfloat16.
+        Call after the weights are loaded, on a model made with ``weight_dtype`` bfloat16
+        (float32 activations), or on a bfloat16 model (bf16 activations widened per call and
+        the sums rounded back: ``path_choice.choose_bf16_gemm``).
 
-        Each [N, K]'s K blocking is oneDNN's float32 one where ``find_k_block`` finds it
-        (each row then gets the float32 oneDNN path's bits), else K; ``kernel_k_blocks``
-        records what oneDNN's probe found (None: not reproduced). The LM head is probed at
-        ``PROBE_MAX_ROWS`` rows: a full-size float32 probe of a 152k-row head would cost up to
-        2 GiB of transient memory.
+        Each [N, K]'s K blocking is ``f32_k_blocks``' (each row then gets the float32 oneDNN
+        path's bits where oneDNN's blocking was found).
 
         Raises:
             ValueError: a model whose weights are not bfloat16 under float32 activations, or
                 an output size that is not a multiple of 64.
         """
         w_head = self.embed if self.lm_head is None else self.lm_head
-        if self.norm.dtype != torch.float32 or w_head.dtype != torch.bfloat16:
-            raise ValueError(f"bf16-weight linears need bfloat16 weights under float32, got "
-                             f"{w_head.dtype} under {self.norm.dtype}")
-        shapes = {tuple(layer.get_parameter(n).shape) for layer in self.layers
-                  for n in _LINEAR_PARAMS} | {tuple(w_head.shape)}
-        blocks: dict[tuple[int, int], int] = {}
-        for n, k in shapes:
-            kb = find_k_block(kernels, min(n, PROBE_MAX_ROWS), k, batch_hint, torch.float32)
-            self.kernel_k_blocks[(n, k)] = kb
-            blocks[(n, k)] = k if kb is None else kb
+        act = self.norm.dtype
+        if act not in (torch.float32, torch.bfloat16) or w_head.dtype != torch.bfloat16:
+            raise ValueError(f"bf16-weight linears need bfloat16 weights under float32 or "
+                             f"bfloat16, got {w_head.dtype} under {act}")
+        blocks = self.f32_k_blocks(kernels, batch_hint)
         for layer in self.layers:
-            layer.use_bf16_weight_linears(kernels, blocks)
+            layer.use_bf16_weight_linears(kernels, blocks, act)
         if self.lm_head_q is None:
-            head = Bf16WeightLinear(kernels, w_head.data, None, blocks[tuple(w_head.shape)])
+            head = Bf16WeightLinear(kernels, w_head.data, None, blocks[tuple(w_head.shape)],
+                                    act)
             self._lm_head_proj = head
             w_head.data = torch.empty(0, dtype=w_head.dtype)
             if self.lm_head is None:

@@ -1630,8 +1630,9 @@ int rs_quant_linear(int wtype, const uint8_t *w, int64_t N, int64_t K, int xdt, 
 #define DL_AMX (-2)
 int rs_amx_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *packed,
                        int64_t N, uint16_t *y, int64_t ldy, int flags, int num_threads);
-/* kblk with DL_W_BF16 set (float32 only): w is bfloat16 weights packed as the float32 ones,
- * run by rs_linear_f32_bf16w with the K blocking in the low bits */
+/* kblk with DL_W_BF16 set: w is bfloat16 weights packed as the float32 ones, run by
+ * rs_linear_f32_bf16w with the K blocking in the low bits (bfloat16 activations widened and
+ * the outputs rounded back) */
 #define DL_W_BF16 ((int64_t)1 << 40)
 /* kblk == DL_INT8: w is an int64 table {int8 weights packed [N/64][K][64], float32 scale [N],
  * K blocking}, run by rs_linear_f32_i8w; under bfloat16 activations the rows are widened to
@@ -1640,20 +1641,31 @@ int rs_amx_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *
 int rs_linear_f32_i8w(const float *x, const int8_t *w, const float *scale, float *y, int64_t M,
                       int64_t N, int64_t K, int64_t kblk, int num_threads);
 
-static int linear_int8(int dtype, const void *x, const int64_t *t, void *y, int64_t M,
-                       int64_t N, int64_t K, int num_threads) {
-    const int8_t *w = (const int8_t *)(intptr_t)t[0];
-    const float *scale = (const float *)(intptr_t)t[1];
-    if (dtype == 0)
-        return rs_linear_f32_i8w(x, w, scale, y, M, N, K, t[2], num_threads);
+/* A float32 GEMM (`rs_linear_f32_i8w` over int8, `rs_linear_f32_bf16w` over bf16 weights) under
+ * bfloat16 activations: the rows widened to float32 (exact), the outputs rounded back, as the
+ * per-op layers (`layers.int8_weight_linear`, `layers.bf16_weight_linear`) do */
+static int linear_f32_widened(int wk, const void *x, const int64_t *t, int64_t w, void *y,
+                              int64_t M, int64_t N, int64_t K, int64_t kblk, int num_threads) {
     float *xf = (float *)malloc(sizeof(float) * (size_t)(M * K + M * N));
     if (xf == NULL) return 3;
     float *yf = xf + M * K;
     for (int64_t i = 0; i < M * K; ++i) xf[i] = bf16_to_f32(((const uint16_t *)x)[i]);
-    const int rc = rs_linear_f32_i8w(xf, w, scale, yf, M, N, K, t[2], num_threads);
+    const int rc =
+        wk == 2 ? rs_linear_f32_i8w(xf, (const int8_t *)(intptr_t)t[0],
+                                    (const float *)(intptr_t)t[1], yf, M, N, K, t[2], num_threads)
+                : rs_linear_f32_bf16w(xf, (const uint16_t *)(intptr_t)w, yf, M, N, K, kblk,
+                                      num_threads);
     for (int64_t i = 0; rc == 0 && i < M * N; ++i) ((uint16_t *)y)[i] = f32_to_bf16(yf[i]);
     free(xf);
     return rc;
+}
+
+static int linear_int8(int dtype, const void *x, const int64_t *t, void *y, int64_t M,
+                       int64_t N, int64_t K, int num_threads) {
+    if (dtype == 0)
+        return rs_linear_f32_i8w(x, (const int8_t *)(intptr_t)t[0],
+                                 (const float *)(intptr_t)t[1], y, M, N, K, t[2], num_threads);
+    return linear_f32_widened(2, x, t, 0, y, M, N, K, 0, num_threads);
 }
 
 static int linear_packed(int dtype, const void *x, int64_t w, void *y, int64_t M, int64_t N,
@@ -1675,7 +1687,8 @@ static int linear_packed(int dtype, const void *x, int64_t w, void *y, int64_t M
     if (kblk > 0 && (kblk & DL_W_BF16))
         return dtype == 0 ? rs_linear_f32_bf16w(x, (const uint16_t *)(intptr_t)w, y, M, N, K,
                                                 kblk & ~DL_W_BF16, num_threads)
-                          : 1;
+                          : linear_f32_widened(1, x, NULL, w, y, M, N, K, kblk & ~DL_W_BF16,
+                                               num_threads);
     if (kblk == DL_AMX)
         return dtype == 1 ? rs_amx_linear_bf16(x, M, K, (const uint16_t *)(intptr_t)w, N, y, N, 0,
                                                num_threads)
