@@ -36,6 +36,11 @@ def test_bf16_rows_on_the_float32_gemm_are_its_float32_sums_rounded() -> None:
     assert torch.equal(narrow(x[5:6]), got[5:6])
     assert torch.allclose(got.float(), (x.float() @ w.float().T + bias.float()), atol=2e-2,
                           rtol=2e-2)
+    # the packed layout (outputs interleaved per pair of vectors) gives the weight back
+    assert torch.equal(narrow.weight(), w)
+    ids = torch.tensor([0, 1, 15, 16, 17, 31, 32, 63, 64, 100, 191])
+    assert torch.equal(narrow.rows(ids), w[ids])
+    assert torch.equal(wide.rows(ids), w[ids].float())
     with pytest.raises(ValueError, match="bfloat16"):
         narrow(x.float())
     with pytest.raises(ValueError, match="bias"):
@@ -94,7 +99,7 @@ def test_auto_records_its_measured_choice(tmp_path) -> None:
         assert "bf16_gemm" not in paths
         return
     assert paths["bf16_gemm"] in ("bf16", "float32")
-    assert "float32 FMAs ms M=1:" in runner.paths.reasons["bf16_gemm"]
+    assert "float32 FMAs ms per forward M=1:" in runner.paths.reasons["bf16_gemm"]
     assert (paths["linear"] == "bf16-weights") == (paths["bf16_gemm"] == "float32")
 
 

@@ -460,13 +460,17 @@ class Bf16GemmChoice:
     cached: bool = False
 
 
-def measure_bf16_gemms(kernels: CpuKernels, weights: list[torch.Tensor], batch_hint: int,
-                       k_blocks: dict[tuple[int, int], int]) -> dict[str, list[float]]:
-    """Seconds of one pass over ``weights`` (bfloat16 [N, K] each: a layer's projections and
-    the LM head) at each of ``FORM_M`` bf16 rows, through the linear a bf16 model is served
-    with ("bf16", ``dense_form_linear``) and through the float32 GEMM over the same weights
-    with the rows widened and the sums rounded back ("float32", ``Bf16WeightLinear``;
-    ``k_blocks`` gives each [N, K]'s K blocking); interleaved, best of two."""
+def measure_bf16_gemms(kernels: CpuKernels, weights: list[torch.Tensor], num_layers: int,
+                       batch_hint: int, k_blocks: dict[tuple[int, int], int]
+                       ) -> dict[str, list[float]]:
+    """Seconds of one forward's linears at each of ``FORM_M`` bf16 rows: ``weights`` are a
+    layer's projections then the LM head (bfloat16 [N, K] each), timed apart and added as
+    ``num_layers`` x the layer + the head, through the linear a bf16 model is served with
+    ("bf16", ``dense_form_linear``) and through the float32 GEMM over the same weights with the
+    rows widened and the sums rounded back ("float32", ``Bf16WeightLinear``; ``k_blocks``
+    gives each [N, K]'s K blocking); interleaved, best of two. One layer beside the head
+    would let the head decide: a 152k-row head is 28 layers' worth of Qwen2.5-1.5B's weights
+    at one row, and the two GEMMs rank the shapes differently."""
     shared: dict[tuple[int, int], int | None] = {}
     dot = [dense_form_linear(kernels, w, batch_hint, shared) for w in weights]
     fma = [Bf16WeightLinear(kernels, w, None, k_blocks[tuple(w.shape)], torch.bfloat16)
@@ -477,20 +481,23 @@ def measure_bf16_gemms(kernels: CpuKernels, weights: list[torch.Tensor], batch_h
         for m in FORM_M:
             xs = [torch.randn(m, w.shape[1], generator=g).bfloat16() for w in weights]
 
-            def run(fns: list, xs=xs) -> Callable[[object], None]:
+            def run(fns: list, part: slice, xs=xs) -> Callable[[object], None]:
                 def go(_: object) -> None:
-                    for f, x in zip(fns, xs, strict=True):
+                    for f, x in zip(fns[part], xs[part], strict=True):
                         f(x)
                 return go
 
             reps = 5 if m <= 64 else 1
             for name, fns in (("bf16", dot), ("float32", fma)):
-                out[name].append(min(_time(run(fns), None, reps), _time(run(fns), None, reps)))
+                layer, head = (min(_time(run(fns, part), None, reps),
+                                   _time(run(fns, part), None, reps))
+                               for part in (slice(0, -1), slice(-1, None)))
+                out[name].append(num_layers * layer + head)
     return out
 
 
 def choose_bf16_gemm(kernels: CpuKernels, weights: Callable[[], list[torch.Tensor]],
-                     batch_hint: int, k_blocks: dict[tuple[int, int], int],
+                     num_layers: int, batch_hint: int, k_blocks: dict[tuple[int, int], int],
                      cache_key: str) -> Bf16GemmChoice:
     """The arithmetic of a bfloat16 model's linears on this CPU (``cpu_bf16_gemm="auto"``):
     bf16 pair dot products, or float32 FMAs over the widened bf16 weights where they measure
@@ -504,23 +511,26 @@ def choose_bf16_gemm(kernels: CpuKernels, weights: Callable[[], list[torch.Tenso
     CPU with full-rate bf16 dot products ranks them the other way.
 
     Args:
-        weights: makes the measured bfloat16 weights (called only when nothing is cached).
+        weights: makes the measured bfloat16 weights, a layer's projections then the LM head
+            (called only when nothing is cached).
+        num_layers: the model's layers (the layer's weight in the total).
         k_blocks: the float32 GEMM's K blocking per [N, K].
     """
-    path = _cache_file("bf16-gemm", cache_key, str(batch_hint))
+    path = _cache_file("bf16-gemm", cache_key, str(batch_hint), "layers-weighted")
     with _exclusive(path):
         d = _read(path, "path", ("bf16", "float32"))
         if d is not None:
             return Bf16GemmChoice(d["path"], f"measured before on this machine ({path.name}): "
                                   + d["reason"], d["seconds"], cached=True)
-        secs = measure_bf16_gemms(kernels, weights(), batch_hint, k_blocks)
+        secs = measure_bf16_gemms(kernels, weights(), num_layers, batch_hint, k_blocks)
         logs = [_WEIGHTS[m] * math.log(b / f)
                 for m, b, f in zip(FORM_M, secs["bf16"], secs["float32"], strict=True)]
         speedup = math.exp(sum(logs) / sum(_WEIGHTS[m] for m in FORM_M))
         best = "float32" if speedup > BF16_GEMM_MARGIN else "bf16"
         ms = " ".join(f"M={m}: {b * 1e3:.2f}/{f * 1e3:.2f}"
                       for m, b, f in zip(FORM_M, secs["bf16"], secs["float32"], strict=True))
-        reason = (f"measured on a layer and the LM head, bf16 dot products/float32 FMAs ms {ms}; "
+        reason = (f"measured on a layer (x {num_layers}) and the LM head, bf16 dot products/"
+                  f"float32 FMAs ms per forward {ms}; "
                   f"float32 {speedup:.2f}x (taken above {BF16_GEMM_MARGIN}x)")
         _write(path, {"path": best, "reason": reason, "seconds": secs})
         return Bf16GemmChoice(best, reason, secs)

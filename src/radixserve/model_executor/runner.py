@@ -275,8 +275,8 @@ class ModelRunner:
         if config.cpu_bf16_gemm == "float32":
             reason = "--cpu-bf16-gemm float32"
         else:
-            choice = choose_bf16_gemm(self.kernels, self._dense_weights, hint, blocks,
-                                      model_key)
+            choice = choose_bf16_gemm(self.kernels, self._dense_weights, len(m.layers), hint,
+                                      blocks, model_key)
             if choice.path == "bf16":
                 paths.pick("bf16_gemm", "bf16", choice.reason)
                 return False
