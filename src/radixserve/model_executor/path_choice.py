@@ -506,9 +506,11 @@ def choose_bf16_gemm(kernels: CpuKernels, weights: Callable[[], list[torch.Tenso
     ``measure_bf16_gemms`` (then cached).
 
     Why: on the avx512_bf16 VM measured (Intel, AMX hidden) ``vdpbf16ps`` ran ~44 GMAC/s per
-    core against ~85 for float32 FMAs, and the float32 GEMM over Qwen2.5-1.5B's projections
-    took 0.90 / 0.77 / 0.70 the bf16 path's time at 16 / 64 / 256 rows (1.07 at one row); a
-    CPU with full-rate bf16 dot products ranks them the other way.
+    core against ~85 for float32 FMAs; over Qwen2.5-1.5B's shapes (28 layers and the LM head)
+    the float32 GEMM took 0.92 / 0.72 / 0.69 of the bf16 path's time at 16 / 64 / 256 rows
+    and 1.34 at one row, where the measurement's weights sit in cache and the widening is
+    what costs (streaming the model from memory, one row measured 1.07); a CPU with full-rate
+    bf16 dot products ranks them the other way.
 
     Args:
         weights: makes the measured bfloat16 weights, a layer's projections then the LM head
