@@ -317,13 +317,15 @@ class EngineConfig:
             reproduced and changes a row's bits with the batch); False
             (``--no-cpu-linear-kernel``): oneDNN's GEMM for every call (one row as two equal
             rows), the reference.
-        cpu_bf16_gemm: a bfloat16 model's linears on a CPU without AMX: "bf16" (bf16 pair dot
-            products, ``vdpbf16ps``: radixserve's kernel and oneDNN, as ``cpu_linear_kernel``
-            says), "float32" (radixserve's float32 GEMM over the bf16 weights, the rows
+        cpu_bf16_gemm: a bfloat16 model's linears on CPU: "bf16" (bf16 pair dot products,
+            ``vdpbf16ps``: radixserve's kernel and oneDNN, as ``cpu_linear_kernel`` says; on
+            the AMX kind its AMX GEMM, as with "auto"), "float32" (on every kind, AMX
+            included: radixserve's float32 GEMM over the bf16 weights, the rows
             widened and the sums rounded back to bf16, ``layers/bf16_weight_linear.py``: one
             reduction order for every row count, the float32 oneDNN path's arithmetic), or
-            "auto" (default): whichever measured faster on one layer and the LM head at
-            start-up (``path_choice.choose_bf16_gemm``, cached). Some CPUs run float32 FMAs
+            "auto" (default): the AMX GEMM on the AMX kind, elsewhere whichever measured faster
+            on one layer and the LM head at start-up (``path_choice.choose_bf16_gemm``,
+            cached). Some CPUs run float32 FMAs
             at twice the rate of their bf16 dot products. Needs ``cpu_linear_kernel``.
         fused_decode: run a decode step's layers in one call into radixserve's C kernels
             (the same kernels in the same order as the per-op path, so the same bits) where

@@ -282,15 +282,25 @@ class ModelRunner:
                 return False
             reason = choice.reason
         paths.pick("bf16_gemm", "float32", reason)
+        self._use_bf16_weight_linears(config, hint, paths, ", rows widened and sums rounded "
+                                      "back to bf16")
+        return True
+
+    def _use_bf16_weight_linears(self, config: EngineConfig, hint: int, paths: ForwardPaths,
+                                 how: str = "") -> None:
+        """Every projection and the LM head on the float32 GEMM over the bf16 weights
+        (``CausalLM.use_bf16_weight_linears``), the fused decode stack over it; the paths
+        recorded (``how``: what the activations go through, for the log)."""
+        m = self.model
+        assert self.kernels is not None
         m.use_bf16_weight_linears(self.kernels, hint)
         found = {f"{n}x{k}": kb for (n, k), kb in m.kernel_k_blocks.items()}
-        paths.pick("linear", "bf16-weights", "radixserve's float32 GEMM over the bf16 weights "
-                   "for every row count, rows widened and sums rounded back to bf16: one "
-                   "reduction order per output, so rows do not change with the batch")
+        paths.pick("linear", "bf16-weights", f"radixserve's float32 GEMM over the bf16 weights "
+                   f"for every row count{how}: one reduction order per output, so rows do not "
+                   "change with the batch")
         paths.pick("linear_kernel", "radixserve", f"K blocking per [N, K], oneDNN's float32 "
                    f"one where found (None: K): {found}")
         paths.pick("decode_layers", *enable_decode_stack(m, config.fused_decode))
-        return True
 
     def _dense_weights(self) -> list[torch.Tensor]:
         """The first layer's four projections and the LM head, [N, K] each (measurements)."""
@@ -315,18 +325,11 @@ class ModelRunner:
         if m.quantization is not None:
             return self._pack_quantized(config, hint, paths)
         if self.weight_dtype is not None:
-            assert self.kernels is not None
-            m.use_bf16_weight_linears(self.kernels, hint)
-            found = {f"{n}x{k}": kb for (n, k), kb in m.kernel_k_blocks.items()}
-            paths.pick("linear", "bf16-weights", "radixserve's float32 GEMM over the bf16 "
-                       "weights for every row count: one reduction order per output, so rows "
-                       "do not change with the batch")
-            paths.pick("linear_kernel", "radixserve", f"K blocking per [N, K], oneDNN's "
-                       f"float32 one where found (None: K): {found}")
-            paths.pick("decode_layers", *enable_decode_stack(m, config.fused_decode))
+            self._use_bf16_weight_linears(config, hint, paths)
             return True
         amx_ok = False
         if (self.dtype == torch.bfloat16 and config.cpu_linear_kernel
+                and config.cpu_bf16_gemm != "float32"  # asked for by name: it wins
                 and self.kernels is not None and self.kernels.amx.available):
             amx_ok, amx_why = self.kernels.amx.self_check()
             if not amx_ok:
