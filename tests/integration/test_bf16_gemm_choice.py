@@ -15,6 +15,13 @@ from tiny_models import tiny_model
 from radixserve import LLM, SamplingParams
 from radixserve.model_executor.kernels.cpu import CpuKernels
 from radixserve.model_executor.layers.bf16_weight_linear import Bf16WeightLinear
+from radixserve.model_executor.path_choice import (
+    FORM_M,
+    weight_spans,
+    dense_form_linear,
+    last_level_cache_bytes,
+    measure_bf16_gemms,
+)
 
 
 def test_bf16_rows_on_the_float32_gemm_are_its_float32_sums_rounded() -> None:
@@ -99,10 +106,46 @@ def test_auto_records_its_measured_choice(tmp_path) -> None:
         assert "bf16_gemm" not in paths
         return
     assert paths["bf16_gemm"] in ("bf16", "float32")
-    assert "float32 FMAs ms per forward M=1:" in runner.paths.reasons["bf16_gemm"]
+    reason = runner.paths.reasons["bf16_gemm"]
+    assert "float32 FMAs ms per forward M=1:" in reason
+    # a tiny model's linears fit in any last-level cache: timed there, as it is served
+    assert ("in cache" if last_level_cache_bytes() else "read from memory") in reason
     assert (paths["linear"] == "bf16-weights") == (paths["bf16_gemm"] == "float32")
 
 
 def test_cpu_bf16_gemm_is_validated() -> None:
     with pytest.raises(ValueError, match="cpu_bf16_gemm='fp8' is not one of auto, bf16, float32"):
         LLM(cpu_bf16_gemm="fp8")
+
+
+def test_cold_timings_drop_both_forms_weights_from_cache_and_keep_them() -> None:
+    """A model larger than the last-level cache is timed with its weights read from memory:
+    both forms' weight buffers are found and dropped from the caches before each timed call,
+    and dropping them changes no value."""
+    kernels = CpuKernels.load()
+    if kernels is None or kernels.f32_gemm_isa is None:
+        pytest.skip("no float32 GEMM in this build (a CPU without AVX2 + FMA)")
+    g = torch.Generator().manual_seed(0)
+    ws = [(torch.randn(n, k, generator=g) * 0.05).bfloat16() for n, k in
+          ((256, 128), (128, 128), (512, 128), (128, 256), (320, 128))]
+    blocks = {tuple(w.shape): w.shape[1] for w in ws}
+    fma = Bf16WeightLinear(kernels, ws[0], None, 128, torch.bfloat16)
+    (address, nbytes), = weight_spans(fma)
+    assert (address, nbytes) == (fma.packed.data_ptr(), fma.packed.nbytes)
+    before = fma.packed.clone()
+    kernels.evict_from_cache(address, nbytes)
+    assert torch.equal(fma.packed, before)
+    dot = dense_form_linear(kernels, ws[0], 16, {})
+    if kernels.has_linear_kernel(torch.bfloat16) or kernels.amx.available:
+        # radixserve's kernel (or AMX GEMM) reads a buffer the timing can reach
+        assert weight_spans(dot)
+    x = torch.randn(3, 128, generator=g).bfloat16()
+    want = dot(x)
+    for a, b in weight_spans(dot):
+        kernels.evict_from_cache(a, b)
+    assert torch.equal(dot(x), want)
+    secs = measure_bf16_gemms(kernels, ws, 2, 16, blocks, cold=True)
+    assert {k: len(v) for k, v in secs.items()} == {"bf16": len(FORM_M), "float32": len(FORM_M)}
+    assert all(t > 0 for v in secs.values() for t in v)
+    llc = last_level_cache_bytes()
+    assert llc is None or llc >= 1 << 16

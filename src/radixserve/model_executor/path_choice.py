@@ -460,9 +460,39 @@ class Bf16GemmChoice:
     cached: bool = False
 
 
+def last_level_cache_bytes() -> int | None:
+    """Bytes of this CPU's largest cache level (Linux sysfs, cpu0's view), None where sysfs
+    does not say."""
+    best = None
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            best = max(best or 0, int(digits) * unit)
+    return best
+
+
+def weight_spans(fn: Callable[[torch.Tensor], torch.Tensor]) -> list[tuple[int, int]]:
+    """(address, bytes) of the weight buffers a linear form reads per call, for
+    ``CpuKernels.evict_from_cache``: the packed layouts of ``Bf16WeightLinear``, ``AmxLinear``
+    and radixserve's kernel over oneDNN's packing (the bytes of its [N, K] values, at most the
+    buffer: the blocked layout only pads); empty for oneDNN's GEMM alone or ``F.linear``, whose
+    buffers are not reachable from here (those are then timed with warm caches)."""
+    if isinstance(fn, (Bf16WeightLinear, AmxLinear)):
+        return [(fn.packed.data_ptr(), fn.packed.nbytes)]
+    kernel = getattr(fn, "kernel", None)
+    if kernel is not None and hasattr(kernel, "ptr"):
+        return [(kernel.ptr, kernel.n * kernel.k * kernel.dtype.itemsize)]
+    return []
+
+
 def measure_bf16_gemms(kernels: CpuKernels, weights: list[torch.Tensor], num_layers: int,
-                       batch_hint: int, k_blocks: dict[tuple[int, int], int]
-                       ) -> dict[str, list[float]]:
+                       batch_hint: int, k_blocks: dict[tuple[int, int], int],
+                       cold: bool = False) -> dict[str, list[float]]:
     """Seconds of one forward's linears at each of ``FORM_M`` bf16 rows: ``weights`` are a
     layer's projections then the LM head (bfloat16 [N, K] each), timed apart and added as
     ``num_layers`` x the layer + the head, through the linear a bf16 model is served with
@@ -470,27 +500,40 @@ def measure_bf16_gemms(kernels: CpuKernels, weights: list[torch.Tensor], num_lay
     rows widened and the sums rounded back ("float32", ``Bf16WeightLinear``; ``k_blocks``
     gives each [N, K]'s K blocking); interleaved, best of two. One layer beside the head
     would let the head decide: a 152k-row head is 28 layers' worth of Qwen2.5-1.5B's weights
-    at one row, and the two GEMMs rank the shapes differently."""
+    at one row, and the two GEMMs rank the shapes differently.
+
+    ``cold``: drop the timed weights from every cache level before each timed call, as for a
+    model larger than the last-level cache, whose forward reads each layer from memory. Timed
+    warm, one row of Qwen2.5-1.5B's layer cost the float32 GEMM 1.34-1.65x the bf16 path's
+    time on the avx512_bf16 VM, against ~1.07x streamed: the widening hides behind the reads
+    of a memory-bound call and not behind those of a cached one."""
     shared: dict[tuple[int, int], int | None] = {}
     dot = [dense_form_linear(kernels, w, batch_hint, shared) for w in weights]
     fma = [Bf16WeightLinear(kernels, w, None, k_blocks[tuple(w.shape)], torch.bfloat16)
            for w in weights]
     out: dict[str, list[float]] = {"bf16": [], "float32": []}
     g = torch.Generator().manual_seed(0)
+
+    def timed(fns: list, xs: list[torch.Tensor], reps: int) -> float:
+        spans = [s for f in fns for s in weight_spans(f)] if cold else []
+        total = 0.0
+        for i in range(reps + 1):
+            for address, nbytes in spans:
+                kernels.evict_from_cache(address, nbytes)
+            t = time.perf_counter()
+            for f, x in zip(fns, xs, strict=True):
+                f(x)
+            if i:  # the first call warms up everything but the weights
+                total += time.perf_counter() - t
+        return total / reps
+
     with torch.inference_mode():
         for m in FORM_M:
             xs = [torch.randn(m, w.shape[1], generator=g).bfloat16() for w in weights]
-
-            def run(fns: list, part: slice, xs=xs) -> Callable[[object], None]:
-                def go(_: object) -> None:
-                    for f, x in zip(fns[part], xs[part], strict=True):
-                        f(x)
-                return go
-
             reps = 5 if m <= 64 else 1
             for name, fns in (("bf16", dot), ("float32", fma)):
-                layer, head = (min(_time(run(fns, part), None, reps),
-                                   _time(run(fns, part), None, reps))
+                layer, head = (min(timed(fns[part], xs[part], reps),
+                                   timed(fns[part], xs[part], reps))
                                for part in (slice(0, -1), slice(-1, None)))
                 out[name].append(num_layers * layer + head)
     return out
@@ -507,10 +550,11 @@ def choose_bf16_gemm(kernels: CpuKernels, weights: Callable[[], list[torch.Tenso
 
     Why: on the avx512_bf16 VM measured (Intel, AMX hidden) ``vdpbf16ps`` ran ~44 GMAC/s per
     core against ~85 for float32 FMAs; over Qwen2.5-1.5B's shapes (28 layers and the LM head)
-    the float32 GEMM took 0.92 / 0.72 / 0.69 of the bf16 path's time at 16 / 64 / 256 rows
-    and 1.34 at one row, where the measurement's weights sit in cache and the widening is
-    what costs (streaming the model from memory, one row measured 1.07); a CPU with full-rate
-    bf16 dot products ranks them the other way.
+    the float32 GEMM took 0.92 / 0.72 / 0.69 of the bf16 path's time at 16 / 64 / 256 rows;
+    at one row 1.34-1.43x with the weights in cache, where the widening is what costs, and
+    0.93-1.16x read from memory, as that model's forward reads them. So a model larger than
+    the last-level cache is timed ``cold`` (``measure_bf16_gemms``); a CPU with full-rate
+    bf16 dot products ranks the two the other way.
 
     Args:
         weights: makes the measured bfloat16 weights, a layer's projections then the LM head
@@ -518,20 +562,28 @@ def choose_bf16_gemm(kernels: CpuKernels, weights: Callable[[], list[torch.Tenso
         num_layers: the model's layers (the layer's weight in the total).
         k_blocks: the float32 GEMM's K blocking per [N, K].
     """
-    path = _cache_file("bf16-gemm", cache_key, str(batch_hint), "layers-weighted")
+    path = _cache_file("bf16-gemm", cache_key, str(batch_hint), "layers-weighted", "cold-ok")
     with _exclusive(path):
         d = _read(path, "path", ("bf16", "float32"))
         if d is not None:
             return Bf16GemmChoice(d["path"], f"measured before on this machine ({path.name}): "
                                   + d["reason"], d["seconds"], cached=True)
-        secs = measure_bf16_gemms(kernels, weights(), num_layers, batch_hint, k_blocks)
+        ws = weights()
+        model_bytes = (num_layers * sum(w.nbytes for w in ws[:-1]) + ws[-1].nbytes)
+        llc = last_level_cache_bytes()
+        cold = llc is None or model_bytes > llc
+        secs = measure_bf16_gemms(kernels, ws, num_layers, batch_hint, k_blocks, cold=cold)
+        del ws
         logs = [_WEIGHTS[m] * math.log(b / f)
                 for m, b, f in zip(FORM_M, secs["bf16"], secs["float32"], strict=True)]
         speedup = math.exp(sum(logs) / sum(_WEIGHTS[m] for m in FORM_M))
         best = "float32" if speedup > BF16_GEMM_MARGIN else "bf16"
         ms = " ".join(f"M={m}: {b * 1e3:.2f}/{f * 1e3:.2f}"
                       for m, b, f in zip(FORM_M, secs["bf16"], secs["float32"], strict=True))
-        reason = (f"measured on a layer (x {num_layers}) and the LM head, bf16 dot products/"
+        reason = (f"measured on a layer (x {num_layers}) and the LM head "
+                  f"({'read from memory' if cold else 'in cache'}: {model_bytes >> 20} MiB of "
+                  f"linears, last-level cache {'unknown' if llc is None else llc >> 20} MiB), "
+                  f"bf16 dot products/"
                   f"float32 FMAs ms per forward {ms}; "
                   f"float32 {speedup:.2f}x (taken above {BF16_GEMM_MARGIN}x)")
         _write(path, {"path": best, "reason": reason, "seconds": secs})

@@ -154,6 +154,10 @@ class CpuKernels:
         fn.argtypes = [ptr, i64, c_int]
         fn.restype = ctypes.c_double
         self._stream_read = fn
+        fn = lib.rs_evict_from_cache
+        fn.argtypes = [ptr, i64]
+        fn.restype = None
+        self._evict = fn
         fn = lib.rs_has_f32_gemm
         fn.argtypes = []
         fn.restype = c_int
@@ -438,6 +442,13 @@ class CpuKernels:
         if x.dtype != torch.float32 or not x.is_contiguous() or x.device.type != "cpu":
             raise ValueError("stream_read needs a contiguous float32 CPU tensor")
         return self._stream_read(x.data_ptr(), x.numel(), torch.get_num_threads())
+
+    def evict_from_cache(self, address: int, nbytes: int) -> None:
+        """Write back and drop from every cache level the ``nbytes`` bytes at ``address`` (a
+        live CPU buffer: a tensor's ``data_ptr()`` and at most its size), so the next read
+        comes from memory (``path_choice``'s timings of a model larger than the last-level
+        cache)."""
+        self._evict(address, nbytes)
 
     def linear_f32_bf16w(self, x_ptr: int, w_ptr: int, out_ptr: int, m: int, n: int, k: int,
                          k_block: int) -> None:

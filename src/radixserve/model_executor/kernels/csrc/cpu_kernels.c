@@ -1599,6 +1599,16 @@ double rs_stream_read(const float *x, int64_t n, int num_threads) {
     return total;
 }
 
+/* Write back and drop from every cache level each line of [p, p + bytes): start-up timings
+ * of a model that does not fit in the last-level cache call it on the weights before each
+ * timed call, so the call reads them from memory as a forward's pass over the layers does
+ * (`path_choice`). `clflush` is SSE2, so every x86-64 build has it. */
+void rs_evict_from_cache(const char *p, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) _mm_clflush(p + i);
+    if (bytes > 0) _mm_clflush(p + bytes - 1);
+    _mm_mfence();
+}
+
 /* whether `rs_linear_f32_packed` is built: 2 with AVX-512, 1 with AVX2 + FMA, 0 not */
 int rs_has_f32_gemm(void) { return RS_F32_GEMM; }
 
