@@ -17,10 +17,10 @@ from radixserve.model_executor.kernels.cpu import CpuKernels
 from radixserve.model_executor.layers.bf16_weight_linear import Bf16WeightLinear
 from radixserve.model_executor.path_choice import (
     FORM_M,
-    weight_spans,
     dense_form_linear,
     last_level_cache_bytes,
     measure_bf16_gemms,
+    weight_spans,
 )
 
 
@@ -134,6 +134,7 @@ def test_cold_timings_drop_both_forms_weights_from_cache_and_keep_them() -> None
     assert (address, nbytes) == (fma.packed.data_ptr(), fma.packed.nbytes)
     before = fma.packed.clone()
     kernels.evict_from_cache(address, nbytes)
+    kernels.evict_from_cache(address + 3, 200)  # a span not on a line boundary
     assert torch.equal(fma.packed, before)
     dot = dense_form_linear(kernels, ws[0], 16, {})
     if kernels.has_linear_kernel(torch.bfloat16) or kernels.amx.available:

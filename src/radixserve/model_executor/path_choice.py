@@ -514,8 +514,12 @@ def measure_bf16_gemms(kernels: CpuKernels, weights: list[torch.Tensor], num_lay
     out: dict[str, list[float]] = {"bf16": [], "float32": []}
     g = torch.Generator().manual_seed(0)
 
+    llc = last_level_cache_bytes()
+
     def timed(fns: list, xs: list[torch.Tensor], reps: int) -> float:
         spans = [s for f in fns for s in weight_spans(f)] if cold else []
+        if llc is not None and sum(n for _, n in spans) > llc:
+            spans = []  # a part larger than the cache streams by itself: flushing costs seconds
         total = 0.0
         for i in range(reps + 1):
             for address, nbytes in spans:
@@ -545,7 +549,7 @@ def choose_bf16_gemm(kernels: CpuKernels, weights: Callable[[], list[torch.Tenso
     """The arithmetic of a bfloat16 model's linears on this CPU (``cpu_bf16_gemm="auto"``):
     bf16 pair dot products, or float32 FMAs over the widened bf16 weights where they measure
     ``BF16_GEMM_MARGIN`` faster (weighted as ``_WEIGHTS``). The cached verdict for
-    ``cache_key`` (the model's shapes) on this CPU and torch build, or a fresh
+    ``cache_key`` (the model's shapes) on this CPU, torch build and kernel build, or a fresh
     ``measure_bf16_gemms`` (then cached).
 
     Why: on the avx512_bf16 VM measured (Intel, AMX hidden) ``vdpbf16ps`` ran ~44 GMAC/s per
@@ -562,7 +566,8 @@ def choose_bf16_gemm(kernels: CpuKernels, weights: Callable[[], list[torch.Tenso
         num_layers: the model's layers (the layer's weight in the total).
         k_blocks: the float32 GEMM's K blocking per [N, K].
     """
-    path = _cache_file("bf16-gemm", cache_key, str(batch_hint), "layers-weighted", "cold-ok")
+    path = _cache_file("bf16-gemm", cache_key, str(batch_hint), "layers-weighted", "cold-ok",
+                       kernels.build_id)
     with _exclusive(path):
         d = _read(path, "path", ("bf16", "float32"))
         if d is not None:

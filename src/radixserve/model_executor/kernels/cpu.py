@@ -155,7 +155,7 @@ class CpuKernels:
         fn.restype = ctypes.c_double
         self._stream_read = fn
         fn = lib.rs_evict_from_cache
-        fn.argtypes = [ptr, i64]
+        fn.argtypes = [ptr, i64, c_int]
         fn.restype = None
         self._evict = fn
         fn = lib.rs_has_f32_gemm
@@ -448,7 +448,7 @@ class CpuKernels:
         live CPU buffer: a tensor's ``data_ptr()`` and at most its size), so the next read
         comes from memory (``path_choice``'s timings of a model larger than the last-level
         cache)."""
-        self._evict(address, nbytes)
+        self._evict(address, nbytes, torch.get_num_threads())
 
     def linear_f32_bf16w(self, x_ptr: int, w_ptr: int, out_ptr: int, m: int, n: int, k: int,
                          k_block: int) -> None:

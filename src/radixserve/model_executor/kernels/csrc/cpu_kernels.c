@@ -1615,10 +1615,23 @@ double rs_stream_read(const float *x, int64_t n, int num_threads) {
 /* Write back and drop from every cache level each line of [p, p + bytes): start-up timings
  * of a model that does not fit in the last-level cache call it on the weights before each
  * timed call, so the call reads them from memory as a forward's pass over the layers does
- * (`path_choice`). `clflush` is SSE2, so every x86-64 build has it. */
-void rs_evict_from_cache(const char *p, int64_t bytes) {
-    for (int64_t i = 0; i < bytes; i += 64) _mm_clflush(p + i);
-    if (bytes > 0) _mm_clflush(p + bytes - 1);
+ * (`path_choice`). `clflushopt` where the build has it (weakly ordered: ~5x the rate of
+ * `clflush`, which every x86-64 build has), on torch's thread count; the fence orders the
+ * flushes before the caller's next loads. */
+void rs_evict_from_cache(const char *p, int64_t bytes, int num_threads) {
+    if (bytes <= 0) return;
+    /* from the line holding p to the one holding its last byte */
+    const char *base = (const char *)((uintptr_t)p & ~(uintptr_t)63);
+    const int64_t lines = (int64_t)((p + bytes - base + 63) / 64);
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t i = 0; i < lines; ++i) {
+        const char *a = base + 64 * i;
+#if defined(__CLFLUSHOPT__)
+        _mm_clflushopt((void *)a);
+#else
+        _mm_clflush(a);
+#endif
+    }
     _mm_mfence();
 }
 
