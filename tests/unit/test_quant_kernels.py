@@ -263,8 +263,8 @@ def test_block_groups_with_a_tail(qk, t, k):
 @pytest.mark.parametrize("t", TYPES, ids=NAMES.values())
 def test_extreme_products_do_not_saturate(qk, t):
     """Every weight at its largest magnitude and every activation at +-amax: the int16 stages
-    of the dot products (maddubs pairs, the 4- and 5-bit types' sums of four pairs) stay
-    exact."""
+    of the dot products (maddubs pairs, the 4- and 5-bit types' sums of four pairs) and the
+    int32 sub-block sums times their scales stay exact, alone and in a tile of many rows."""
     block, nbytes = block_info(t)
     n, k = 4, 1024
     raw = np.full((n, k // block, nbytes), 0xFF, dtype=np.uint8)
@@ -280,13 +280,16 @@ def test_extreme_products_do_not_saturate(qk, t):
         raw[..., 0:2] = d
         raw[..., 2:4] = d
     w = raw.reshape(n, -1)
-    x = torch.ones(3, k)
+    x = torch.ones(9, k)  # 9 rows: tiles of many rows (the transposed K-quant tiles) too
     x[1] = -1.0
     x[2, ::2] = -1.0
+    x[3:] = torch.where(torch.rand(6, k, generator=torch.Generator().manual_seed(t)) < 0.5, -1.0, 1.0)
     y = run(qk, t, w, x).double().numpy()
     ref, scale = reference(t, w, x.numpy(), k)
     assert np.all(np.abs(y - ref) <= 5e-7 * scale + 1e-30), np.abs(y - ref).max()
     assert torch.equal(run(qk, t, w, x, portable=True), torch.from_numpy(y).float())
+    for i in (0, 4, 8):
+        assert torch.equal(run(qk, t, w, x[i:i + 1]), torch.from_numpy(y[i:i + 1]).float())
 
 
 @pytest.mark.parametrize("t", [int(QT.Q5_0), int(QT.Q5_1)], ids=["Q5_0", "Q5_1"])

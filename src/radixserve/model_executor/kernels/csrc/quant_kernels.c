@@ -82,6 +82,11 @@
  * / 29278 -> 337 / 1347 / 5339 / 21350; Q5_K 522 / 3102 / 9597 / 39253 -> 384 / 1419 / 5434 /
  * 22687; Q6_K 583 / 3298 / 8825 / 36726 -> 519 / 2016 / 6712 / 25900 (this VM's timings
  * spread by up to 20% between runs).
+ * Q4_K from 8 rows on takes the transposed tiles (`q4_k_t16_avx512`, 64 rows a tile), same
+ * VM and script, best us, column tiles -> transposed: M = 8 811 -> 790, 16 1344 -> 1190, 32
+ * 2552 -> 1965, 64 4901 -> 3608, 256 20473 -> 14984 (1.36-1.37x from 32 rows). Transposed
+ * Q6_K tiles were slower (M = 8 1024 -> 1633, 64 7256 -> 7842: three 16 x 16 transposes and
+ * 16 scale products per block) and are not built.
  *
  * Error codes: 1 bad type or sizes; 2 an id out of range (dequantize_rows, nothing written);
  * 3 out of memory.
@@ -126,6 +131,15 @@ enum {
 #endif
 #endif
 #define TILE_MAX (TILE_MK > TILE_M ? TILE_MK : TILE_M)
+/* the AVX-512 transposed K-quant tiles (`*_t16_avx512`): taken for tiles of KT16_MIN_ROWS
+ * rows and more, up to KT16_ROWS rows per tile (their weight transposition is shared by all) */
+#ifndef KT16_MIN_ROWS
+#define KT16_MIN_ROWS 8
+#endif
+#ifndef KT16_ROWS
+#define KT16_ROWS 64
+#endif
+#define Y_ROWS (KT16_ROWS > TILE_MAX ? KT16_ROWS : TILE_MAX)
 
 /* ---- scalar helpers ----------------------------------------------------------------- */
 
@@ -1247,10 +1261,160 @@ AI void q32b_cols_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq,
 COL_TILE(q4_0_avx512, Q4_0_B5)
 COL_TILE(q8_0_avx512, Q8_0_B5)
 COL_TILE(q4_1_avx512, Q4_1_B5)
+/* ---- K-quant transposed tiles: 16 outputs in the 16 int32 lanes of a zmm. The column tiles
+ * above spend two instructions (maddubs, vpdpwssd) per 64 products of one output and then add
+ * each output's lanes horizontally. Here a 16-output group's weight block is transposed once
+ * per tile of rows (lane c: output c's 4 consecutive values of a sub-block), so that one
+ * vpdpbusd against 4 broadcast activation values adds 64 products into 16 outputs' sub-block
+ * sums at once, and one vpmulld applies the 16 outputs' sub-block scales. The integers (isum,
+ * msum) are the same exact numbers as every other path's, and the float steps per super-block
+ * and output are the K-quant contract's, so the bits are the column tiles'. The transposition
+ * costs about as much as 4 rows' products, so the driver takes these tiles for tiles of
+ * KT16_MIN_ROWS rows and more. */
+
+/* an int32 read from any byte address (activation bytes as one broadcast operand) */
+typedef int32_t i32u __attribute__((may_alias, aligned(1)));
+
+/* absent outputs of a 16-output group read this super-block: zero values and scales */
+static const uint8_t zero_kblock[256] __attribute__((aligned(64)));
+
+/* r[i] element c = the input r[c]'s element i (a 16 x 16 int32 transpose) */
+AI void tr16x16_512(__m512i *r) {
+    __m512i t[16];
+    for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int i = 0; i < 4; ++i) {
+        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 8; ++i) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+
+/* the 16 outputs' super-block b (absent outputs: zeros), asking the cache for the same block
+ * of the next 16 outputs */
+AI void kt16_blocks(const uint8_t **p, const uint8_t *w, int64_t ws, int c0, int nc, int64_t b,
+                    int bb) {
+    for (int c = 0; c < 16; ++c) {
+        p[c] = c < nc ? w + (c0 + c) * ws + b * bb : zero_kblock;
+        if (c < nc)
+            for (int o = 0; o < bb; o += 64) _mm_prefetch((const char *)(p[c] + 16 * ws + o), _MM_HINT_T0);
+    }
+}
+
+/* is[r] += sum over ns sub-blocks s of scs[s] * (sub-block s's products for row r of block b),
+ * the products nd transposed dwords wt[s * nd + k] against row r's activation values
+ * nd * 4 * s + 4 k .. + 3 broadcast */
+AI void kt16_isums(const __m512i *wt, const __m512i *scs, const int ns, const int nd,
+                   const uint8_t *xq, int64_t xs, int64_t b, int R, __m512i *is) {
+    for (int r = 0; r < R; ++r) is[r] = _mm512_setzero_si512();
+    for (int s = 0; s < ns; ++s) {
+        __m512i wv[8];
+        for (int k = 0; k < nd; ++k) wv[k] = wt[s * nd + k];
+        for (int r = 0; r < R; ++r) {
+            /* broadcasts from memory: no shuffle uop */
+            const i32u *xr = (const i32u *)(((const xqk_t *)(xq + r * xs) + b)->q + 4 * nd * s);
+            __m512i p0 = _mm512_setzero_si512(), p1 = _mm512_setzero_si512();
+            for (int k = 0; k < nd; k += 2) {
+                p0 = _mm512_dpbusd_epi32(p0, wv[k], _mm512_set1_epi32(xr[k]));
+                p1 = _mm512_dpbusd_epi32(p1, wv[k + 1], _mm512_set1_epi32(xr[k + 1]));
+            }
+            is[r] = _mm512_add_epi32(is[r], _mm512_mullo_epi32(_mm512_add_epi32(p0, p1), scs[s]));
+        }
+    }
+}
+
+/* Q4_K, C weight rows x R activation rows, 16 outputs at a time */
+static void q4_k_t16_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
+                            int64_t nb, int R, float *y) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m6 = _mm512_set1_epi8(0x3F);
+    const __m512i m2 = _mm512_set1_epi8(0x03), mb = _mm512_set1_epi32(0xFF);
+    __m512i wt[8][8] __attribute__((aligned(64)));
+    __m512i is[KT16_ROWS] __attribute__((aligned(64)));
+    float acc[KT16_ROWS][16] __attribute__((aligned(64))), accm[KT16_ROWS][16] __attribute__((aligned(64)));
+    for (int c0 = 0; c0 < C; c0 += 16) {
+        const int nc = C - c0 < 16 ? C - c0 : 16;
+        memset(acc, 0, sizeof acc);
+        memset(accm, 0, sizeof accm);
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t *p[16];
+            kt16_blocks(p, w, ws, c0, nc, b, 144);
+            /* headers: h[0] = d | dmin << 16, h[1..3] the 12 scale bytes, lane c: output c */
+            __m512i a[4], h[4];
+            for (int m = 0; m < 4; ++m) a[m] = load4x128(p, m, 0);
+            tr4x4_512(a, h);
+            const __m512 dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h[0]));
+            const __m512 mw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(h[0], 16)));
+            /* ggml's get_scale_min_k4 on 16 outputs at once: bytes s of sc[s / 4], mn[s / 4] */
+            const __m512i sc[2] = {
+                _mm512_and_si512(h[1], m6),
+                _mm512_or_si512(_mm512_and_si512(h[3], m4),
+                                _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h[1], 6), m2), 4))};
+            const __m512i mn[2] = {
+                _mm512_and_si512(h[2], m6),
+                _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(h[3], 4), m4),
+                                _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h[2], 6), m2), 4))};
+            __m512i scs[8], mnp[4];
+            for (int s = 0; s < 8; ++s)
+                scs[s] = _mm512_and_si512(_mm512_srli_epi32(sc[s / 4], 8 * (s % 4)), mb);
+            for (int k = 0; k < 4; ++k) { /* int16 pairs [mn 2k, mn 2k + 1] */
+                const __m512i v = _mm512_srli_epi32(mn[k / 2], 16 * (k % 2));
+                mnp[k] = _mm512_or_si512(_mm512_and_si512(v, mb),
+                                         _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(v, 8), mb), 16));
+            }
+            /* the 128 bytes of qs: dword D of every output (sub-block pair D / 8, values
+             * 4 (D % 8) ..), low nibbles sub-block 2 (D / 8), high ones 2 (D / 8) + 1 */
+            for (int hh = 0; hh < 2; ++hh) {
+                __m512i q[16];
+                for (int c = 0; c < 16; ++c) q[c] = _mm512_loadu_si512((const void *)(p[c] + 16 + 64 * hh));
+                tr16x16_512(q);
+                for (int d = 0; d < 16; ++d) {
+                    const int D = 16 * hh + d, j = D / 8, k = D % 8;
+                    wt[2 * j][k] = _mm512_and_si512(q[d], m4);
+                    wt[2 * j + 1][k] = _mm512_and_si512(_mm512_srli_epi16(q[d], 4), m4);
+                }
+            }
+            kt16_isums(&wt[0][0], scs, 8, 8, xq, xs, b, R, is);
+            for (int r = 0; r < R; ++r) {
+                const xqk_t *x = (const xqk_t *)(xq + r * xs) + b;
+                const i32u *bp = (const i32u *)x->bs32;
+                __m512i ms = _mm512_setzero_si512();
+                for (int k = 0; k < 4; ++k) ms = _mm512_dpwssd_epi32(ms, mnp[k], _mm512_set1_epi32(bp[k]));
+                const __m512 dx = _mm512_set1_ps(x->d);
+                _mm512_store_ps(acc[r], _mm512_fmadd_ps(_mm512_mul_ps(dw, dx), _mm512_cvtepi32_ps(is[r]),
+                                                        _mm512_load_ps(acc[r])));
+                _mm512_store_ps(accm[r], _mm512_fmadd_ps(_mm512_mul_ps(mw, dx), _mm512_cvtepi32_ps(ms),
+                                                         _mm512_load_ps(accm[r])));
+            }
+        }
+        for (int r = 0; r < R; ++r)
+            for (int c = 0; c < nc; ++c) y[(c0 + c) * R + r] = acc[r][c] - accm[r][c];
+    }
+}
+
 #define Q4_K_T5(r) qk45_cols_avx512(w, ws, C, xq, xs, nb, y, r, 0)
 #define Q5_K_T5(r) qk45_cols_avx512(w, ws, C, xq, xs, nb, y, r, 1)
 #define Q6_K_T5(r) q6k_cols_avx512(w, ws, C, xq, xs, nb, y, r)
-COL_TILE(q4_k_avx512, Q4_K_T5)
+static void q4_k_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
+                        int64_t nb, int R, float *y) {
+    if (R >= KT16_MIN_ROWS) {
+        q4_k_t16_avx512(w, ws, C, xq, xs, nb, R, y);
+        return;
+    }
+    BY_ROWS_ONCE(Q4_K_T5)
+}
 COL_TILE(q5_k_avx512, Q5_K_T5)
 COL_TILE(q6_k_avx512, Q6_K_T5)
 #endif
@@ -1261,6 +1425,7 @@ COL_TILE(q6_k_avx512, Q6_K_T5)
 typedef struct {
     int block, bytes, kquant; /* values and bytes per weight block; Q8_K activations */
     tile_fn ref, fast;
+    int t16; /* the fast tile takes KT16_ROWS rows at a time from KT16_MIN_ROWS rows on */
 } qtype_t;
 
 static int qtype_info(int t, qtype_t *q) {
@@ -1280,7 +1445,7 @@ static int qtype_info(int t, qtype_t *q) {
     case T_Q5_0: *q = (qtype_t){32, 22, 0, q5_0_ref, FAST(q5_0_avx2)}; return 0;
     case T_Q5_1: *q = (qtype_t){32, 24, 0, q5_1_ref, FAST(q5_1_avx2)}; return 0;
     case T_Q8_0: *q = (qtype_t){32, 34, 0, q8_0_ref, FAST512(q8_0_avx)}; return 0;
-    case T_Q4_K: *q = (qtype_t){256, 144, 1, q4_k_ref, FAST512(q4_k_avx)}; return 0;
+    case T_Q4_K: *q = (qtype_t){256, 144, 1, q4_k_ref, FAST512(q4_k_avx), RS_Q_AVX512}; return 0;
     case T_Q5_K: *q = (qtype_t){256, 176, 1, q5_k_ref, FAST512(q5_k_avx)}; return 0;
     case T_Q6_K: *q = (qtype_t){256, 210, 1, q6_k_ref, FAST512(q6_k_avx)}; return 0;
 #undef FAST
@@ -1305,8 +1470,8 @@ int rs_quant_linear(int wtype, const uint8_t *w, int64_t N, int64_t K, int xdt, 
     const tile_fn tile = (flags & 1) || !qt.fast ? qt.ref : qt.fast;
     /* rows per tile (any count gives the same bits): the column tiles' (K-quants, Q4_0,
      * Q8_0, Q4_1) keep one row's sums in registers at a time */
-    const int tm = qt.kquant || wtype == T_Q4_0 || wtype == T_Q8_0 || wtype == T_Q4_1 ? TILE_MK
-                                                                             : TILE_M;
+    int tm = qt.kquant || wtype == T_Q4_0 || wtype == T_Q8_0 || wtype == T_Q4_1 ? TILE_MK : TILE_M;
+    if (tile == qt.fast && qt.t16 && M >= KT16_MIN_ROWS) tm = KT16_ROWS;
     const int64_t nb = K / qt.block, row_bytes = nb * qt.bytes;
     const int64_t xs = qt.kquant ? nb * (int64_t)sizeof(xqk_t) : (nb + 3) / 4 * (int64_t)sizeof(xq32_t);
     uint8_t *xq = aligned_alloc(64, (size_t)((M * xs + 63) / 64 * 64));
@@ -1334,7 +1499,7 @@ int rs_quant_linear(int wtype, const uint8_t *w, int64_t N, int64_t K, int xdt, 
             const int R = (int)(M - i0 < tm ? M - i0 : tm);
             /* the whole group in one call: y[c * R + r] */
             const int C = (int)(j1 - j0);
-            float y[256 * TILE_MAX];
+            float y[256 * Y_ROWS];
             tile(w + j0 * row_bytes, row_bytes, C, xq + i0 * xs, xs, nb, R, y);
             for (int r = 0; r < R; ++r) {
                 const int64_t o = (i0 + r) * ldo + j0;
