@@ -82,7 +82,7 @@
  * / 29278 -> 337 / 1347 / 5339 / 21350; Q5_K 522 / 3102 / 9597 / 39253 -> 384 / 1419 / 5434 /
  * 22687; Q6_K 583 / 3298 / 8825 / 36726 -> 519 / 2016 / 6712 / 25900 (this VM's timings
  * spread by up to 20% between runs).
- * Q4_K from 8 rows on takes the transposed tiles (`q4_k_t16_avx512`, 64 rows a tile), same
+ * Q4_K from 8 rows on takes the transposed tiles (`qk45_t16_avx512`, 64 rows a tile), same
  * VM and script, best us, column tiles -> transposed: M = 8 811 -> 790, 16 1344 -> 1190, 32
  * 2552 -> 1965, 64 4901 -> 3608, 256 20473 -> 14984 (1.30x at 32 rows, 1.36-1.37x from 64). Transposed
  * Q6_K tiles were slower (M = 8 1024 -> 1633, 64 7256 -> 7842: three 16 x 16 transposes and
@@ -1336,10 +1336,12 @@ AI void kt16_isums(const __m512i *wt, const __m512i *scs, const int ns, const in
     }
 }
 
-/* Q4_K, C weight rows x R activation rows, 16 outputs at a time */
-static void q4_k_t16_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
-                            int64_t nb, int R, float *y) {
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m6 = _mm512_set1_epi8(0x3F);
+/* Q4_K (hbit = 0) and Q5_K (hbit = 1), C weight rows x R activation rows, 16 outputs at a
+ * time */
+AI void qk45_t16_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
+                        int64_t nb, int R, float *y, const int hbit) {
+    const int bb = hbit ? 176 : 144, qo = hbit ? 48 : 16;
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m6 = _mm512_set1_epi8(0x3F), b4 = _mm512_set1_epi8(0x10);
     const __m512i m2 = _mm512_set1_epi8(0x03), mb = _mm512_set1_epi32(0xFF);
     __m512i wt[8][8] __attribute__((aligned(64)));
     __m512i is[KT16_ROWS] __attribute__((aligned(64)));
@@ -1350,7 +1352,7 @@ static void q4_k_t16_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *
         memset(accm, 0, sizeof accm);
         for (int64_t b = 0; b < nb; ++b) {
             const uint8_t *p[16];
-            kt16_blocks(p, w, ws, c0, nc, b, 144);
+            kt16_blocks(p, w, ws, c0, nc, b, bb);
             /* headers: h[0] = d | dmin << 16, h[1..3] the 12 scale bytes, lane c: output c */
             __m512i a[4], h[4];
             for (int m = 0; m < 4; ++m) a[m] = load4x128(p, m, 0);
@@ -1378,13 +1380,25 @@ static void q4_k_t16_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *
              * 4 (D % 8) ..), low nibbles sub-block 2 (D / 8), high ones 2 (D / 8) + 1 */
             for (int hh = 0; hh < 2; ++hh) {
                 __m512i q[16];
-                for (int c = 0; c < 16; ++c) q[c] = _mm512_loadu_si512((const void *)(p[c] + 16 + 64 * hh));
+                for (int c = 0; c < 16; ++c) q[c] = _mm512_loadu_si512((const void *)(p[c] + qo + 64 * hh));
                 tr16x16_512(q);
                 for (int d = 0; d < 16; ++d) {
                     const int D = 16 * hh + d, j = D / 8, k = D % 8;
                     wt[2 * j][k] = _mm512_and_si512(q[d], m4);
                     wt[2 * j + 1][k] = _mm512_and_si512(_mm512_srli_epi16(q[d], 4), m4);
                 }
+            }
+            if (hbit) { /* Q5_K: bit s of qh byte i is bit 4 of sub-block s's value i; qh dword k
+                         * of every output holds values 4 k .. 4 k + 3's */
+                __m512i qh[16];
+                for (int c = 0; c < 16; ++c)
+                    qh[c] = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(p[c] + 16)));
+                tr16x16_512(qh);
+                for (int sb = 0; sb < 8; ++sb)
+                    for (int k = 0; k < 8; ++k) {
+                        const __m512i hb = sb <= 4 ? _mm512_slli_epi16(qh[k], 4 - sb) : _mm512_srli_epi16(qh[k], sb - 4);
+                        wt[sb][k] = _mm512_or_si512(wt[sb][k], _mm512_and_si512(hb, b4));
+                    }
             }
             kt16_isums(&wt[0][0], scs, 8, 8, xq, xs, b, R, is);
             for (int r = 0; r < R; ++r) {
@@ -1410,12 +1424,19 @@ static void q4_k_t16_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *
 static void q4_k_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
                         int64_t nb, int R, float *y) {
     if (R >= KT16_MIN_ROWS) {
-        q4_k_t16_avx512(w, ws, C, xq, xs, nb, R, y);
+        qk45_t16_avx512(w, ws, C, xq, xs, nb, R, y, 0);
         return;
     }
     BY_ROWS_ONCE(Q4_K_T5)
 }
-COL_TILE(q5_k_avx512, Q5_K_T5)
+static void q5_k_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
+                        int64_t nb, int R, float *y) {
+    if (R >= KT16_MIN_ROWS) {
+        qk45_t16_avx512(w, ws, C, xq, xs, nb, R, y, 1);
+        return;
+    }
+    BY_ROWS_ONCE(Q5_K_T5)
+}
 COL_TILE(q6_k_avx512, Q6_K_T5)
 #endif
 #endif
@@ -1446,7 +1467,7 @@ static int qtype_info(int t, qtype_t *q) {
     case T_Q5_1: *q = (qtype_t){32, 24, 0, q5_1_ref, FAST(q5_1_avx2)}; return 0;
     case T_Q8_0: *q = (qtype_t){32, 34, 0, q8_0_ref, FAST512(q8_0_avx)}; return 0;
     case T_Q4_K: *q = (qtype_t){256, 144, 1, q4_k_ref, FAST512(q4_k_avx), RS_Q_AVX512}; return 0;
-    case T_Q5_K: *q = (qtype_t){256, 176, 1, q5_k_ref, FAST512(q5_k_avx)}; return 0;
+    case T_Q5_K: *q = (qtype_t){256, 176, 1, q5_k_ref, FAST512(q5_k_avx), RS_Q_AVX512}; return 0;
     case T_Q6_K: *q = (qtype_t){256, 210, 1, q6_k_ref, FAST512(q6_k_avx)}; return 0;
 #undef FAST
 #undef FAST512
