@@ -111,6 +111,62 @@ def test_greedy_output_equals_without_speculation(pair: tuple[LLM, LLM]) -> None
     assert spec.engine.scheduler.prefix_hit_tokens > hits
 
 
+def test_verify_tokens_are_decode_rows(pair: tuple[LLM, LLM]) -> None:
+    """Each token of a verify request is a decode row of the attention metadata (its request's
+    pages, its position + 1 keys), so a step of decodes and verifies runs in the fused decode
+    stack where the runner has one; outputs stay those without speculation."""
+    base, spec = pair
+    runner = spec.engine.runner
+    steps: list[tuple[bool, bool]] = []  # (verify step without prefill chunks, stack ran)
+    real_meta = runner._metadata
+    stack = runner.model.decode_stack
+    ran: list[int] = []
+
+    def metadata(batch, kernels=None):
+        meta = real_meta(batch, kernels)
+        if kernels is None:
+            d = meta.num_decodes
+            lens = meta.decode_seq_lens
+            if d:
+                assert lens is not None
+                np.testing.assert_array_equal(lens.cpu().numpy(), batch.positions[:d] + 1)
+                pages = meta.decode_page_table.cpu().numpy()
+                for t in range(d):  # the request each row belongs to, by its first token
+                    i = int(np.searchsorted(np.cumsum(batch.num_new), t, side="right"))
+                    w = min(pages.shape[1], batch.page_table.shape[1])
+                    np.testing.assert_array_equal(pages[t, :w], batch.page_table[i, :w])
+            verify_only = batch.num_draft is not None and not meta.prefill
+            if verify_only:
+                assert d == batch.num_tokens
+            steps.append((verify_only, False))
+        return meta
+
+    def run(*args, **kw):
+        ran.append(1)
+        if steps:
+            steps[-1] = (steps[-1][0], True)
+        return stack.run_unwrapped(*args, **kw)
+
+    runner._metadata = metadata
+    if stack is not None:
+        stack.run_unwrapped = stack.run
+        stack.run = run
+    try:
+        rng = np.random.default_rng(11)
+        prompts = [p for p in _prompts(rng, 10) if len(p) < 20][:4]  # one chunk each
+        params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)] * len(prompts)
+        assert _run(spec, prompts, params) == _run(base, prompts, params)
+    finally:
+        runner._metadata = real_meta
+        if stack is not None:
+            stack.run = stack.run_unwrapped
+            del stack.run_unwrapped
+    verify_steps = [r for v, r in steps if v]
+    assert verify_steps, "no step verified drafts without a prefill chunk beside them"
+    if stack is not None:
+        assert all(verify_steps), "a verify step did not run in the fused decode stack"
+
+
 def test_stop_strings_n_and_sampled_requests(pair: tuple[LLM, LLM]) -> None:
     base, spec = pair
     rng = np.random.default_rng(3)

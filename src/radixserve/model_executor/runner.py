@@ -438,17 +438,33 @@ class ModelRunner:
         (``kernels`` None), the C kernels' (True) or SDPA's (False, the reference).
 
         Decodes get a page table plus lengths (host lengths for the C kernel, device lengths
-        for Triton) or, for SDPA, key masks. Prefill chunks are listed one by one; for Triton
+        for Triton) or, for SDPA, key masks. Each token of a request verifying draft tokens
+        (speculative decoding) is a decode row of its own: its request's pages, its position
+        + 1 keys. That is the decode row the token would be without speculation, so its bits
+        are a decode's on every backend, and a step of decodes and verifies runs where decode
+        steps run (the fused decode stack). Prefill chunks are listed one by one; for Triton
         they are also packed into two device tensors (one copy each per step)."""
         backend = (self.attention_backend if kernels is None
                    else "cpu" if kernels else "torch")
         dev, ps = self.device, self.page_size
-        d = batch.num_decodes
+        d = dv = batch.num_decodes  # decode rows (tokens); first prefill request
+        req_of = np.arange(d)
+        seq = batch.seq_lens[:d]
+        if batch.num_draft is not None:
+            nd = batch.num_draft[d:]
+            dv = d + int(np.count_nonzero(nd))  # verify requests follow the decodes
+            new = batch.num_new[d:dv]
+            req_of = np.concatenate([req_of, np.repeat(np.arange(d, dv), new)])
+            # token j of a verify request sees its context up to and including itself
+            first = np.repeat(batch.seq_lens[d:dv] - new, new)
+            seq = np.concatenate([seq, first + 1 + np.arange(int(new.sum()))
+                                  - np.repeat(np.cumsum(new) - new, new)])
+            d = len(req_of)
         pt, pd_lens, pd_mask = None, None, None
         if d:
-            seq = batch.seq_lens[:d]
             n_pages = int(-(-seq.max() // ps))
-            pt = torch.from_numpy(batch.page_table[:d, :n_pages].astype(np.int64)).to(dev)
+            rows = batch.page_table[:d, :n_pages] if dv == d else batch.page_table[req_of, :n_pages]
+            pt = torch.from_numpy(rows.astype(np.int64)).to(dev)
             if backend == "torch":
                 keys = np.arange(n_pages * ps)[None, :] < seq[:, None]
                 pd_mask = torch.from_numpy(keys).to(dev)[:, None, None, :]
@@ -461,18 +477,18 @@ class ModelRunner:
         pt_np = batch.page_table
         bounds = table = None
         max_q = 0
-        if backend == "triton" and batch.num_requests > d:
-            ctxs = batch.seq_lens[d:].astype(np.int64)
-            lens = batch.num_new[d:].astype(np.int64)
-            starts = ends[d:].astype(np.int64) - lens
+        if backend == "triton" and batch.num_requests > dv:
+            ctxs = batch.seq_lens[dv:].astype(np.int64)
+            lens = batch.num_new[dv:].astype(np.int64)
+            starts = ends[dv:].astype(np.int64) - lens
             bounds = torch.from_numpy(np.stack([starts, lens, ctxs], axis=1)).to(dev)
             width = int(-(-ctxs.max() // ps))
-            table = torch.from_numpy(pt_np[d:, :width].astype(np.int64)).to(dev)
+            table = torch.from_numpy(pt_np[dv:, :width].astype(np.int64)).to(dev)
             max_q = int(lens.max())
-        for i in range(d, batch.num_requests):
+        for i in range(dv, batch.num_requests):
             ctx = int(batch.seq_lens[i])
             n = -(-ctx // ps)
-            pages = (table[i - d, :n] if table is not None
+            pages = (table[i - dv, :n] if table is not None
                      else torch.from_numpy(pt_np[i, :n].astype(np.int64)).to(dev))
             end = int(ends[i])
             prefill.append((end - int(batch.num_new[i]), end, ctx, pages))
