@@ -1423,22 +1423,18 @@ AI void qk45_t16_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, 
 #define Q4_K_T5(r) qk45_cols_avx512(w, ws, C, xq, xs, nb, y, r, 0)
 #define Q5_K_T5(r) qk45_cols_avx512(w, ws, C, xq, xs, nb, y, r, 1)
 #define Q6_K_T5(r) q6k_cols_avx512(w, ws, C, xq, xs, nb, y, r)
-static void q4_k_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
-                        int64_t nb, int R, float *y) {
-    if (R >= KT16_MIN_ROWS) {
-        qk45_t16_avx512(w, ws, C, xq, xs, nb, R, y, 0);
-        return;
+/* COL_TILE, with tiles of KT16_MIN_ROWS rows and more through the transposed tiles */
+#define T16_TILE(name, hbit, call)                                                           \
+    static void name(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,     \
+                     int64_t nb, int R, float *y) {                                          \
+        if (R >= KT16_MIN_ROWS)                                                              \
+            qk45_t16_avx512(w, ws, C, xq, xs, nb, R, y, hbit);                               \
+        else {                                                                               \
+            BY_ROWS_ONCE(call)                                                               \
+        }                                                                                    \
     }
-    BY_ROWS_ONCE(Q4_K_T5)
-}
-static void q5_k_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
-                        int64_t nb, int R, float *y) {
-    if (R >= KT16_MIN_ROWS) {
-        qk45_t16_avx512(w, ws, C, xq, xs, nb, R, y, 1);
-        return;
-    }
-    BY_ROWS_ONCE(Q5_K_T5)
-}
+T16_TILE(q4_k_avx512, 0, Q4_K_T5)
+T16_TILE(q5_k_avx512, 1, Q5_K_T5)
 COL_TILE(q6_k_avx512, Q6_K_T5)
 #endif
 #endif
