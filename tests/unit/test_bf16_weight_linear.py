@@ -15,7 +15,7 @@ from radixserve.model_executor.models.decode_stack import W_BF16
 #: SmolLM2's qkv and down, Qwen2.5-1.5B's qkv, and a narrow head with K not a multiple of 8
 SHAPES = [(960, 576), (576, 1536), (2048, 1536), (192, 100)]
 #: 1 row (the whole-block path), tiles of 6, partial tiles, many tiles per panel (the
-#: widened scratch), and more than one chunk of 192 rows over it (a partial last chunk)
+#: widened scratch), and more than one chunk of 48 rows over it (a partial last chunk)
 ROWS = [1, 2, 5, 6, 7, 13, 64, 100, 200, 389]
 
 

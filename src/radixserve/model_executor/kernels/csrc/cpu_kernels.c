@@ -1328,12 +1328,17 @@ static inline __attribute__((always_inline)) void f32_tile_kc(
  * (AVX2: 256 inputs x 16 outputs; AVX-512: 64 x 64), stay in L1 while every tile of the share
  * runs them */
 #define F32_KC (4096 / F32_TILE)
-/* rows per chunk of a widened panel's share: each pass then reads 192 rows of x (F32_KC
- * inputs each: 192 KiB on AVX2, within L2) on 192 pages, not the whole batch's. Without it
- * a 2048-row prefill step touches 2048 pages of x and 2048 of y per pass, past the 2048
- * entries of Zen 3's L2 TLB: Qwen2.5-1.5B's projections ran at 85 GFLOP/s at 2048 rows
- * against 114 at 1024 (bf16_weight_linear_ab.py, Zen 3 kind). A multiple of F32_MR. */
-#define F32_MC (32 * F32_MR)
+/* rows per chunk of a widened panel's share. The chunk's rows of x are read once per kc pass
+ * for every panel of the share, so they must stay in L2 across the panels: 48 rows of a
+ * K = 8960 input are 1.7 MiB. With 192 rows (3.7 MiB at K = 4864) the x lines came from L3 on
+ * every pass, and at 1024-2048 rows the GEMM lost a quarter: Qwen2.5-1.5B's projections over
+ * bf16 weights, best ms at 2048 rows, avx512_bf16 VM: 96 rows 871, 48 rows 712 (269 GFLOP/s),
+ * 24 rows 720; Qwen2.5-0.5B's 299 (192 rows) against 237 (48 rows); the AVX2 build on the same
+ * VM 1,411 (192 rows) against 1,285 (48 rows). Fewer rows also keep a pass on fewer pages of x
+ * (Zen 3's L2 TLB has 2048 entries). A multiple of F32_MR. */
+#ifndef F32_MC
+#define F32_MC (8 * F32_MR)
+#endif
 /* row tiles (of F32_MR rows) up to which the GEMM runs whole blocks in k chunks (direct):
  * Qwen2.5-1.5B's projections over bf16 weights, two layers, Zen 3 kind, interleaved runs,
  * best ms: 8 rows 21.1 (widened panels: 29.3), 16 rows 23.5 (32.9), 24 rows 30.9 (37.0);
