@@ -3,13 +3,18 @@ compile-time constant, timed alternately in one process, so a machine whose spee
 shared VM: read bandwidth 25-37 GB/s over a day on the Zen 3 kind) moves every variant alike.
 
 Each ``--variants`` value is passed as ``-D<MACRO>=value`` to the kernel build
-(``kernels.cpu.CFLAGS``, ``-march=native``); every variant's outputs must equal the first's
-bit for bit. Two layers of a real shape's four projections (qkv, o, gate_up, down) with
-random bf16 weights; prints per row count the best and median ms per variant and the GFLOP/s
-of the best.
+(``kernels.cpu.CFLAGS``, ``-march`` from ``--march``), with any further ``:MACRO=value``
+entries of the same value as more ``-D`` flags; every variant's outputs must equal the first's
+bit for bit. ``--layers`` layers (default 2) of a real shape's four projections (qkv, o,
+gate_up, down) with random bf16 weights: 12 layers of Qwen2.5-0.5B (350 MB) are read from
+memory past a 260 MB L3. Prints per row count the best and median ms per variant and the
+GFLOP/s of the best.
 
     python benchmarks/f32_gemm_variants_ab.py --macro F32_DIRECT_TILES --variants 0,4 \\
         --rows 2,5,8,16,24
+    python benchmarks/f32_gemm_variants_ab.py --macro F32_MC --variants 192,48 --rows 1024,2048
+    python benchmarks/f32_gemm_variants_ab.py --shape qwen2.5-0.5b --layers 12 \\
+        --macro DIRECT_WIDEN_TILES --variants 1000:PF_AHEAD=1,3 --rows 7,12,16,24
 
 Run it on a quiet machine; name the CPU kind with the figures.
 """
@@ -41,13 +46,17 @@ def main() -> int:
     ap.add_argument("--rows", default="2,5,8,16,24")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--k-block", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--march", default="native", help="gcc -march (haswell: the AVX2 build)")
     args = ap.parse_args()
     torch.get_num_threads()  # torch's libgomp first, as CpuKernels.load does
     tmp = Path(tempfile.mkdtemp(prefix="rs-gemm-ab-"))
     kernels = {}
     for v in args.variants.split(","):
         lib = tmp / f"variant-{v}.so"
-        subprocess.run(["gcc", *cpu.CFLAGS, "-march=native", f"-D{args.macro}={v}", "-o",
+        value, *more = v.split(":")
+        defines = [f"-D{args.macro}={value}", *(f"-D{m}" for m in more)]
+        subprocess.run(["gcc", *cpu.CFLAGS, f"-march={args.march}", *defines, "-o",
                         str(lib), *map(str, cpu.SOURCES), "-lm"], check=True)
         kernels[v] = cpu.CpuKernels(ctypes.CDLL(str(lib)))
     s = resolve_shape(args.shape)
@@ -56,10 +65,10 @@ def main() -> int:
               (h, s.num_attention_heads * d), (2 * it, h), (h, it)]
     g = torch.Generator().manual_seed(0)
     weights = [[(torch.randn(n, k, generator=g) * 0.05).bfloat16() for n, k in shapes]
-               for _ in range(2)]
+               for _ in range(args.layers)]
     held = {v: [[Bf16WeightLinear(kern, w, None, args.k_block) for w in layer]
                 for layer in weights] for v, kern in kernels.items()}
-    flop_per_row = 2 * 2 * sum(n * k for n, k in shapes)
+    flop_per_row = 2 * args.layers * sum(n * k for n, k in shapes)
     result: dict = {"shape": args.shape, "macro": args.macro, "rows": {}}
     for m in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(m, k, generator=g) for _, k in shapes}
