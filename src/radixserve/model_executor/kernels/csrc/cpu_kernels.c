@@ -1324,9 +1324,9 @@ static inline __attribute__((always_inline)) void f32_tile_kc(
     f32_tile_kc(R, xm, K, wb, W_BF16, GEMV_NB, kc0, kc1, acc, fresh, pf, 2)
 #define KD_TILE_I8(R, xm, kc0, kc1, acc, fresh) \
     f32_tile_kc(R, xm, K, wb, W_I8, GEMV_NB, kc0, kc1, acc, fresh, pf, 1)
-/* the same over a widened chunk (wf, float32, GEMV_NB per k) */
+/* the same over a widened chunk (wf: float32, GEMV_NB per k, its first row input kc0) */
 #define KW_TILE(R, xm, kc0, kc1, acc, fresh) \
-    f32_tile_kc(R, xm, K, wf, W_F32, GEMV_NB, kc0, kc1, acc, fresh, NULL, 0)
+    f32_tile_kc(R, (xm) + (kc0), K, wf, W_F32, GEMV_NB, 0, (kc1) - (kc0), acc, fresh, NULL, 0)
 /* row tiles from which the direct path widens each chunk once for all its tiles (below that
  * the conversions cost less than the pass over a scratch), and how far ahead it prefetches,
  * in chunks: Qwen2.5-0.5B's four projections over bf16 weights, 12 layers (past the L3),
@@ -1457,8 +1457,7 @@ static int linear_f32_core(const float *x, const void *w, const int wk, const fl
                         }
                         for (int64_t hf = 0; hf < halves; ++hf) {
                             const void *wb = blk + es * (size_t)(hf * F32_TILE);
-                            /* the widened chunk, indexed by k as the block is */
-                            const float *wf = wide + hf * F32_TILE - kc0 * GEMV_NB;
+                            const float *wf = wide + hf * F32_TILE;
                             int64_t t0, t1;
                             share_tiles((nb * halves + hf) * tiles, tiles, w0, w1, &t0, &t1);
                             for (int64_t t = t0; t < t1; ++t) {
