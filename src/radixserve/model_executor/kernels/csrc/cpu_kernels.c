@@ -1209,6 +1209,17 @@ typedef __m256 f32v;
 #if RS_F32_GEMM
 _Static_assert(F32_MR <= 6, "TILE_BY_ROWS covers 1..6 rows");
 #define F32_TILE (F32_NT * F32_VW) /* outputs per tile: 64 (AVX-512) or 16 (AVX2) */
+/* the locality of the float32 GEMM's prefetches of the weight stream: 1 (`prefetcht2`) brings
+ * the lines into L2, whose request queue has ~3x the entries of L1's fill buffers, so a core
+ * keeps more lines in flight from DRAM; the loads that follow find them in L2. Four layers of
+ * Qwen2.5-1.5B's projections over bf16 weights (past the L3), best ms, locality 3 / 2 / 1,
+ * avx512_bf16 VM: 1 row 15.17 / 14.02 / 13.70, 4 rows 18.24 / 16.95 / 16.96, 8 rows 22.37 /
+ * 20.79 / 20.42, 16 rows 34.58 / 31.69 / 31.35, 24 rows 44.11 / 41.28 / 40.98; one layer of
+ * Qwen2.5-7B's at 1 row 18.24 / 17.68 / 16.91 (`benchmarks/f32_gemm_variants_ab.py --macro
+ * W_PF_HINT`); not measured on the Zen kinds. */
+#ifndef W_PF_HINT
+#define W_PF_HINT 1
+#endif
 /* The weight kinds the float32 GEMM reads: float32, bfloat16 or int8 (the latter two widened
  * exactly as they are loaded; int8 sums are multiplied by their output's scale at the end). */
 enum { W_F32 = 0, W_BF16 = 1, W_I8 = 2 };
@@ -1238,7 +1249,7 @@ static inline __attribute__((always_inline)) void f32_tile(
             for (int u = 0; u < F32_NT; ++u) a[r][u] = F32_ZERO();
         for (int64_t k = k0; k < k1; ++k) {
             for (int64_t l = 0; l < pf_lines && *pf_off < pf_end; ++l, *pf_off += 64)
-                __builtin_prefetch(pf + *pf_off, 0, 3);
+                __builtin_prefetch(pf + *pf_off, 0, W_PF_HINT);
             f32v b[F32_NT];
             for (int u = 0; u < F32_NT; ++u) b[u] = f32_load_w(wk, wb, k * ws + u * F32_VW);
             for (int r = 0; r < mr; ++r) {
@@ -1279,7 +1290,7 @@ static inline __attribute__((always_inline)) void f32_row64(
              * the next block's (blocks lie back to back), past the buffer's a prefetch that
              * cannot fault */
             for (int64_t l = 0; l < es; ++l)
-                __builtin_prefetch(ahead + k * GEMV_NB * es + 64 * l, 0, 3);
+                __builtin_prefetch(ahead + k * GEMV_NB * es + 64 * l, 0, W_PF_HINT);
             const f32v xv = F32_SET1(x[k]);
             for (int u = 0; u < NV; ++u)
                 a[u] = F32_FMA(xv, f32_load_w(wk, wb, k * GEMV_NB + u * F32_VW), a[u]);
@@ -1303,7 +1314,7 @@ static inline __attribute__((always_inline)) void f32_tile_kc(
         /* pf_lines lines per k of what the caller reads next (none where pf is NULL) */
         if (pf != NULL)
             for (int l = 0; l < pf_lines; ++l)
-                __builtin_prefetch(pf + (k - kc0) * 64 * pf_lines + 64 * l, 0, 3);
+                __builtin_prefetch(pf + (k - kc0) * 64 * pf_lines + 64 * l, 0, W_PF_HINT);
         f32v b[F32_NT];
         for (int u = 0; u < F32_NT; ++u) b[u] = f32_load_w(wk, panel, k * ws + u * F32_VW);
         for (int r = 0; r < mr; ++r) {
@@ -1444,7 +1455,7 @@ static int linear_f32_core(const float *x, const void *w, const int wk, const fl
                             for (int64_t k = kc0; k < kc1; ++k) {
                                 for (int64_t l = 0; l < (int64_t)es; ++l)
                                     __builtin_prefetch(pf + (k - kc0) * GEMV_NB * es + 64 * l,
-                                                       0, 2);
+                                                       0, W_PF_HINT);
                                 for (int u = 0; u < GEMV_NB / F32_VW; ++u)
                                     F32_STORE(wide + (k - kc0) * GEMV_NB + u * F32_VW,
                                               wk == W_BF16
