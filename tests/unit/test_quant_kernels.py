@@ -124,6 +124,23 @@ def test_batch_invariance_bitwise(qk, t):
 
 
 @pytest.mark.parametrize("t", TYPES, ids=NAMES.values())
+def test_rows_in_several_passes_keep_their_bits(qk, t):
+    """At a long K the activation rows run in passes of ~1 MiB of quantized rows (64-row
+    tiles at K = 12288) over weight groups of 16 rows and more: a row's bits must not depend
+    on the pass it falls in, nor on the rows beside it."""
+    k, n, m = 12288, 40, 150
+    w = make_weight(t, n, k, seed=11)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(12))
+    full = run(qk, t, w, x)
+    for lo, hi in ((0, 1), (63, 64), (64, 130), (129, 150), (140, 141)):
+        assert torch.equal(run(qk, t, w, x[lo:hi].contiguous()), full[lo:hi]), (lo, hi)
+    if qk.isa != "portable":
+        assert torch.equal(run(qk, t, w, x, portable=True), full)
+    ref, scale = reference(t, w, x[:3].numpy(), k)
+    assert np.all(np.abs(full[:3].double().numpy() - ref) <= 5e-7 * scale + 1e-30)
+
+
+@pytest.mark.parametrize("t", TYPES, ids=NAMES.values())
 def test_out_column_slice_and_bf16(qk, t):
     block, _ = block_info(t)
     k, n, m = 512, 20, 6
