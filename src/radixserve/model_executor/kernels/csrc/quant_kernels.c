@@ -89,6 +89,15 @@
  * 14413. Transposed
  * Q6_K tiles were slower (M = 8 1024 -> 1633, 64 7256 -> 7842: three 16 x 16 transposes and
  * 16 scale products per block) and are not built.
+ * At Qwen2.5-7B's down projection, W [3584, 18944], the driver had made weight groups of 64 KiB
+ * (8 Q4_K rows, 4 Q8_0 rows: the 16-output tiles half or three-quarters idle) and run every
+ * activation row over each group (22 MiB of quantized rows per group at 1024 rows, from L3).
+ * Groups of 16 rows and more, and rows in passes of ~1 MiB, same VM and script, best us, M =
+ * 1 / 16 / 64 / 1024, before -> after: Q4_K 64 rows 32955 -> 17867, 1024 rows 867296 ->
+ * 290293; Q8_0 7237 / 27378 / 85457 / 1395729 -> 3527 / 6177 / 23629 / 372927; Q6_K 1730 /
+ * 8309 / 33019 / 656538 -> 1481 / 6765 / 26668 / 418423; Q4_0 1813 / 9211 / 38251 / 621711 ->
+ * 1236 / 5037 / 20494 / 316080; Q5_K 1620 / 9485 / 31721 / 882125 -> 1550 / 5133 / 17737 /
+ * 292979. At W [8960, 1536] within +-5% but at 1024 rows (5-15% faster).
  *
  * Error codes: 1 bad type or sizes; 2 an id out of range (dequantize_rows, nothing written);
  * 3 out of memory.
