@@ -1230,6 +1230,13 @@ static inline __attribute__((always_inline)) f32v f32_load_w(const int wk, const
     if (wk == W_I8) return F32_LOAD_I8((const int8_t *)base + i);
     return F32_LOAD((const float *)base + i);
 }
+/* nv vectors of narrow weights (wk: W_BF16 or W_I8) at element i of base, widened into dst */
+static inline __attribute__((always_inline)) void widen_w(const int wk, const void *base,
+                                                          int64_t i, float *dst, int nv) {
+    for (int u = 0; u < nv; ++u)
+        F32_STORE(dst + u * F32_VW, wk == W_BF16 ? f32_load_w(W_BF16, base, i + u * F32_VW)
+                                                 : f32_load_w(W_I8, base, i + u * F32_VW));
+}
 /* y[j] *= s[j] for j < n (n a multiple of F32_VW): an int8 weight's per-output scale */
 static inline void scale_out(float *y, const float *s, int64_t n) {
     for (int64_t j = 0; j < n; j += F32_VW)
@@ -1444,9 +1451,11 @@ static int linear_f32_core(const float *x, const void *w, const int wk, const fl
                     const int64_t k1 = k0 + kblk < K ? k0 + kblk : K;
                     for (int64_t kc0 = k0; kc0 < k1; kc0 += kd) {
                         const int64_t kc1 = kc0 + kd < k1 ? kc0 + kd : k1;
-                        /* the next chunk's lines (the next block's first past the block's
-                         * end: blocks lie back to back), asked for in the first pass */
-                        const char *pf = blk + (size_t)(kc1 + (PF_AHEAD - 1) * kd) * GEMV_NB * es;
+                        /* the lines of the chunk PF_AHEAD chunks on (the next block's past
+                         * the block's end: blocks lie back to back), asked for in the first
+                         * pass, or while widening */
+                        const char *pf =
+                            blk + (size_t)(kc1 + (PF_AHEAD - 1) * kd) * GEMV_NB * es;
                         if (widen_chunk) {
                             /* the chunk widened once for all the share's tiles, which then
                              * read float32 (the same values, so the same FMAs), where each
@@ -1456,13 +1465,8 @@ static int linear_f32_core(const float *x, const void *w, const int wk, const fl
                                 for (int64_t l = 0; l < (int64_t)es; ++l)
                                     __builtin_prefetch(pf + (k - kc0) * GEMV_NB * es + 64 * l,
                                                        0, W_PF_HINT);
-                                for (int u = 0; u < GEMV_NB / F32_VW; ++u)
-                                    F32_STORE(wide + (k - kc0) * GEMV_NB + u * F32_VW,
-                                              wk == W_BF16
-                                                  ? f32_load_w(W_BF16, blk,
-                                                               k * GEMV_NB + u * F32_VW)
-                                                  : f32_load_w(W_I8, blk,
-                                                               k * GEMV_NB + u * F32_VW));
+                                widen_w(wk, blk, k * GEMV_NB, wide + (k - kc0) * GEMV_NB,
+                                        GEMV_NB / F32_VW);
                             }
                             pf = NULL;
                         }
@@ -1531,11 +1535,7 @@ static int linear_f32_core(const float *x, const void *w, const int wk, const fl
                 const int widen = wk != W_F32 && t1 - t0 > 1;
                 if (widen) {
                     for (int64_t k = 0; k < K; ++k)
-                        for (int u = 0; u < F32_NT; ++u)
-                            F32_STORE(scratch + k * F32_TILE + u * F32_VW,
-                                      wk == W_BF16
-                                          ? f32_load_w(W_BF16, wb, k * GEMV_NB + u * F32_VW)
-                                          : f32_load_w(W_I8, wb, k * GEMV_NB + u * F32_VW));
+                        widen_w(wk, wb, k * GEMV_NB, scratch + k * F32_TILE, F32_NT);
                     /* F32_MC rows at a time, and per kblk block in F32_KC passes over their
                      * tiles; a block's sums are then added into y as f32_tile adds them into
                      * tot. Each row's chain is the same whatever the chunking. */
