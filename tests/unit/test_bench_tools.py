@@ -225,8 +225,10 @@ def test_stream_read_reads_every_value():
 
     k = CpuKernels.load()
     assert k is not None
-    x = torch.arange(1000 * 33 + 7, dtype=torch.float32) % 5  # a tail past the 32-wide loop
-    assert k.stream_read(x) == pytest.approx(float(x.double().sum()))
+    # sizes with tails past the 32-wide loop and past the four streams of each thread's share
+    for n in (7, 32 * 8, 1000 * 33 + 7, 32 * 4099 + 5):
+        x = (torch.arange(n, dtype=torch.float32) % 7) + 1
+        assert k.stream_read(x) == pytest.approx(float(x.double().sum()), rel=1e-6), n
     with pytest.raises(ValueError):
         k.stream_read(x.double())
 
