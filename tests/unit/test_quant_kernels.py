@@ -13,7 +13,12 @@ from gguf.constants import GGMLQuantizationType as QT
 from gguf.quants import dequantize, quantize
 
 from radixserve.model_executor.kernels.cpu import CFLAGS, SOURCES, CpuKernels, build
-from radixserve.model_executor.kernels.quant import SUPPORTED_TYPES, QuantKernels, block_info
+from radixserve.model_executor.kernels.quant import (
+    PACK16,
+    SUPPORTED_TYPES,
+    QuantKernels,
+    block_info,
+)
 
 TYPES = [int(QT.Q4_0), int(QT.Q4_1), int(QT.Q5_0), int(QT.Q5_1), int(QT.Q8_0), int(QT.Q4_K),
          int(QT.Q5_K), int(QT.Q6_K)]
@@ -336,3 +341,77 @@ def test_q5_fifth_bit_order(qk, t):
     y = run(qk, t, raw, x)
     assert torch.equal(y, 127 * torch.from_numpy(wd).T)
     assert torch.equal(run(qk, t, raw, x, portable=True), y)
+
+
+PACKABLE = [int(QT.Q4_0), int(QT.Q4_1), int(QT.Q8_0)]
+
+
+@pytest.mark.parametrize("t", PACKABLE, ids=[NAMES[t] for t in PACKABLE])
+def test_pack16_round_trip(qk, t):
+    """The 16-row packed layout holds the rows' bytes (the last group padded with zero rows)
+    and gives them back: portable C, so every build checks it."""
+    for n in (1, 16, 17, 40):
+        w = torch.from_numpy(make_weight(t, n, 288, seed=n))
+        p = qk.pack16(t, w)
+        assert p.shape == (-(-n // 16) * 16, w.shape[1])
+        assert not torch.equal(p[:n], w) or n == 0  # rearranged, not copied
+        assert torch.equal(qk.unpack16(t, p, n), w)
+    with pytest.raises(ValueError):
+        qk.pack16(int(QT.Q4_K), torch.zeros(16, 144, dtype=torch.uint8))
+    with pytest.raises(ValueError):
+        qk.unpack16(t, p, 16)  # 40 rows' packing is not 16 rows'
+
+
+@pytest.mark.parametrize("t", PACKABLE, ids=[NAMES[t] for t in PACKABLE])
+def test_pack16_tiles_give_the_rows_bits(qk, t):
+    """Where the build runs the packed tiles (AVX-512 VNNI), W packed gives the bits of the
+    rows as stored and of the portable tiles, for every row count, a partial last group of
+    16 outputs, a partial last group of four blocks, and bf16 into a column slice."""
+    if not qk.has_pack16(t):
+        pytest.skip(f"this CPU's build runs the {qk.isa} tiles, which have no packed layout")
+    n, k = 40, 288
+    w = make_weight(t, n, k, seed=t + 7)
+    p = qk.pack16(t, torch.from_numpy(w))
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(t))
+    for m in (1, 5, 8, 16, 17, 40):
+        rows = run(qk, t, w, x[:m])
+        out = torch.empty(m, n)
+        qk.linear_unchecked(t | PACK16, p.data_ptr(), n, k, x.data_ptr(), x.dtype, m,
+                            out.data_ptr(), out.dtype, n)
+        assert torch.equal(out, rows), (NAMES[t], m)
+        assert torch.equal(out, run(qk, t, w, x[:m], portable=True)), (NAMES[t], m)
+    big = torch.zeros(7, n + 8, dtype=torch.bfloat16)
+    xb = x[:7].bfloat16()
+    qk.linear_unchecked(t | PACK16, p.data_ptr(), n, k, xb.data_ptr(), xb.dtype, 7,
+                        big.data_ptr() + 4 * 2, big.dtype, n + 8)
+    assert torch.equal(big[:, 4:4 + n], run(qk, t, w, xb, torch.bfloat16))
+    assert not big[:, :4].any() and not big[:, 4 + n:].any()
+    with pytest.raises(RuntimeError):  # the portable tiles read rows only
+        qk.linear_unchecked(t | PACK16, p.data_ptr(), n, k, x.data_ptr(), x.dtype, 1,
+                            out.data_ptr(), out.dtype, n, portable=True)
+
+
+def test_quantized_linear_holds_packable_segments_packed(qk):
+    """``QuantizedLinear`` packs the segments whose type the build runs packed and leaves
+    the others as rows; its outputs are the rows' bits and ``weight()`` dequantizes the
+    rows the file stored."""
+    from radixserve.model_executor.layers.quantized import QuantizedLinear, Segment
+
+    k = 256
+    parts = [(int(QT.Q4_1), 40), (int(QT.Q4_K), 16), (int(QT.Q8_0), 24)]
+    segs, lo, raws = [], 0, []
+    for t, rows in parts:
+        w = make_weight(t, rows, k, seed=rows)
+        raws.append((t, w, lo))
+        segs.append(Segment(lo, lo + rows, t, torch.from_numpy(w)))
+        lo += rows
+    lin = QuantizedLinear(qk, lo, k, segs)
+    for s, (t, _, _) in zip(lin.segments, raws, strict=True):
+        assert s.layout == (PACK16 if qk.has_pack16(t) else 0)
+    x = torch.randn(6, k, generator=torch.Generator().manual_seed(3))
+    y = lin(x)
+    wt = lin.weight()
+    for t, w, at in raws:
+        assert torch.equal(y[:, at:at + w.shape[0]], run(qk, t, w, x))
+        ref = torch.from_numpy(dequantize(w, QT(t)).reshape(w.shape[0], k))
+        assert torch.equal(wt[at:at + w.shape[0]], ref)

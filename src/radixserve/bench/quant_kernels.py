@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.model_executor.kernels.cpu import CpuKernels
-from radixserve.model_executor.kernels.quant import SUPPORTED_TYPES, block_info, row_bytes
+from radixserve.model_executor.kernels.quant import PACK16, SUPPORTED_TYPES, block_info, row_bytes
 
 _BY_NAME = {v: k for k, v in SUPPORTED_TYPES.items()}
 
@@ -97,7 +97,11 @@ def run_quant_bench(n: int = 8960, k: int = 1536, ms: tuple[int, ...] = (1, 4, 1
     for name in types:
         t = _BY_NAME[name]
         nbytes = n * row_bytes(t, k)
-        nxt = rotate(lambda t=t: _random_blocks(t, n, k, gen), nbytes)
+        # the layout the server holds the type in (``layers.quantized``)
+        packed = q.has_pack16(t)
+        nxt = rotate(lambda t=t, packed=packed: q.pack16(t, _random_blocks(t, n, k, gen))
+                     if packed else _random_blocks(t, n, k, gen), nbytes)
+        t = t | PACK16 if packed else t
         for m in ms:
             x = torch.randn(m, k, generator=gen)
             out = torch.empty(m, n)
@@ -108,7 +112,7 @@ def run_quant_bench(n: int = 8960, k: int = 1536, ms: tuple[int, ...] = (1, 4, 1
                                    out.data_ptr(), out.dtype, n)
             s = _time(call, min_time, clock)
             rows.append({"kernel": name, "m": m, "us": s * 1e6, "weight_bytes": nbytes,
-                         "gb_s": nbytes / s / 1e9})
+                         "gb_s": nbytes / s / 1e9, "layout": "pack16" if packed else "rows"})
 
     if not yardsticks:
         return {"shape": [n, k], "threads": torch.get_num_threads(), "isa": q.isa,

@@ -373,9 +373,14 @@ def measure_gguf_forms(blocks: list[tuple[int, torch.Tensor, torch.Tensor]],
     same weight dequantized [N, K] in ``dtype``)``: a layer's projections and the LM head) at
     each of ``FORM_M`` rows, through the quantized kernels ("gguf") and through the linear
     the dense model would run (``dense_form_linear``, "none"); interleaved, best of two."""
+    from radixserve.model_executor.kernels.quant import PACK16
+
     quant = kernels.quant
     k_blocks: dict[tuple[int, int], int | None] = {}
     packed = [dense_form_linear(kernels, d, batch_hint, k_blocks) for _, _, d in blocks]
+    # the blocks as the server holds them (``layers.quantized``: packed where the build can)
+    served = [(t | PACK16, quant.pack16(t, b)) if quant.has_pack16(t) else (t, b)
+              for t, b, _ in blocks]
     out: dict[str, list[float]] = {"gguf": [], "none": []}
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
@@ -384,8 +389,10 @@ def measure_gguf_forms(blocks: list[tuple[int, torch.Tensor, torch.Tensor]],
             ys = [torch.empty(m, d.shape[0], dtype=dtype) for _, _, d in blocks]
 
             def quantized(_: object, xs=xs, ys=ys) -> None:
-                for (t, b, _), x, y in zip(blocks, xs, ys, strict=True):
-                    quant.linear(t, b, x, y)
+                for (t, b), (_, _, d), x, y in zip(served, blocks, xs, ys, strict=True):
+                    quant.linear_unchecked(t, b.data_ptr(), d.shape[0], d.shape[1],
+                                           x.data_ptr(), x.dtype, x.shape[0], y.data_ptr(),
+                                           y.dtype, d.shape[0])
 
             def dense(_: object, xs=xs) -> None:
                 for p, x in zip(packed, xs, strict=True):

@@ -36,6 +36,9 @@ SUPPORTED_TYPES: dict[int, str] = {
     int(GGMLQuantizationType.Q6_K): "Q6_K",
 }
 _DT = {torch.float32: 0, torch.bfloat16: 1}
+#: flag of a weight type id (``linear_unchecked``'s ``ggml_type | PACK16``): W is in the
+#: 16-row packed layout of ``QuantKernels.pack16``
+PACK16 = 0x100
 _ERRORS = {1: "bad type or sizes", 2: "a row id out of range (nothing written)",
            3: "out of memory", 5: "a build without AVX2 + FMA"}
 
@@ -79,6 +82,14 @@ class QuantKernels:
         fn.argtypes = [c_int, ptr, i64, i64, ptr, i64, c_int, ptr, c_int]
         fn.restype = c_int
         self._dequant = fn
+        fn = lib.rs_quant_pack16
+        fn.argtypes = [c_int, ptr, i64, i64, ptr, c_int]
+        fn.restype = c_int
+        self._pack16 = fn
+        fn = lib.rs_quant_has_pack16
+        fn.argtypes = [c_int]
+        fn.restype = c_int
+        self._has_pack16 = fn
         fn = lib.rs_quant_isa
         fn.argtypes = []
         fn.restype = c_int
@@ -94,6 +105,62 @@ class QuantKernels:
         self._int8w = fn
         #: whether the float32 GEMM (AVX2 + FMA or AVX-512) that runs int8 weights is built
         self.has_int8w = fn is not None and bool(lib.rs_has_f32_gemm())
+
+    def has_pack16(self, ggml_type: int) -> bool:
+        """Whether this build's tiles run ``ggml_type`` in the 16-row packed layout
+        (``pack16``): Q4_0, Q4_1 and Q8_0 on AVX-512 VNNI builds."""
+        return bool(self._has_pack16(ggml_type))
+
+    def pack16(self, ggml_type: int, w: torch.Tensor) -> torch.Tensor:
+        """W's rows in the 16-row packed layout that the AVX-512 tiles of Q4_0, Q4_1 and Q8_0
+        read without transposing (``csrc/quant_kernels.c``, ``rs_quant_pack16``): rows in
+        groups of 16, each group's blocks back to back, each block's 16 rows' values lane
+        by lane, then their scales (and Q4_1's mins). A decode-sized call spent most of its
+        time rearranging each block into that order (Q4_1 [3072, 576] at one row: 48 us
+        where the bytes read at L3 speed take a third of it).
+
+        Args:
+            ggml_type: Q4_0, Q4_1 or Q8_0's type id.
+            w: contiguous uint8 [N, row_bytes] rows of ggml blocks.
+
+        Returns:
+            uint8 [ceil(N / 16) * 16, row_bytes]: the last group padded with zero rows (the
+            same bytes per group as the rows).
+
+        Raises:
+            ValueError: another type, or w not contiguous uint8 rows of its blocks.
+        """
+        return self._repack(ggml_type, w, -(-w.shape[0] // 16) * 16, 0)
+
+    def unpack16(self, ggml_type: int, packed: torch.Tensor, n: int) -> torch.Tensor:
+        """The ``n`` rows of ggml blocks (uint8 [n, row_bytes]) that ``pack16`` packed into
+        ``packed``.
+
+        Raises:
+            ValueError: another type, or ``packed`` not ``pack16``'s shape for ``n`` rows.
+        """
+        if packed.dim() != 2 or packed.shape[0] != -(-n // 16) * 16:
+            raise ValueError(f"packed holds {tuple(packed.shape)}, not {n} rows in groups "
+                             f"of 16")
+        return self._repack(ggml_type, packed, n, 1)
+
+    def _repack(self, ggml_type: int, w: torch.Tensor, rows_out: int,
+                direction: int) -> torch.Tensor:
+        block, nbytes = block_info(ggml_type)
+        if SUPPORTED_TYPES[ggml_type] not in ("Q4_0", "Q4_1", "Q8_0"):
+            raise ValueError(f"{SUPPORTED_TYPES[ggml_type]} has no 16-row packed layout")
+        if (w.dtype != torch.uint8 or w.dim() != 2 or not w.is_contiguous()
+                or w.shape[1] % nbytes or w.device.type != "cpu"):
+            raise ValueError(f"w must be contiguous CPU uint8 rows of "
+                             f"{SUPPORTED_TYPES[ggml_type]} blocks, got {w.dtype} "
+                             f"{tuple(w.shape)}")
+        out = torch.empty(rows_out, w.shape[1], dtype=torch.uint8)
+        n = w.shape[0] if direction == 0 else rows_out
+        rc = self._pack16(ggml_type, w.data_ptr(), n, w.shape[1] // nbytes, out.data_ptr(),
+                          direction)
+        if rc:
+            raise RuntimeError(f"rs_quant_pack16 failed with code {rc}")
+        return out
 
     def linear_int8w(self, x_ptr: int, w_ptr: int, scale_ptr: int, out_ptr: int, m: int,
                      n: int, k: int, k_block: int) -> None:
@@ -173,8 +240,9 @@ class QuantKernels:
         path calls it many times per step).
 
         Args:
-            ggml_type: ggml type id (``SUPPORTED_TYPES``).
-            w_ptr: address of N * row_bytes weight bytes.
+            ggml_type: ggml type id (``SUPPORTED_TYPES``), or ``id | PACK16`` for W in
+                ``pack16``'s layout (where ``has_pack16``).
+            w_ptr: address of N * row_bytes weight bytes (packed: N rounded up to 16).
             n, k: output features N and input features K (K a multiple of the block).
             x_ptr, x_dtype: address of contiguous [M, K] float32/bfloat16 activations.
             m: rows M.
@@ -183,7 +251,8 @@ class QuantKernels:
             ldo: out's row stride in elements (>= N).
 
         Raises:
-            RuntimeError: the kernel's error code (1: bad type or sizes, 3: out of memory).
+            RuntimeError: the kernel's error code (1: bad type or sizes, or a packed W with
+                ``portable`` or on a build without its tile; 3: out of memory).
         """
         rc = self._linear(ggml_type, w_ptr, n, k, _DT[x_dtype], x_ptr, m, _DT[out_dtype],
                           out_ptr, ldo, 1 if portable else 0, torch.get_num_threads())

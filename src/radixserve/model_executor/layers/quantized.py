@@ -21,7 +21,13 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
-from radixserve.model_executor.kernels.quant import QuantKernels, block_info, row_bytes
+from radixserve.model_executor.kernels.quant import (
+    PACK16,
+    SUPPORTED_TYPES,
+    QuantKernels,
+    block_info,
+    row_bytes,
+)
 
 
 @dataclass
@@ -35,6 +41,8 @@ class Segment:
         data: uint8 ``[hi - lo, row_bytes]`` ggml blocks, ``[hi - lo, K]`` dense rows in the
             serving dtype, or int8 ``[hi - lo, K]``.
         scale: float32 ``[hi - lo]``, the int8 rows' scales; else None.
+        layout: 0 for rows as the file stores them, or ``PACK16``: ``data`` is
+            ``QuantKernels.pack16``'s layout of them (``ceil((hi - lo) / 16) * 16`` rows).
     """
 
     lo: int
@@ -42,6 +50,12 @@ class Segment:
     ggml_type: int | None
     data: torch.Tensor
     scale: torch.Tensor | None = None
+    layout: int = 0
+
+    @property
+    def kernel_type(self) -> int | None:
+        """The type id the kernels take: ``ggml_type``, with ``layout``'s flag."""
+        return None if self.ggml_type is None else self.ggml_type | self.layout
 
 
 class QuantizedLinear:
@@ -50,7 +64,9 @@ class QuantizedLinear:
     Args:
         quant: the loaded quantized kernels.
         n, k: output and input features.
-        segments: covering ``[0, n)`` in order, without overlap.
+        segments: covering ``[0, n)`` in order, without overlap. Block segments of a type
+            the kernels run faster packed (``QuantKernels.has_pack16``: Q4_0, Q4_1, Q8_0 on
+            AVX-512 builds) are replaced by their packed copy; the same outputs, bit for bit.
         bias: [n] in the activation dtype, or None.
 
     Raises:
@@ -61,9 +77,13 @@ class QuantizedLinear:
                  bias: torch.Tensor | None = None) -> None:
         at = 0
         for s in segments:
-            if s.lo != at or s.hi <= s.lo or s.data.shape[0] != s.hi - s.lo:
+            held = -(-(s.hi - s.lo) // 16) * 16 if s.layout else s.hi - s.lo
+            if s.lo != at or s.hi <= s.lo or s.data.shape[0] != held:
                 raise ValueError(f"segments must tile [0, {n}) in order, got rows "
                                  f"[{s.lo}, {s.hi}) with {s.data.shape[0]} rows after {at}")
+            if s.layout and (s.layout != PACK16 or not quant.has_pack16(s.ggml_type)):
+                raise ValueError(f"segment [{s.lo}, {s.hi}) has layout {s.layout:#x}, which "
+                                 f"this build's kernels do not run")
             if s.ggml_type is None and s.data.shape[1] != k:
                 raise ValueError(f"dense segment [{s.lo}, {s.hi}) has {s.data.shape[1]} "
                                  f"columns, expected {k}")
@@ -78,7 +98,10 @@ class QuantizedLinear:
         if at != n:
             raise ValueError(f"segments cover [0, {at}), expected [0, {n})")
         self.quant, self.n, self.k = quant, n, k
-        self.segments = segments
+        self.segments = [
+            Segment(s.lo, s.hi, s.ggml_type, quant.pack16(s.ggml_type, s.data), s.scale, PACK16)
+            if s.ggml_type in SUPPORTED_TYPES and not s.layout and quant.has_pack16(s.ggml_type)
+            else s for s in segments]
         self.bias = bias
 
     @property
@@ -104,8 +127,10 @@ class QuantizedLinear:
             if s.ggml_type is None:
                 out[s.lo:s.hi] = s.data.float()
             else:
+                rows = (self.quant.unpack16(s.ggml_type, s.data, s.hi - s.lo) if s.layout
+                        else s.data)
                 ids = torch.arange(s.hi - s.lo, dtype=torch.int64)
-                self.quant.dequantize_rows(s.ggml_type, s.data, ids, out[s.lo:s.hi])
+                self.quant.dequantize_rows(s.ggml_type, rows, ids, out[s.lo:s.hi])
         return out
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -127,7 +152,7 @@ class QuantizedLinear:
                 out[:, s.lo:s.hi] = F.linear(x, s.data)
             else:
                 # checked once at construction: segment shapes, the blocks' row bytes
-                self.quant.linear_unchecked(s.ggml_type, s.data.data_ptr(), s.hi - s.lo,
+                self.quant.linear_unchecked(s.kernel_type, s.data.data_ptr(), s.hi - s.lo,
                                             self.k, x.data_ptr(), x.dtype, m,
                                             out.data_ptr() + s.lo * size, out.dtype, self.n)
         if self.bias is not None:

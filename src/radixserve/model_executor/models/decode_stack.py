@@ -156,7 +156,7 @@ class DecodeStack:
         segment table's address, ``QUANTIZED``) for GGUF blocks."""
         if isinstance(op, QuantizedLinear):
             seg = np.asarray([len(op.segments)] + [v for s in op.segments for v in (
-                s.ggml_type, s.data.data_ptr(), s.lo, s.hi)], dtype=np.int64)
+                s.kernel_type, s.data.data_ptr(), s.lo, s.hi)], dtype=np.int64)
             self._segments.append(seg)
             return seg.ctypes.data, QUANTIZED
         if isinstance(op, AmxLinear):

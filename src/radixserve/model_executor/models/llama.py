@@ -23,7 +23,12 @@ from radixserve.model_executor.attention.registry import build_attention
 from radixserve.model_executor.cpu_malloc import release_free_heap
 from radixserve.model_executor.kernels.amx import AmxKernels
 from radixserve.model_executor.kernels.cpu import CpuKernels
-from radixserve.model_executor.kernels.quant import SUPPORTED_TYPES, QuantKernels, block_info
+from radixserve.model_executor.kernels.quant import (
+    PACK16,
+    SUPPORTED_TYPES,
+    QuantKernels,
+    block_info,
+)
 from radixserve.model_executor.layers.amx_linear import AmxLinear
 from radixserve.model_executor.layers.bf16_weight_linear import Bf16WeightLinear
 from radixserve.model_executor.layers.int8_weight_linear import (
@@ -773,6 +778,11 @@ class CausalLM(nn.Module):
                 data = data[:, cols[0] // block * nbytes:cols[1] // block * nbytes].contiguous()
             if pad:  # zero bytes are zero scales: rows of zeros in every block type
                 data = torch.cat([data, data.new_zeros(pad, data.shape[1])])
+            if base != "embed" and self.quant is not None and self.quant.has_pack16(t):
+                # packed here, one tensor at a time, so the file's rows are freed as each is
+                # packed (``QuantizedLinear`` would pack them all while holding them all); the
+                # embedding keeps its rows for the lookup
+                return Segment(lo, lo + n + pad, t, self.quant.pack16(t, data), layout=PACK16)
             return Segment(lo, lo + n + pad, t, data)
         if base == "embed":
             return None  # int8: the embedding stays dense for the lookup

@@ -1207,6 +1207,37 @@ AI __m512i load4x128(const uint8_t *const *p, int m, int off) {
     return _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i *)(p[m + 12] + off)), 3);
 }
 
+/* one 32-value block b of a 16-output group against R activation rows: T[q] lane c holds
+ * output c's values 4q..4q+3 (Q8_0's shifted to unsigned), dw / mw its 16 scales / mins;
+ * the block's float steps are the per-block contract's (q32b_ref) */
+AI void q32b_rows_avx512(const __m512i *T, __m512 dw, __m512 mw, const uint8_t *xq, int64_t xs,
+                         int64_t b, float (*acc)[16], float (*accm)[16], const int R,
+                         const int type) {
+    const int k = (int)(b % 4);
+    for (int r = 0; r < R; ++r) {
+        const xq32_t *g = (const xq32_t *)(xq + r * xs) + b / 4;
+        int32_t xi[8];
+        memcpy(xi, g->q[k], sizeof xi);
+        __m512i dot = type == 0 ? _mm512_set1_epi32(g->o[k])
+                    : type == 1 ? _mm512_set1_epi32(16 * g->o[k]) : _mm512_setzero_si512();
+        for (int q = 0; q < 8; ++q)
+            dot = _mm512_dpbusd_epi32(dot, T[q], _mm512_set1_epi32(xi[q]));
+        _mm512_storeu_ps(acc[r], _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(g->d[k])),
+                                                 _mm512_cvtepi32_ps(dot), _mm512_loadu_ps(acc[r])));
+        if (type == 2)
+            _mm512_storeu_ps(accm[r], _mm512_fmadd_ps(mw, _mm512_set1_ps(g->s[k]),
+                                                      _mm512_loadu_ps(accm[r])));
+    }
+}
+
+/* y[(c0 + c) * R + r] for a group's nc outputs */
+AI void q32b_store_avx512(float (*acc)[16], float (*accm)[16], float *y, int c0, int nc,
+                          const int R, const int type) {
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < nc; ++c)
+            y[(c0 + c) * R + r] = type == 2 ? acc[r][c] + accm[r][c] : acc[r][c];
+}
+
 AI void q32b_cols_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
                          int64_t nb, float *y, const int R, const int type) {
     const int bb = Q32_BYTES(type), qo = Q32_QS(type);
@@ -1250,25 +1281,46 @@ AI void q32b_cols_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq,
             }
             const __m512 dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
             const __m512 mw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(md));
-            const int k = (int)(b % 4);
-            for (int r = 0; r < R; ++r) {
-                const xq32_t *g = (const xq32_t *)(xq + r * xs) + b / 4;
-                int32_t xi[8];
-                memcpy(xi, g->q[k], sizeof xi);
-                __m512i dot = type == 0 ? _mm512_set1_epi32(g->o[k])
-                            : type == 1 ? _mm512_set1_epi32(16 * g->o[k]) : _mm512_setzero_si512();
-                for (int q = 0; q < 8; ++q)
-                    dot = _mm512_dpbusd_epi32(dot, T[q], _mm512_set1_epi32(xi[q]));
-                _mm512_storeu_ps(acc[r], _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(g->d[k])),
-                                                         _mm512_cvtepi32_ps(dot), _mm512_loadu_ps(acc[r])));
-                if (type == 2)
-                    _mm512_storeu_ps(accm[r], _mm512_fmadd_ps(mw, _mm512_set1_ps(g->s[k]),
-                                                              _mm512_loadu_ps(accm[r])));
-            }
+            q32b_rows_avx512(T, dw, mw, xq, xs, b, acc, accm, R, type);
         }
-        for (int r = 0; r < R; ++r)
-            for (int c = 0; c < nc; ++c)
-                y[(c0 + c) * R + r] = type == 2 ? acc[r][c] + accm[r][c] : acc[r][c];
+        q32b_store_avx512(acc, accm, y, c0, nc, R, type);
+    }
+}
+
+/* q32b_cols_avx512 on weights packed at load (rs_quant_pack16): each 16-output group's block
+ * is already the tile's operands (P16_QS bytes of lane-ordered values, then 16 fp16 scales,
+ * then Q4_1's 16 fp16 mins), so the per-block gathers, 128-bit inserts and transposes are
+ * gone; the integers and float steps, so the bits, are the unpacked tile's */
+AI void q32p_cols_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
+                         int64_t nb, float *y, const int R, const int type) {
+    const int64_t gb = 16 * (int64_t)Q32_BYTES(type);
+    const int qsb = type == 1 ? 512 : 256;
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    float acc[TILE_MK][16], accm[TILE_MK][16];
+    for (int c0 = 0; c0 < C; c0 += 16) {
+        const int nc = C - c0 < 16 ? C - c0 : 16;
+        const uint8_t *g = w + c0 * ws; /* the group's nb packed blocks, back to back */
+        memset(acc, 0, sizeof acc);
+        memset(accm, 0, sizeof accm);
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t *p = g + b * gb;
+            for (int64_t l = 0; l < gb; l += 64) _mm_prefetch((const char *)(p + QPF + l), _MM_HINT_T0);
+            __m512i T[8];
+            if (type == 1) {
+                for (int q = 0; q < 8; ++q) T[q] = _mm512_loadu_si512(p + 64 * q);
+            } else {
+                for (int j = 0; j < 4; ++j) {
+                    const __m512i raw = _mm512_loadu_si512(p + 64 * j);
+                    T[j] = _mm512_and_si512(raw, m4);
+                    T[j + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+                }
+            }
+            const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + qsb)));
+            const __m512 mw = type == 2 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + qsb + 32)))
+                                        : dw;
+            q32b_rows_avx512(T, dw, mw, xq, xs, b, acc, accm, R, type);
+        }
+        q32b_store_avx512(acc, accm, y, c0, nc, R, type);
     }
 }
 
@@ -1278,6 +1330,12 @@ AI void q32b_cols_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq,
 COL_TILE(q4_0_avx512, Q4_0_B5)
 COL_TILE(q8_0_avx512, Q8_0_B5)
 COL_TILE(q4_1_avx512, Q4_1_B5)
+#define Q4_0_P5(r) q32p_cols_avx512(w, ws, C, xq, xs, nb, y, r, 0)
+#define Q8_0_P5(r) q32p_cols_avx512(w, ws, C, xq, xs, nb, y, r, 1)
+#define Q4_1_P5(r) q32p_cols_avx512(w, ws, C, xq, xs, nb, y, r, 2)
+COL_TILE(q4_0_p16_avx512, Q4_0_P5)
+COL_TILE(q8_0_p16_avx512, Q8_0_P5)
+COL_TILE(q4_1_p16_avx512, Q4_1_P5)
 /* ---- K-quant transposed tiles: 16 outputs in the 16 int32 lanes of a zmm. The column tiles
  * above spend two instructions (maddubs, vpdpwssd) per 64 products of one output and then add
  * each output's lanes horizontally. Here a 16-output group's weight block is transposed once
@@ -1460,6 +1518,7 @@ typedef struct {
     int block, bytes, kquant; /* values and bytes per weight block; Q8_K activations */
     tile_fn ref, fast;
     int t16; /* the fast tile takes KT16_ROWS rows at a time from KT16_MIN_ROWS rows on */
+    tile_fn p16; /* the tile over rs_quant_pack16's layout, where this build has one */
 } qtype_t;
 
 static int qtype_info(int t, qtype_t *q) {
@@ -1471,19 +1530,22 @@ static int qtype_info(int t, qtype_t *q) {
 #endif
 #if RS_Q_AVX512
 #define FAST512(f) f##512
+#define P16(t) t##_p16_avx512
 #else
 #define FAST512(f) FAST(f##2)
+#define P16(t) NULL
 #endif
-    case T_Q4_0: *q = (qtype_t){32, 18, 0, q4_0_ref, FAST512(q4_0_avx)}; return 0;
-    case T_Q4_1: *q = (qtype_t){32, 20, 0, q4_1_ref, FAST512(q4_1_avx)}; return 0;
+    case T_Q4_0: *q = (qtype_t){32, 18, 0, q4_0_ref, FAST512(q4_0_avx), 0, P16(q4_0)}; return 0;
+    case T_Q4_1: *q = (qtype_t){32, 20, 0, q4_1_ref, FAST512(q4_1_avx), 0, P16(q4_1)}; return 0;
     case T_Q5_0: *q = (qtype_t){32, 22, 0, q5_0_ref, FAST(q5_0_avx2)}; return 0;
     case T_Q5_1: *q = (qtype_t){32, 24, 0, q5_1_ref, FAST(q5_1_avx2)}; return 0;
-    case T_Q8_0: *q = (qtype_t){32, 34, 0, q8_0_ref, FAST512(q8_0_avx)}; return 0;
+    case T_Q8_0: *q = (qtype_t){32, 34, 0, q8_0_ref, FAST512(q8_0_avx), 0, P16(q8_0)}; return 0;
     case T_Q4_K: *q = (qtype_t){256, 144, 1, q4_k_ref, FAST512(q4_k_avx), RS_Q_AVX512}; return 0;
     case T_Q5_K: *q = (qtype_t){256, 176, 1, q5_k_ref, FAST512(q5_k_avx), RS_Q_AVX512}; return 0;
     case T_Q6_K: *q = (qtype_t){256, 210, 1, q6_k_ref, FAST512(q6_k_avx)}; return 0;
 #undef FAST
 #undef FAST512
+#undef P16
     default: return 1;
     }
 }
@@ -1492,16 +1554,67 @@ static int qtype_info(int t, qtype_t *q) {
  * portable C */
 int rs_quant_isa(void) { return RS_Q_AVX512 ? 2 : RS_Q_AVX2; }
 
-/* y[M, N] (row stride ldo, elements) = x[M, K] @ W^T, W = N rows of K / block blocks.
- * xdt/odt: 0 float32, 1 bfloat16. flags bit 0: use the portable tiles (tests). */
+/* ---- the 16-row packed layout (Q4_0, Q4_1, Q8_0 on AVX-512 builds) ---------------------
+ * Rows in groups of 16 (the last padded with zero rows), each group's blocks back to back;
+ * a group's block b is 16 * bytes-per-block bytes: first the values, QS / 4 vectors of 64
+ * bytes where vector q holds at bytes 4c..4c+3 row c's quant bytes 4q..4q+3 (QS = 16 for the
+ * 4-bit types, 32 for Q8_0, whose int8 values are stored + 128, as the tile uses them), then
+ * the 16 rows' fp16 scales, then Q4_1's 16 fp16 mins. Same bytes per group as the rows. */
+#define RS_PACK16 0x100 /* a weight type's flag: W is in this layout */
+
+static int pack16_shape(int wtype, int *qs, int *bb) {
+    if (wtype != T_Q4_0 && wtype != T_Q4_1 && wtype != T_Q8_0) return 1;
+    *qs = wtype == T_Q8_0 ? 32 : 16;
+    *bb = wtype == T_Q4_0 ? 18 : wtype == T_Q4_1 ? 20 : 34;
+    return 0;
+}
+
+/* whether this build runs W in the packed layout for wtype (rs_quant_linear's RS_PACK16) */
+int rs_quant_has_pack16(int wtype) {
+    qtype_t qt;
+    return !qtype_info(wtype, &qt) && qt.p16 != NULL;
+}
+
+/* out (ceil(N / 16) * 16 rows' bytes) = W's N rows (nb blocks each) in the packed layout;
+ * dir 1 the inverse (out: the N rows from the packed `w`). Returns 1 for another type. */
+int rs_quant_pack16(int wtype, const uint8_t *w, int64_t N, int64_t nb, uint8_t *out, int dir) {
+    int qs, bb;
+    if (pack16_shape(wtype, &qs, &bb) || N < 0 || nb < 0) return 1;
+    const int qo = bb - qs, ms = wtype == T_Q4_1;
+    const uint8_t shift = wtype == T_Q8_0 ? 0x80 : 0;
+    const int64_t ws = nb * bb, groups = (N + 15) / 16;
+    if (dir == 0) memset(out, 0, (size_t)(groups * 16 * ws));
+    for (int64_t g = 0; g < groups; ++g)
+        for (int64_t b = 0; b < nb; ++b) {
+            uint8_t *p = (uint8_t *)(dir ? w : out) + g * 16 * ws + b * 16 * bb;
+            for (int c = 0; c < 16 && g * 16 + c < N; ++c) {
+                uint8_t *row = (uint8_t *)(dir ? out : w) + (g * 16 + c) * ws + b * bb;
+                for (int q = 0; q < qs / 4; ++q)
+                    for (int t = 0; t < 4; ++t) {
+                        if (dir) row[qo + 4 * q + t] = p[64 * q + 4 * c + t] ^ shift;
+                        else p[64 * q + 4 * c + t] = row[qo + 4 * q + t] ^ shift;
+                    }
+                for (int h = 0; h < 1 + ms; ++h) /* the scale, then Q4_1's min */
+                    memcpy(dir ? row + 2 * h : p + 16 * qs + 32 * h + 2 * c,
+                           dir ? p + 16 * qs + 32 * h + 2 * c : row + 2 * h, 2);
+            }
+        }
+    return 0;
+}
+
+/* y[M, N] (row stride ldo, elements) = x[M, K] @ W^T, W = N rows of K / block blocks, or
+ * (wtype | RS_PACK16) rs_quant_pack16's layout of them. xdt/odt: 0 float32, 1 bfloat16.
+ * flags bit 0: use the portable tiles (tests; not for packed W). */
 int rs_quant_linear(int wtype, const uint8_t *w, int64_t N, int64_t K, int xdt, const void *x,
                     int64_t M, int odt, void *out, int64_t ldo, int flags, int num_threads) {
     qtype_t qt;
+    const int packed = (wtype & RS_PACK16) != 0;
+    wtype &= ~RS_PACK16;
     if (qtype_info(wtype, &qt) || K <= 0 || K % qt.block || N < 0 || M < 0 || ldo < N
-        || (unsigned)xdt > 1 || (unsigned)odt > 1)
+        || (unsigned)xdt > 1 || (unsigned)odt > 1 || (packed && (!qt.p16 || (flags & 1))))
         return 1;
     if (M == 0 || N == 0) return 0;
-    const tile_fn tile = (flags & 1) || !qt.fast ? qt.ref : qt.fast;
+    const tile_fn tile = packed ? qt.p16 : (flags & 1) || !qt.fast ? qt.ref : qt.fast;
     /* rows per tile (any count gives the same bits): the column tiles' (K-quants, Q4_0,
      * Q8_0, Q4_1) keep one row's sums in registers at a time */
     int tm = qt.kquant || wtype == T_Q4_0 || wtype == T_Q8_0 || wtype == T_Q4_1 ? TILE_MK : TILE_M;
