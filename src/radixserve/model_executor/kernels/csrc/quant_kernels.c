@@ -1207,42 +1207,45 @@ AI __m512i load4x128(const uint8_t *const *p, int m, int off) {
     return _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i *)(p[m + 12] + off)), 3);
 }
 
+/* an int32 read from any byte address (activation bytes as one broadcast operand) */
+typedef int32_t i32u __attribute__((may_alias, aligned(1)));
+
 /* one 32-value block b of a 16-output group against R activation rows: T[q] lane c holds
  * output c's values 4q..4q+3 (Q8_0's shifted to unsigned), dw / mw its 16 scales / mins;
- * the block's float steps are the per-block contract's (q32b_ref) */
+ * the block's float steps are the per-block contract's (q32b_ref). The sums are vectors
+ * indexed by the compile-time row, so they stay in registers */
 AI void q32b_rows_avx512(const __m512i *T, __m512 dw, __m512 mw, const uint8_t *xq, int64_t xs,
-                         int64_t b, float (*acc)[16], float (*accm)[16], const int R,
-                         const int type) {
+                         int64_t b, __m512 *acc, __m512 *accm, const int R, const int type) {
     const int k = (int)(b % 4);
     for (int r = 0; r < R; ++r) {
         const xq32_t *g = (const xq32_t *)(xq + r * xs) + b / 4;
-        int32_t xi[8];
-        memcpy(xi, g->q[k], sizeof xi);
+        const i32u *xi = (const i32u *)g->q[k];
         __m512i dot = type == 0 ? _mm512_set1_epi32(g->o[k])
                     : type == 1 ? _mm512_set1_epi32(16 * g->o[k]) : _mm512_setzero_si512();
         for (int q = 0; q < 8; ++q)
             dot = _mm512_dpbusd_epi32(dot, T[q], _mm512_set1_epi32(xi[q]));
-        _mm512_storeu_ps(acc[r], _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(g->d[k])),
-                                                 _mm512_cvtepi32_ps(dot), _mm512_loadu_ps(acc[r])));
-        if (type == 2)
-            _mm512_storeu_ps(accm[r], _mm512_fmadd_ps(mw, _mm512_set1_ps(g->s[k]),
-                                                      _mm512_loadu_ps(accm[r])));
+        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(g->d[k])),
+                                 _mm512_cvtepi32_ps(dot), acc[r]);
+        if (type == 2) accm[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(g->s[k]), accm[r]);
     }
 }
 
 /* y[(c0 + c) * R + r] for a group's nc outputs */
-AI void q32b_store_avx512(float (*acc)[16], float (*accm)[16], float *y, int c0, int nc,
+AI void q32b_store_avx512(const __m512 *acc, const __m512 *accm, float *y, int c0, int nc,
                           const int R, const int type) {
-    for (int r = 0; r < R; ++r)
-        for (int c = 0; c < nc; ++c)
-            y[(c0 + c) * R + r] = type == 2 ? acc[r][c] + accm[r][c] : acc[r][c];
+    for (int r = 0; r < R; ++r) {
+        float a[16], m[16];
+        _mm512_storeu_ps(a, acc[r]);
+        _mm512_storeu_ps(m, accm[r]);
+        for (int c = 0; c < nc; ++c) y[(c0 + c) * R + r] = type == 2 ? a[c] + m[c] : a[c];
+    }
 }
 
 AI void q32b_cols_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
                          int64_t nb, float *y, const int R, const int type) {
     const int bb = Q32_BYTES(type), qo = Q32_QS(type);
     const __m512i m4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x80);
-    float acc[TILE_MK][16], accm[TILE_MK][16];
+    __m512 acc[TILE_MK], accm[TILE_MK];
     const int64_t pf = 16 * KPF_GROUPS * ws;
     const __m512i offs = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
                                                               12, 13, 14, 15),
@@ -1250,8 +1253,7 @@ AI void q32b_cols_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq,
     for (int c0 = 0; c0 < C; c0 += 16) {
         const int nc = C - c0 < 16 ? C - c0 : 16;
         const __mmask16 live = (__mmask16)((1u << nc) - 1u);
-        memset(acc, 0, sizeof acc);
-        memset(accm, 0, sizeof accm);
+        for (int r = 0; r < R; ++r) acc[r] = accm[r] = _mm512_setzero_ps();
         for (int64_t b = 0; b < nb; ++b) {
             const uint8_t *bp[16];
             for (int c = 0; c < 16; ++c) {
@@ -1296,12 +1298,11 @@ AI void q32p_cols_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq,
     const int64_t gb = 16 * (int64_t)Q32_BYTES(type);
     const int qsb = type == 1 ? 512 : 256;
     const __m512i m4 = _mm512_set1_epi8(0x0F);
-    float acc[TILE_MK][16], accm[TILE_MK][16];
+    __m512 acc[TILE_MK], accm[TILE_MK];
     for (int c0 = 0; c0 < C; c0 += 16) {
         const int nc = C - c0 < 16 ? C - c0 : 16;
         const uint8_t *g = w + c0 * ws; /* the group's nb packed blocks, back to back */
-        memset(acc, 0, sizeof acc);
-        memset(accm, 0, sizeof accm);
+        for (int r = 0; r < R; ++r) acc[r] = accm[r] = _mm512_setzero_ps();
         for (int64_t b = 0; b < nb; ++b) {
             const uint8_t *p = g + b * gb;
             for (int64_t l = 0; l < gb; l += 64) _mm_prefetch((const char *)(p + QPF + l), _MM_HINT_T0);
@@ -1347,8 +1348,6 @@ COL_TILE(q4_1_p16_avx512, Q4_1_P5)
  * costs about as much as 4 rows' products, so the driver takes these tiles for tiles of
  * KT16_MIN_ROWS rows and more. */
 
-/* an int32 read from any byte address (activation bytes as one broadcast operand) */
-typedef int32_t i32u __attribute__((may_alias, aligned(1)));
 
 /* absent outputs of a 16-output group read this super-block: zero values and scales */
 static const uint8_t zero_kblock[256] __attribute__((aligned(64)));
