@@ -83,7 +83,7 @@ class QuantKernels:
         fn.restype = c_int
         self._dequant = fn
         fn = lib.rs_quant_pack16
-        fn.argtypes = [c_int, ptr, i64, i64, ptr, c_int]
+        fn.argtypes = [c_int, ptr, i64, i64, ptr, c_int, c_int]
         fn.restype = c_int
         self._pack16 = fn
         fn = lib.rs_quant_has_pack16
@@ -157,7 +157,7 @@ class QuantKernels:
         out = torch.empty(rows_out, w.shape[1], dtype=torch.uint8)
         n = w.shape[0] if direction == 0 else rows_out
         rc = self._pack16(ggml_type, w.data_ptr(), n, w.shape[1] // nbytes, out.data_ptr(),
-                          direction)
+                          direction, torch.get_num_threads())
         if rc:
             raise RuntimeError(f"rs_quant_pack16 failed with code {rc}")
         return out

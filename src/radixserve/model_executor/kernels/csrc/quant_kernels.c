@@ -1575,29 +1575,36 @@ int rs_quant_has_pack16(int wtype) {
 }
 
 /* out (ceil(N / 16) * 16 rows' bytes) = W's N rows (nb blocks each) in the packed layout;
- * dir 1 the inverse (out: the N rows from the packed `w`). Returns 1 for another type. */
-int rs_quant_pack16(int wtype, const uint8_t *w, int64_t N, int64_t nb, uint8_t *out, int dir) {
+ * dir 1 the inverse (out: the N rows from the packed `w`). Groups split over num_threads.
+ * Returns 1 for another type. */
+int rs_quant_pack16(int wtype, const uint8_t *w, int64_t N, int64_t nb, uint8_t *out, int dir,
+                    int num_threads) {
     int qs, bb;
     if (pack16_shape(wtype, &qs, &bb) || N < 0 || nb < 0) return 1;
     const int qo = bb - qs, ms = wtype == T_Q4_1;
-    const uint8_t shift = wtype == T_Q8_0 ? 0x80 : 0;
+    const uint32_t shift = wtype == T_Q8_0 ? 0x80808080u : 0;
     const int64_t ws = nb * bb, groups = (N + 15) / 16;
-    if (dir == 0) memset(out, 0, (size_t)(groups * 16 * ws));
-    for (int64_t g = 0; g < groups; ++g)
+#pragma omp parallel for num_threads(num_threads > 0 ? num_threads : 1) schedule(static)
+    for (int64_t g = 0; g < groups; ++g) {
+        uint8_t *grp = (uint8_t *)(dir ? w : out) + g * 16 * ws;
+        if (dir == 0) memset(grp, 0, (size_t)(16 * ws));
         for (int64_t b = 0; b < nb; ++b) {
-            uint8_t *p = (uint8_t *)(dir ? w : out) + g * 16 * ws + b * 16 * bb;
+            uint8_t *p = grp + b * 16 * bb;
             for (int c = 0; c < 16 && g * 16 + c < N; ++c) {
                 uint8_t *row = (uint8_t *)(dir ? out : w) + (g * 16 + c) * ws + b * bb;
-                for (int q = 0; q < qs / 4; ++q)
-                    for (int t = 0; t < 4; ++t) {
-                        if (dir) row[qo + 4 * q + t] = p[64 * q + 4 * c + t] ^ shift;
-                        else p[64 * q + 4 * c + t] = row[qo + 4 * q + t] ^ shift;
-                    }
+                for (int q = 0; q < qs / 4; ++q) {
+                    uint8_t *packed = p + 64 * q + 4 * c, *rows = row + qo + 4 * q;
+                    uint32_t v;
+                    memcpy(&v, dir ? packed : rows, 4);
+                    v ^= shift;
+                    memcpy(dir ? rows : packed, &v, 4);
+                }
                 for (int h = 0; h < 1 + ms; ++h) /* the scale, then Q4_1's min */
                     memcpy(dir ? row + 2 * h : p + 16 * qs + 32 * h + 2 * c,
                            dir ? p + 16 * qs + 32 * h + 2 * c : row + 2 * h, 2);
             }
         }
+    }
     return 0;
 }
 
