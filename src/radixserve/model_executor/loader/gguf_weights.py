@@ -167,9 +167,35 @@ class GgufTensor(LazyTensor):
         if len(self.info.shape) != 2:
             raise ValueError(f"{self.describe()} is not a matrix")
         row_bytes = self.info.nbytes // self.info.shape[0]
-        return self._unpermuted(lo, hi, lambda a, b: torch.frombuffer(
-            bytearray(self._bytes(a, b, row_bytes)), dtype=torch.uint8).reshape(b - a,
-                                                                              row_bytes))
+        return self._unpermuted(lo, hi, lambda a, b: self._read_rows(a, b, row_bytes))
+
+    def _read_rows(self, lo: int, hi: int, row_bytes: int) -> torch.Tensor:
+        """The stored bytes of rows ``lo:hi`` read straight into a uint8 ``[hi - lo,
+        row_bytes]`` tensor (one copy: ``_bytes`` and a writable buffer made from it were
+        two, for every weight of a GGUF served in its blocks).
+
+        Raises:
+            ValueError: the bytes cannot be read, or the file ends first (naming the tensor).
+        """
+        out = torch.empty(hi - lo, row_bytes, dtype=torch.uint8)
+        view = memoryview(out.numpy()).cast("B")
+        at, n = 0, view.nbytes
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+            try:
+                while at < n:  # one read returns at most ~2 GiB on Linux
+                    got = os.preadv(fd, [view[at:]], self.info.offset + lo * row_bytes + at)
+                    if got == 0:
+                        break
+                    at += got
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise ValueError(f"{self.path}: cannot read tensor {self.describe()}: {e}") from e
+        if at != n:
+            raise ValueError(f"{self.path}: tensor {self.describe()} is cut short (the file "
+                             "is truncated)")
+        return out
 
     def _unpermuted(self, lo: int, hi: int, read) -> torch.Tensor:  # noqa: ANN001
         if self.qk_heads is None:
