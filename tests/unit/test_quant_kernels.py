@@ -25,6 +25,8 @@ TYPES = [int(QT.Q4_0), int(QT.Q4_1), int(QT.Q5_0), int(QT.Q5_1), int(QT.Q8_0), i
 #: the 32-value block types (activations quantized per 32 values, blocks taken four at a time)
 TYPES_32 = [int(QT.Q4_0), int(QT.Q4_1), int(QT.Q5_0), int(QT.Q5_1), int(QT.Q8_0)]
 NAMES = {t: SUPPORTED_TYPES[t] for t in TYPES}
+#: the types with the 16-row packed layout (``QuantKernels.pack16``)
+PACKABLE = [int(QT.Q4_0), int(QT.Q4_1), int(QT.Q8_0)]
 
 
 @pytest.fixture(scope="module")
@@ -264,6 +266,16 @@ def test_avx2_and_avx512_tiles_give_the_same_bits(qk, tmp_path):
         w = make_weight(t, 11, 768, seed=t + 1)
         for m in (1, 8, 19):
             assert torch.equal(run(avx2, t, w, x[:m]), run(qk, t, w, x[:m])), (NAMES[t], m)
+    # the AVX2 tiles read the 16-row packed layout as two 8-output halves
+    for t in PACKABLE:
+        assert avx2.has_pack16(t)
+        w = make_weight(t, 27, 768, seed=t + 2)
+        p = avx2.pack16(t, torch.from_numpy(w))
+        for m in (1, 5, 19):
+            out = torch.empty(m, 27)
+            avx2.linear_unchecked(t | PACK16, p.data_ptr(), 27, 768, x.data_ptr(), x.dtype, m,
+                                  out.data_ptr(), out.dtype, 27)
+            assert torch.equal(out, run(qk, t, w, x[:m])), (NAMES[t], m)
 
 
 @pytest.mark.parametrize("t", TYPES_32, ids=[NAMES[t] for t in TYPES_32])
@@ -343,8 +355,6 @@ def test_q5_fifth_bit_order(qk, t):
     assert torch.equal(run(qk, t, raw, x, portable=True), y)
 
 
-PACKABLE = [int(QT.Q4_0), int(QT.Q4_1), int(QT.Q8_0)]
-
 
 @pytest.mark.parametrize("t", PACKABLE, ids=[NAMES[t] for t in PACKABLE])
 def test_pack16_round_trip(qk, t):
@@ -364,7 +374,7 @@ def test_pack16_round_trip(qk, t):
 
 @pytest.mark.parametrize("t", PACKABLE, ids=[NAMES[t] for t in PACKABLE])
 def test_pack16_tiles_give_the_rows_bits(qk, t):
-    """Where the build runs the packed tiles (AVX-512 VNNI), W packed gives the bits of the
+    """Where the build runs the packed tiles (AVX2, AVX-512 VNNI), W packed gives the bits of the
     rows as stored and of the portable tiles, for every row count, a partial last group of
     16 outputs, a partial last group of four blocks, and bf16 into a column slice."""
     if not qk.has_pack16(t):

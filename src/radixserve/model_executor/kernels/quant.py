@@ -108,12 +108,13 @@ class QuantKernels:
 
     def has_pack16(self, ggml_type: int) -> bool:
         """Whether this build's tiles run ``ggml_type`` in the 16-row packed layout
-        (``pack16``): Q4_0, Q4_1 and Q8_0 on AVX-512 VNNI builds."""
+        (``pack16``): Q4_0, Q4_1 and Q8_0 on AVX2 and AVX-512 VNNI builds (the AVX2 tiles
+        read a 16-row group as two 8-output halves), not on the portable one."""
         return bool(self._has_pack16(ggml_type))
 
     def pack16(self, ggml_type: int, w: torch.Tensor) -> torch.Tensor:
-        """W's rows in the 16-row packed layout that the AVX-512 tiles of Q4_0, Q4_1 and Q8_0
-        read without transposing (``csrc/quant_kernels.c``, ``rs_quant_pack16``): rows in
+        """W's rows in the 16-row packed layout that the AVX2 and AVX-512 tiles of Q4_0, Q4_1
+        and Q8_0 read without transposing (``csrc/quant_kernels.c``, ``rs_quant_pack16``): rows in
         groups of 16, each group's blocks back to back, each block's 16 rows' values lane
         by lane, then their scales (and Q4_1's mins). A decode-sized call spent most of its
         time rearranging each block into that order (Q4_1 [3072, 576] at one row: 48 us

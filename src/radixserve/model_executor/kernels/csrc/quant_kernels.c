@@ -933,11 +933,47 @@ AI __m128i low16(__m256i v) {
     return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
 }
 
+/* one 32-value block b of an 8-output group against R activation rows: T[q] lane c holds
+ * output c's values 4q..4q+3 (Q8_0's signed), dw / mw its 8 scales / mins; the block's float
+ * steps are the per-block contract's (q32b_ref) */
+AI void q32b_rows_avx2(const __m256i *T, __m256 dw, __m256 mw, const uint8_t *xq, int64_t xs,
+                       int64_t b, float (*acc)[8], float (*accm)[8], const int R, const int type) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i A[8];
+    if (type == 1)
+        for (int q = 0; q < 8; ++q) A[q] = _mm256_sign_epi8(T[q], T[q]);
+    const int k = (int)(b % 4);
+    for (int r = 0; r < R; ++r) {
+        const xq32_t *g = (const xq32_t *)(xq + r * xs) + b / 4;
+        int32_t xi[8];
+        memcpy(xi, g->q[k], sizeof xi);
+        __m256i dot;
+        if (type == 1) {
+            dot = _mm256_setzero_si256();
+            for (int q = 0; q < 8; ++q)
+                dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(
+                    A[q], _mm256_sign_epi8(_mm256_set1_epi32(xi[q]), T[q])), ones));
+        } else {
+            /* eight products of 4-bit values and int8 stay within int16 (8 * 3810) */
+            __m256i s16 = _mm256_maddubs_epi16(T[0], _mm256_set1_epi32(xi[0]));
+            for (int q = 1; q < 8; ++q)
+                s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(T[q], _mm256_set1_epi32(xi[q])));
+            dot = _mm256_madd_epi16(s16, ones);
+            if (type == 0) dot = _mm256_add_epi32(dot, _mm256_set1_epi32(g->o[k]));
+        }
+        _mm256_storeu_ps(acc[r], _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(g->d[k])),
+                                                 _mm256_cvtepi32_ps(dot), _mm256_loadu_ps(acc[r])));
+        if (type == 2)
+            _mm256_storeu_ps(accm[r], _mm256_fmadd_ps(mw, _mm256_set1_ps(g->s[k]),
+                                                      _mm256_loadu_ps(accm[r])));
+    }
+}
+
 /* type 0 Q4_0, 1 Q8_0, 2 Q4_1; C weight rows x R activation rows */
 AI void q32b_cols_avx2(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
                        int64_t nb, float *y, const int R, const int type) {
     const int bb = Q32_BYTES(type), qo = Q32_QS(type);
-    const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
     float acc[TILE_MK][8], accm[TILE_MK][8];
     /* the group's rows are walked in lock step: the same block of the next group's */
     const int64_t pf = 8 * KPF_GROUPS * ws;
@@ -982,36 +1018,47 @@ AI void q32b_cols_avx2(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, i
                     T[j + 4] = _mm256_and_si256(_mm256_srli_epi16(raw[j], 4), m4);
                 }
             }
-            __m256i A[8];
-            if (type == 1)
-                for (int q = 0; q < 8; ++q) A[q] = _mm256_sign_epi8(T[q], T[q]);
-            const __m256 dw = _mm256_cvtph_ps(low16(dd));
-            const __m256 mw = _mm256_cvtph_ps(low16(md));
-            const int k = (int)(b % 4);
-            for (int r = 0; r < R; ++r) {
-                const xq32_t *g = (const xq32_t *)(xq + r * xs) + b / 4;
-                int32_t xi[8];
-                memcpy(xi, g->q[k], sizeof xi);
-                __m256i dot;
-                if (type == 1) {
-                    dot = _mm256_setzero_si256();
-                    for (int q = 0; q < 8; ++q)
-                        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(
-                            A[q], _mm256_sign_epi8(_mm256_set1_epi32(xi[q]), T[q])), ones));
-                } else {
-                    /* eight products of 4-bit values and int8 stay within int16 (8 * 3810) */
-                    __m256i s16 = _mm256_maddubs_epi16(T[0], _mm256_set1_epi32(xi[0]));
-                    for (int q = 1; q < 8; ++q)
-                        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(T[q], _mm256_set1_epi32(xi[q])));
-                    dot = _mm256_madd_epi16(s16, ones);
-                    if (type == 0) dot = _mm256_add_epi32(dot, _mm256_set1_epi32(g->o[k]));
+            q32b_rows_avx2(T, _mm256_cvtph_ps(low16(dd)), _mm256_cvtph_ps(low16(md)), xq, xs, b,
+                           acc, accm, R, type);
+        }
+        for (int r = 0; r < R; ++r)
+            for (int c = 0; c < nc; ++c)
+                y[(c0 + c) * R + r] = type == 2 ? acc[r][c] + accm[r][c] : acc[r][c];
+    }
+}
+
+/* q32b_cols_avx2 on rs_quant_pack16's layout: a 16-row group is two 8-output halves, half h
+ * at bytes 32h..32h+31 of each 64-byte value vector and at scales 8h..8h+7 (Q8_0's values
+ * stored + 128 are flipped back to signed) */
+AI void q32p_cols_avx2(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
+                       int64_t nb, float *y, const int R, const int type) {
+    const int64_t gb = 16 * (int64_t)Q32_BYTES(type);
+    const int qsb = type == 1 ? 512 : 256;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8((char)0x80);
+    float acc[TILE_MK][8], accm[TILE_MK][8];
+    for (int c0 = 0; c0 < C; c0 += 8) {
+        const int nc = C - c0 < 8 ? C - c0 : 8, h = (c0 / 8) % 2;
+        const uint8_t *g = w + (c0 - 8 * h) * ws; /* the 16-row group's packed blocks */
+        memset(acc, 0, sizeof acc);
+        memset(accm, 0, sizeof accm);
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t *p = g + b * gb;
+            for (int64_t l = 0; l < gb; l += 64) _mm_prefetch((const char *)(p + QPF + l), _MM_HINT_T0);
+            __m256i T[8];
+            if (type == 1) {
+                for (int q = 0; q < 8; ++q)
+                    T[q] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p + 64 * q + 32 * h)), flip);
+            } else {
+                for (int j = 0; j < 4; ++j) {
+                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(p + 64 * j + 32 * h));
+                    T[j] = _mm256_and_si256(raw, m4);
+                    T[j + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
                 }
-                _mm256_storeu_ps(acc[r], _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(g->d[k])),
-                                                         _mm256_cvtepi32_ps(dot), _mm256_loadu_ps(acc[r])));
-                if (type == 2)
-                    _mm256_storeu_ps(accm[r], _mm256_fmadd_ps(mw, _mm256_set1_ps(g->s[k]),
-                                                              _mm256_loadu_ps(accm[r])));
             }
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + qsb + 16 * h)));
+            const __m256 mw = type == 2 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + qsb + 32 + 16 * h)))
+                                        : dw;
+            q32b_rows_avx2(T, dw, mw, xq, xs, b, acc, accm, R, type);
         }
         for (int r = 0; r < R; ++r)
             for (int c = 0; c < nc; ++c)
@@ -1066,6 +1113,12 @@ AI void q32b_cols_avx2(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, i
 COL_TILE(q4_0_avx2, Q4_0_B)
 COL_TILE(q8_0_avx2, Q8_0_B)
 COL_TILE(q4_1_avx2, Q4_1_B)
+#define Q4_0_P(r) q32p_cols_avx2(w, ws, C, xq, xs, nb, y, r, 0)
+#define Q8_0_P(r) q32p_cols_avx2(w, ws, C, xq, xs, nb, y, r, 1)
+#define Q4_1_P(r) q32p_cols_avx2(w, ws, C, xq, xs, nb, y, r, 2)
+COL_TILE(q4_0_p16_avx2, Q4_0_P)
+COL_TILE(q8_0_p16_avx2, Q8_0_P)
+COL_TILE(q4_1_p16_avx2, Q4_1_P)
 COL_TILE(q4_k_avx2, Q4_K_T)
 COL_TILE(q5_k_avx2, Q5_K_T)
 COL_TILE(q6_k_avx2, Q6_K_T)
@@ -1532,7 +1585,7 @@ static int qtype_info(int t, qtype_t *q) {
 #define P16(t) t##_p16_avx512
 #else
 #define FAST512(f) FAST(f##2)
-#define P16(t) NULL
+#define P16(t) FAST(t##_p16_avx2)
 #endif
     case T_Q4_0: *q = (qtype_t){32, 18, 0, q4_0_ref, FAST512(q4_0_avx), 0, P16(q4_0)}; return 0;
     case T_Q4_1: *q = (qtype_t){32, 20, 0, q4_1_ref, FAST512(q4_1_avx), 0, P16(q4_1)}; return 0;
@@ -1553,7 +1606,7 @@ static int qtype_info(int t, qtype_t *q) {
  * portable C */
 int rs_quant_isa(void) { return RS_Q_AVX512 ? 2 : RS_Q_AVX2; }
 
-/* ---- the 16-row packed layout (Q4_0, Q4_1, Q8_0 on AVX-512 builds) ---------------------
+/* ---- the 16-row packed layout (Q4_0, Q4_1, Q8_0 on AVX2 and AVX-512 builds) -------------
  * Rows in groups of 16 (the last padded with zero rows), each group's blocks back to back;
  * a group's block b is 16 * bytes-per-block bytes: first the values, QS / 4 vectors of 64
  * bytes where vector q holds at bytes 4c..4c+3 row c's quant bytes 4q..4q+3 (QS = 16 for the
