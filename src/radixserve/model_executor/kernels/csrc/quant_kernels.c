@@ -1613,6 +1613,9 @@ int rs_quant_isa(void) { return RS_Q_AVX512 ? 2 : RS_Q_AVX2; }
  * 4-bit types, 32 for Q8_0, whose int8 values are stored + 128, as the tile uses them), then
  * the 16 rows' fp16 scales, then Q4_1's 16 fp16 mins. Same bytes per group as the rows. */
 #define RS_PACK16 0x100 /* a weight type's flag: W is in this layout */
+/* rs_quant_linear hands each tile whole 16-row groups: its groups of rows start at multiples
+ * of JB_ROUND */
+_Static_assert(JB_ROUND % 16 == 0, "the packed layout needs weight groups of 16-row multiples");
 
 static int pack16_shape(int wtype, int *qs, int *bb) {
     if (wtype != T_Q4_0 && wtype != T_Q4_1 && wtype != T_Q8_0) return 1;
