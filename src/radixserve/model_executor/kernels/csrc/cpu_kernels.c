@@ -1306,6 +1306,43 @@ static inline __attribute__((always_inline)) void f32_row64(
             F32_STORE(tot + u * F32_VW, k0 == 0 ? a[u] : F32_ADD(F32_LOAD(tot + u * F32_VW), a[u]));
     }
 }
+/* f32_row64 over two blocks at once (wb and wb2, each its own chain per output, the same
+ * FMAs in the same order as f32_row64's), so each thread streams two weight regions, as the
+ * read-bandwidth probe found faster than one: two layers of Qwen2.5-7B's projections at one
+ * row (bf16 weights, `benchmarks/f32_gemm_variants_ab.py --macro F32_ROW_PAIR`, avx512_bf16
+ * VM) median 33.8 -> 32.4 ms, the AVX2 build 34.3 -> 32.1 ms. F32_ROW_PAIR 1: one block at a
+ * time. */
+#ifndef F32_ROW_PAIR
+#define F32_ROW_PAIR 2
+#endif
+static inline __attribute__((always_inline)) void f32_row64x2(
+        const float *x, int64_t K, const void *wb, const void *wb2, const int wk, int64_t kblk,
+        float *tot, float *tot2) {
+    enum { NV = GEMV_NB / F32_VW };
+    const int64_t es = wk == W_F32 ? 4 : wk == W_BF16 ? 2 : 1;
+    const char *ahead = (const char *)wb + F32_ROW_PF_BYTES;
+    const char *ahead2 = (const char *)wb2 + F32_ROW_PF_BYTES;
+    for (int64_t k0 = 0; k0 < K; k0 += kblk) {
+        const int64_t k1 = k0 + kblk < K ? k0 + kblk : K;
+        f32v a[NV], c[NV];
+        for (int u = 0; u < NV; ++u) a[u] = c[u] = F32_ZERO();
+        for (int64_t k = k0; k < k1; ++k) {
+            for (int64_t l = 0; l < es; ++l) {
+                __builtin_prefetch(ahead + k * GEMV_NB * es + 64 * l, 0, W_PF_HINT);
+                __builtin_prefetch(ahead2 + k * GEMV_NB * es + 64 * l, 0, W_PF_HINT);
+            }
+            const f32v xv = F32_SET1(x[k]);
+            for (int u = 0; u < NV; ++u) {
+                a[u] = F32_FMA(xv, f32_load_w(wk, wb, k * GEMV_NB + u * F32_VW), a[u]);
+                c[u] = F32_FMA(xv, f32_load_w(wk, wb2, k * GEMV_NB + u * F32_VW), c[u]);
+            }
+        }
+        for (int u = 0; u < NV; ++u) {
+            F32_STORE(tot + u * F32_VW, k0 == 0 ? a[u] : F32_ADD(F32_LOAD(tot + u * F32_VW), a[u]));
+            F32_STORE(tot2 + u * F32_VW, k0 == 0 ? c[u] : F32_ADD(F32_LOAD(tot2 + u * F32_VW), c[u]));
+        }
+    }
+}
 /* Steps [kc0, kc1) of one tile's sums over weights of kind wk at `panel`, k-major with row
  * stride ws (a widened panel: float32, F32_TILE; or a packed block's quarter, GEMV_NB), the
  * accumulators taken from and left in `acc` (zeroed first where `fresh`): splitting a chain at
@@ -1523,6 +1560,23 @@ static int linear_f32_core(const float *x, const void *w, const int wk, const fl
         }
         for (int64_t nb = w0 / per_block; !direct && nb * per_block < w1; ++nb) {
             const char *blk = (const char *)w + (size_t)nb * (size_t)block_bytes;
+            if (F32_ROW_PAIR > 1 && row64 && (nb + 1) * per_block < w1) {
+                float tot2[GEMV_NB];
+                if (wk == W_BF16)
+                    f32_row64x2(x, K, blk, blk + block_bytes, W_BF16, kblk, tot, tot2);
+                else if (wk == W_I8)
+                    f32_row64x2(x, K, blk, blk + block_bytes, W_I8, kblk, tot, tot2);
+                else
+                    f32_row64x2(x, K, blk, blk + block_bytes, W_F32, kblk, tot, tot2);
+                memcpy(y + nb * GEMV_NB, tot, sizeof(float) * GEMV_NB);
+                memcpy(y + (nb + 1) * GEMV_NB, tot2, sizeof(float) * GEMV_NB);
+                if (scale != NULL) {
+                    scale_out(y + nb * GEMV_NB, scale + nb * GEMV_NB, GEMV_NB);
+                    scale_out(y + (nb + 1) * GEMV_NB, scale + (nb + 1) * GEMV_NB, GEMV_NB);
+                }
+                ++nb;
+                continue;
+            }
             const char *pf = blk + block_bytes;
             int64_t pf_off = 0;
             /* the next block, where this share goes on to it */
