@@ -969,6 +969,14 @@ AI void q32b_rows_avx2(const __m256i *T, __m256 dw, __m256 mw, const uint8_t *xq
     }
 }
 
+/* y[(c0 + c) * R + r] for a group's nc outputs */
+AI void q32b_store_avx2(float (*acc)[8], float (*accm)[8], float *y, int c0, int nc,
+                        const int R, const int type) {
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < nc; ++c)
+            y[(c0 + c) * R + r] = type == 2 ? acc[r][c] + accm[r][c] : acc[r][c];
+}
+
 /* type 0 Q4_0, 1 Q8_0, 2 Q4_1; C weight rows x R activation rows */
 AI void q32b_cols_avx2(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
                        int64_t nb, float *y, const int R, const int type) {
@@ -1021,9 +1029,7 @@ AI void q32b_cols_avx2(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, i
             q32b_rows_avx2(T, _mm256_cvtph_ps(low16(dd)), _mm256_cvtph_ps(low16(md)), xq, xs, b,
                            acc, accm, R, type);
         }
-        for (int r = 0; r < R; ++r)
-            for (int c = 0; c < nc; ++c)
-                y[(c0 + c) * R + r] = type == 2 ? acc[r][c] + accm[r][c] : acc[r][c];
+        q32b_store_avx2(acc, accm, y, c0, nc, R, type);
     }
 }
 
@@ -1043,7 +1049,8 @@ AI void q32p_cols_avx2(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, i
         memset(accm, 0, sizeof accm);
         for (int64_t b = 0; b < nb; ++b) {
             const uint8_t *p = g + b * gb;
-            for (int64_t l = 0; l < gb; l += 64) _mm_prefetch((const char *)(p + QPF + l), _MM_HINT_T0);
+            if (h == 0) /* the group's first half asks for the lines both halves read */
+                for (int64_t l = 0; l < gb; l += 64) _mm_prefetch((const char *)(p + QPF + l), _MM_HINT_T0);
             __m256i T[8];
             if (type == 1) {
                 for (int q = 0; q < 8; ++q)
@@ -1060,9 +1067,7 @@ AI void q32p_cols_avx2(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, i
                                         : dw;
             q32b_rows_avx2(T, dw, mw, xq, xs, b, acc, accm, R, type);
         }
-        for (int r = 0; r < R; ++r)
-            for (int c = 0; c < nc; ++c)
-                y[(c0 + c) * R + r] = type == 2 ? acc[r][c] + accm[r][c] : acc[r][c];
+        q32b_store_avx2(acc, accm, y, c0, nc, R, type);
     }
 }
 
