@@ -253,14 +253,50 @@ typedef struct {
     int32_t pad[3];
 } xqk_t;
 
-/* amax of n floats (exact in any order) */
+/* amax of n floats (exact in any order). The scalar loop's `a > m ? a : m` skips NaNs; so
+ * does `_mm256_max_ps(a, m)`, which returns its second operand unless the first is greater,
+ * and its four chains keep the scalar loop's one max dependency (4 cycles an element, most of
+ * a prefill's activation quantization) off the critical path. */
 static inline float absmax(const float *x, int n) {
     float m = 0.0f;
-    for (int i = 0; i < n; ++i) {
+    int i = 0;
+#if RS_Q_AVX2
+    if (n >= 32) {
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        __m256 m0 = _mm256_setzero_ps(), m1 = m0, m2 = m0, m3 = m0;
+        for (; i + 32 <= n; i += 32) {
+            m0 = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)), m0);
+            m1 = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + i + 8)), m1);
+            m2 = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + i + 16)), m2);
+            m3 = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + i + 24)), m3);
+        }
+        /* the chains hold no NaN: their max in any order is exact */
+        m0 = _mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m0), _mm256_extractf128_ps(m0, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        m = _mm_cvtss_f32(h);
+    }
+#endif
+    for (; i < n; ++i) {
         float a = fabsf(x[i]);
         m = a > m ? a : m;
     }
     return m;
+}
+
+/* sum of 16 int8 at q (exact) */
+static inline int sum16_i8(const int8_t *q) {
+#if RS_Q_AVX2
+    /* q + 128 as unsigned bytes: psadbw adds each 8 of them against zero */
+    const __m128i u = _mm_xor_si128(_mm_loadu_si128((const __m128i *)q), _mm_set1_epi8(-128));
+    const __m128i s = _mm_sad_epu8(u, _mm_setzero_si128());
+    return _mm_cvtsi128_si32(s) + _mm_extract_epi16(s, 4) - 16 * 128;
+#else
+    int s = 0;
+    for (int i = 0; i < 16; ++i) s += q[i];
+    return s;
+#endif
 }
 
 /* q[i] = nearest-even(x[i] * id) for n values (|x * id| <= 127 by construction) */
@@ -301,11 +337,7 @@ static void quantize_row_32(int xdt, const void *x, int64_t off, int64_t nb, xq3
         const float amax = absmax(v, 32);
         const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
         round_block(v, 32, id, g->q[k]);
-        int lo = 0, hi = 0;
-        for (int i = 0; i < 16; ++i) {
-            lo += g->q[k][i];
-            hi += g->q[k][16 + i];
-        }
+        const int lo = sum16_i8(g->q[k]), hi = sum16_i8(g->q[k] + 16);
         g->d[k] = amax / 127.0f;
         g->s[k] = g->d[k] * (float)(lo + hi);
         g->c[k] = -8 * lo;
@@ -321,11 +353,7 @@ static void quantize_row_k(int xdt, const void *x, int64_t off, int64_t nb, xqk_
         const float amax = absmax(v, 256);
         const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
         round_block(v, 256, id, out[b].q);
-        for (int g = 0; g < 16; ++g) {
-            int s = 0;
-            for (int i = 0; i < 16; ++i) s += out[b].q[16 * g + i];
-            out[b].bs16[g] = (int16_t)s;
-        }
+        for (int g = 0; g < 16; ++g) out[b].bs16[g] = (int16_t)sum16_i8(out[b].q + 16 * g);
         for (int g = 0; g < 8; ++g)
             out[b].bs32[g] = (int16_t)(out[b].bs16[2 * g] + out[b].bs16[2 * g + 1]);
         out[b].d = amax / 127.0f;
