@@ -30,7 +30,7 @@ import torch
 
 from radixserve.bench.quant_kernels import _BY_NAME, _random_blocks
 from radixserve.model_executor.kernels import cpu
-from radixserve.model_executor.kernels.quant import row_bytes
+from radixserve.model_executor.kernels.quant import PACK16, row_bytes
 
 
 def main() -> int:
@@ -43,6 +43,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--calls", type=int, default=20, help="calls per timing")
     ap.add_argument("--cold-bytes", type=int, default=96 << 20)
+    ap.add_argument("--packed", action="store_true",
+                    help="weights in the 16-row packed layout (pack16), as served")
+    ap.add_argument("--x-dtype", choices=("float32", "bfloat16"), default="float32")
     args = ap.parse_args()
     torch.get_num_threads()  # torch's libgomp first, as CpuKernels.load does
     tmp = Path(tempfile.mkdtemp(prefix="rs-quant-ab-"))
@@ -62,9 +65,13 @@ def main() -> int:
         nbytes = n * row_bytes(t, k)
         copies = [_random_blocks(t, n, k, gen) for _ in range(max(1, -(-args.cold_bytes
                                                                      // nbytes)))]
+        if args.packed:
+            first = next(iter(kernels.values()))
+            copies = [first.pack16(t, w) for w in copies]
+            t |= PACK16
         result["types"][name] = {}
         for m in (int(r) for r in args.rows.split(",")):
-            x = torch.randn(m, k, generator=gen)
+            x = torch.randn(m, k, generator=gen).to(getattr(torch, args.x_dtype))
             outs = {v: torch.empty(m, n) for v in kernels}
             times: dict[str, list[float]] = {v: [] for v in kernels}
             nxt = 0

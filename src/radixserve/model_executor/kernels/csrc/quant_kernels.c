@@ -147,6 +147,9 @@ enum {
 #ifndef KT16_MIN_ROWS
 #define KT16_MIN_ROWS 8
 #endif
+#ifndef Q32_CHAINS
+#define Q32_CHAINS 1
+#endif
 #ifndef JB_ROUND
 #define JB_ROUND 16 /* rs_quant_linear's weight groups are a multiple of this many rows */
 #endif
@@ -1308,8 +1311,26 @@ AI void q32b_rows_avx512(const __m512i *T, __m512 dw, __m512 mw, const uint8_t *
         const i32u *xi = (const i32u *)g->q[k];
         __m512i dot = type == 0 ? _mm512_set1_epi32(g->o[k])
                     : type == 1 ? _mm512_set1_epi32(16 * g->o[k]) : _mm512_setzero_si512();
+#if Q32_CHAINS == 4
+        __m512i dot1 = _mm512_setzero_si512(), dot2 = dot1, dot3 = dot1;
+        for (int q = 0; q < 8; q += 4) {
+            dot = _mm512_dpbusd_epi32(dot, T[q], _mm512_set1_epi32(xi[q]));
+            dot1 = _mm512_dpbusd_epi32(dot1, T[q + 1], _mm512_set1_epi32(xi[q + 1]));
+            dot2 = _mm512_dpbusd_epi32(dot2, T[q + 2], _mm512_set1_epi32(xi[q + 2]));
+            dot3 = _mm512_dpbusd_epi32(dot3, T[q + 3], _mm512_set1_epi32(xi[q + 3]));
+        }
+        dot = _mm512_add_epi32(_mm512_add_epi32(dot, dot1), _mm512_add_epi32(dot2, dot3));
+#elif Q32_CHAINS == 2
+        __m512i dot1 = _mm512_setzero_si512();
+        for (int q = 0; q < 8; q += 2) {
+            dot = _mm512_dpbusd_epi32(dot, T[q], _mm512_set1_epi32(xi[q]));
+            dot1 = _mm512_dpbusd_epi32(dot1, T[q + 1], _mm512_set1_epi32(xi[q + 1]));
+        }
+        dot = _mm512_add_epi32(dot, dot1);
+#else
         for (int q = 0; q < 8; ++q)
             dot = _mm512_dpbusd_epi32(dot, T[q], _mm512_set1_epi32(xi[q]));
+#endif
         acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(g->d[k])),
                                  _mm512_cvtepi32_ps(dot), acc[r]);
         if (type == 2) accm[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(g->s[k]), accm[r]);
