@@ -26,7 +26,8 @@ TYPES = [int(QT.Q4_0), int(QT.Q4_1), int(QT.Q5_0), int(QT.Q5_1), int(QT.Q8_0), i
 TYPES_32 = [int(QT.Q4_0), int(QT.Q4_1), int(QT.Q5_0), int(QT.Q5_1), int(QT.Q8_0)]
 NAMES = {t: SUPPORTED_TYPES[t] for t in TYPES}
 #: the types with the 16-row packed layout (``QuantKernels.pack16``)
-PACKABLE = [int(QT.Q4_0), int(QT.Q4_1), int(QT.Q8_0)]
+PACKABLE = [int(QT.Q4_0), int(QT.Q4_1), int(QT.Q8_0), int(QT.Q4_K)]
+PACKABLE_AVX2 = PACKABLE[:3]  # Q4_K's packed tile is the AVX-512 transposed one
 
 
 @pytest.fixture(scope="module")
@@ -267,7 +268,8 @@ def test_avx2_and_avx512_tiles_give_the_same_bits(qk, tmp_path):
         for m in (1, 8, 19):
             assert torch.equal(run(avx2, t, w, x[:m]), run(qk, t, w, x[:m])), (NAMES[t], m)
     # the AVX2 tiles read the 16-row packed layout as two 8-output halves
-    for t in PACKABLE:
+    assert not avx2.has_pack16(int(QT.Q4_K))
+    for t in PACKABLE_AVX2:
         assert avx2.has_pack16(t)
         w = make_weight(t, 27, 768, seed=t + 2)
         p = avx2.pack16(t, torch.from_numpy(w))
@@ -360,14 +362,15 @@ def test_q5_fifth_bit_order(qk, t):
 def test_pack16_round_trip(qk, t):
     """The 16-row packed layout holds the rows' bytes (the last group padded with zero rows)
     and gives them back: portable C, so every build checks it."""
+    k = 288 if block_info(t)[0] == 32 else 512
     for n in (1, 16, 17, 40):
-        w = torch.from_numpy(make_weight(t, n, 288, seed=n))
+        w = torch.from_numpy(make_weight(t, n, k, seed=n))
         p = qk.pack16(t, w)
         assert p.shape == (-(-n // 16) * 16, w.shape[1])
         assert not torch.equal(p[:n], w) or n == 0  # rearranged, not copied
         assert torch.equal(qk.unpack16(t, p, n), w)
     with pytest.raises(ValueError):
-        qk.pack16(int(QT.Q4_K), torch.zeros(16, 144, dtype=torch.uint8))
+        qk.pack16(int(QT.Q6_K), torch.zeros(16, 210, dtype=torch.uint8))
     with pytest.raises(ValueError):
         qk.unpack16(t, p, 16)  # 40 rows' packing is not 16 rows'
 
@@ -375,15 +378,16 @@ def test_pack16_round_trip(qk, t):
 @pytest.mark.parametrize("t", PACKABLE, ids=[NAMES[t] for t in PACKABLE])
 def test_pack16_tiles_give_the_rows_bits(qk, t):
     """Where the build runs the packed tiles (AVX2, AVX-512 VNNI), W packed gives the bits of the
-    rows as stored and of the portable tiles, for every row count, a partial last group of
-    16 outputs, a partial last group of four blocks, and bf16 into a column slice."""
+    rows as stored and of the portable tiles, for every row count (Q4_K: tiles of 16 rows
+    below 8 and of 64 from 8 on), a partial last group of 16 outputs, a partial last group
+    of four blocks, and bf16 into a column slice."""
     if not qk.has_pack16(t):
         pytest.skip(f"this CPU's build runs the {qk.isa} tiles, which have no packed layout")
-    n, k = 40, 288
+    n, k = 40, 288 if block_info(t)[0] == 32 else 512
     w = make_weight(t, n, k, seed=t + 7)
     p = qk.pack16(t, torch.from_numpy(w))
-    x = torch.randn(40, k, generator=torch.Generator().manual_seed(t))
-    for m in (1, 5, 8, 16, 17, 40):
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(t))
+    for m in (1, 5, 8, 16, 17, 40, 70):
         rows = run(qk, t, w, x[:m])
         out = torch.empty(m, n)
         qk.linear_unchecked(t | PACK16, p.data_ptr(), n, k, x.data_ptr(), x.dtype, m,
@@ -425,3 +429,21 @@ def test_quantized_linear_holds_packable_segments_packed(qk):
         assert torch.equal(y[:, at:at + w.shape[0]], run(qk, t, w, x))
         ref = torch.from_numpy(dequantize(w, QT(t)).reshape(w.shape[0], k))
         assert torch.equal(wt[at:at + w.shape[0]], ref)
+
+
+def test_q4_k_is_held_packed_at_short_rows_only(qk):
+    """Q4_K is held packed up to ``PACK16_Q4_K_MAX_K`` input features, where the build has
+    its packed tile (AVX-512), and as rows past it; both give the rows' bits."""
+    from radixserve.model_executor.kernels.quant import PACK16_Q4_K_MAX_K
+    from radixserve.model_executor.layers.quantized import QuantizedLinear, Segment
+
+    t = int(QT.Q4_K)
+    assert not qk.pack16_pays(t, PACK16_Q4_K_MAX_K + 256)
+    assert qk.pack16_pays(t, PACK16_Q4_K_MAX_K) == qk.has_pack16(t)
+    x = torch.randn(3, PACK16_Q4_K_MAX_K + 256, generator=torch.Generator().manual_seed(5))
+    for k in (PACK16_Q4_K_MAX_K, PACK16_Q4_K_MAX_K + 256):
+        w = make_weight(t, 20, k, seed=k)
+        lin = QuantizedLinear(qk, 20, k, [Segment(0, 20, t, torch.from_numpy(w))])
+        assert lin.segments[0].layout == (PACK16 if qk.pack16_pays(t, k) else 0)
+        xk = x[:, :k].contiguous()
+        assert torch.equal(lin(xk), run(qk, t, w, xk))

@@ -39,6 +39,15 @@ _DT = {torch.float32: 0, torch.bfloat16: 1}
 #: flag of a weight type id (``linear_unchecked``'s ``ggml_type | PACK16``): W is in the
 #: 16-row packed layout of ``QuantKernels.pack16``
 PACK16 = 0x100
+#: the types ``QuantKernels.pack16`` lays out (which of them a build runs packed:
+#: ``QuantKernels.has_pack16``)
+PACK16_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K")
+#: the most input features at which Q4_K is held packed: its packed tile walks each thread's
+#: rows as one stream, and from DRAM at long rows that read slower than the rows' tiles, which
+#: walk 8-16 rows at once (avx512_bf16 VM, one row, us rows -> packed: [2048, 1536] 102.6 ->
+#: 84.8, [17920, 1536] 731 -> 692, [37888, 3584] 3340 -> 3166; [1536, 8960] 317 -> 337,
+#: [3584, 18944] 1410 -> 1593)
+PACK16_Q4_K_MAX_K = 4096
 _ERRORS = {1: "bad type or sizes", 2: "a row id out of range (nothing written)",
            3: "out of memory", 5: "a build without AVX2 + FMA"}
 
@@ -109,19 +118,29 @@ class QuantKernels:
     def has_pack16(self, ggml_type: int) -> bool:
         """Whether this build's tiles run ``ggml_type`` in the 16-row packed layout
         (``pack16``): Q4_0, Q4_1 and Q8_0 on AVX2 and AVX-512 VNNI builds (the AVX2 tiles
-        read a 16-row group as two 8-output halves), not on the portable one."""
+        read a 16-row group as two 8-output halves), Q4_K on AVX-512 VNNI builds; none on the
+        portable one."""
         return bool(self._has_pack16(ggml_type))
+
+    def pack16_pays(self, ggml_type: int, k: int) -> bool:
+        """Whether a weight of ``ggml_type`` with ``k`` input features is held packed: where
+        ``has_pack16``, except Q4_K rows longer than ``PACK16_Q4_K_MAX_K`` (measured slower
+        packed at one row)."""
+        return self.has_pack16(ggml_type) and not (
+            SUPPORTED_TYPES.get(ggml_type) == "Q4_K" and k > PACK16_Q4_K_MAX_K)
 
     def pack16(self, ggml_type: int, w: torch.Tensor) -> torch.Tensor:
         """W's rows in the 16-row packed layout that the AVX2 and AVX-512 tiles of Q4_0, Q4_1
-        and Q8_0 read without transposing (``csrc/quant_kernels.c``, ``rs_quant_pack16``): rows in
-        groups of 16, each group's blocks back to back, each block's 16 rows' values lane
-        by lane, then their scales (and Q4_1's mins). A decode-sized call spent most of its
-        time rearranging each block into that order (Q4_1 [3072, 576] at one row on the
-        avx512_bf16 VM: 34.8 us from the rows, 17.7 us packed).
+        and Q8_0, and the AVX-512 tiles of Q4_K, read without transposing
+        (``csrc/quant_kernels.c``, ``rs_quant_pack16``): rows in groups of 16, each group's
+        blocks back to back, each block's 16 rows' values lane by lane, then (Q4_K) their
+        scale bytes the same way, then their fp16 scales (and Q4_1's mins, Q4_K's dmins). A
+        decode-sized call spent most of its time rearranging each block into that order
+        (Q4_1 [3072, 576] at one row on the avx512_bf16 VM: 34.8 us from the rows, 17.7 us
+        packed).
 
         Args:
-            ggml_type: Q4_0, Q4_1 or Q8_0's type id.
+            ggml_type: Q4_0, Q4_1, Q8_0 or Q4_K's type id.
             w: contiguous uint8 [N, row_bytes] rows of ggml blocks.
 
         Returns:
@@ -148,7 +167,7 @@ class QuantKernels:
     def _repack(self, ggml_type: int, w: torch.Tensor, rows_out: int,
                 direction: int) -> torch.Tensor:
         _, nbytes = block_info(ggml_type)
-        if SUPPORTED_TYPES[ggml_type] not in ("Q4_0", "Q4_1", "Q8_0"):
+        if SUPPORTED_TYPES[ggml_type] not in PACK16_TYPES:
             raise ValueError(f"{SUPPORTED_TYPES[ggml_type]} has no 16-row packed layout")
         if (w.dtype != torch.uint8 or w.dim() != 2 or not w.is_contiguous()
                 or w.shape[1] % nbytes or w.device.type != "cpu"):

@@ -65,8 +65,8 @@ class QuantizedLinear:
         quant: the loaded quantized kernels.
         n, k: output and input features.
         segments: covering ``[0, n)`` in order, without overlap. Block segments of a type
-            the kernels run faster packed (``QuantKernels.has_pack16``: Q4_0, Q4_1, Q8_0 on
-            AVX2 and AVX-512 builds) are replaced by their packed copy; the same outputs, bit for bit.
+            the kernels run faster packed (``QuantKernels.pack16_pays``: Q4_0, Q4_1, Q8_0 on
+            AVX2 and AVX-512 builds, Q4_K up to 4,096 input features on AVX-512) are replaced by their packed copy; the same outputs, bit for bit.
         bias: [n] in the activation dtype, or None.
 
     Raises:
@@ -100,7 +100,7 @@ class QuantizedLinear:
         self.quant, self.n, self.k = quant, n, k
         self.segments = [
             Segment(s.lo, s.hi, s.ggml_type, quant.pack16(s.ggml_type, s.data), s.scale, PACK16)
-            if s.ggml_type in SUPPORTED_TYPES and not s.layout and quant.has_pack16(s.ggml_type)
+            if s.ggml_type in SUPPORTED_TYPES and not s.layout and quant.pack16_pays(s.ggml_type, k)
             else s for s in segments]
         self.bias = bias
 

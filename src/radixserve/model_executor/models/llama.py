@@ -778,7 +778,8 @@ class CausalLM(nn.Module):
                 data = data[:, cols[0] // block * nbytes:cols[1] // block * nbytes].contiguous()
             if pad:  # zero bytes are zero scales: rows of zeros in every block type
                 data = torch.cat([data, data.new_zeros(pad, data.shape[1])])
-            if base != "embed" and self.quant is not None and self.quant.has_pack16(t):
+            if (base != "embed" and self.quant is not None
+                    and self.quant.pack16_pays(t, data.shape[1] // nbytes * block)):
                 # packed here, one tensor at a time, so the file's rows are freed as each is
                 # packed (``QuantizedLinear`` would pack them all while holding them all); the
                 # embedding keeps its rows for the lookup

@@ -1517,10 +1517,25 @@ AI void kt16_isums(const __m512i *wt, const __m512i *scs, const int ns, const in
     }
 }
 
+/* bytes of a packed Q4_K group's super-block (16 rows' 144), and of its parts: the qs as 32
+ * vectors of transposed dwords, the 12 scale bytes as 3, then the fp16 d and dmin of the 16
+ * rows (rs_quant_pack16) */
+#define PK4_BLOCK (16 * 144)
+#define PK4_SCALES (32 * 64)
+#define PK4_D (PK4_SCALES + 3 * 64)
+#define PK4_DMIN (PK4_D + 32)
+/* bytes ahead of a packed Q4_K super-block that the tile asks the cache for */
+#ifndef PK4_PF
+#define PK4_PF (2 * PK4_BLOCK)
+#endif
+#ifndef PK4_HINT
+#define PK4_HINT _MM_HINT_T1
+#endif
+
 /* Q4_K (hbit = 0) and Q5_K (hbit = 1), C weight rows x R activation rows, 16 outputs at a
- * time */
+ * time; `packed` (Q4_K): W in rs_quant_pack16's layout, the transposes done at load */
 AI void qk45_t16_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
-                        int64_t nb, int R, float *y, const int hbit) {
+                        int64_t nb, int R, float *y, const int hbit, const int packed) {
     const int bb = hbit ? 176 : 144, qo = hbit ? 48 : 16;
     const __m512i m4 = _mm512_set1_epi8(0x0F), m6 = _mm512_set1_epi8(0x3F), b4 = _mm512_set1_epi8(0x10);
     const __m512i m2 = _mm512_set1_epi8(0x03), mb = _mm512_set1_epi32(0xFF);
@@ -1532,14 +1547,24 @@ AI void qk45_t16_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, 
         memset(acc, 0, sizeof acc);
         memset(accm, 0, sizeof accm);
         for (int64_t b = 0; b < nb; ++b) {
-            const uint8_t *p[16];
-            kt16_blocks(p, w, ws, c0, nc, b, bb);
+            const uint8_t *p[16], *pk = w + c0 * ws + b * PK4_BLOCK;
             /* headers: h[0] = d | dmin << 16, h[1..3] the 12 scale bytes, lane c: output c */
-            __m512i a[4], h[4];
-            for (int m = 0; m < 4; ++m) a[m] = load4x128(p, m, 0);
-            tr4x4_512(a, h);
-            const __m512 dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h[0]));
-            const __m512 mw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(h[0], 16)));
+            __m512i h[4];
+            __m512 dw, mw;
+            if (packed) {
+                for (int l = 0; l < PK4_BLOCK; l += 64)
+                    _mm_prefetch((const char *)(pk + PK4_PF + l), PK4_HINT);
+                for (int m = 1; m < 4; ++m) h[m] = _mm512_loadu_si512((const void *)(pk + PK4_SCALES + 64 * (m - 1)));
+                dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pk + PK4_D)));
+                mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pk + PK4_DMIN)));
+            } else {
+                kt16_blocks(p, w, ws, c0, nc, b, bb);
+                __m512i a[4];
+                for (int m = 0; m < 4; ++m) a[m] = load4x128(p, m, 0);
+                tr4x4_512(a, h);
+                dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h[0]));
+                mw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(h[0], 16)));
+            }
             /* ggml's get_scale_min_k4 on 16 outputs at once: bytes s of sc[s / 4], mn[s / 4] */
             const __m512i sc[2] = {
                 _mm512_and_si512(h[1], m6),
@@ -1561,15 +1586,19 @@ AI void qk45_t16_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, 
              * 4 (D % 8) ..), low nibbles sub-block 2 (D / 8), high ones 2 (D / 8) + 1 */
             for (int hh = 0; hh < 2; ++hh) {
                 __m512i q[16];
-                for (int c = 0; c < 16; ++c) q[c] = _mm512_loadu_si512((const void *)(p[c] + qo + 64 * hh));
-                tr16x16_512(q);
+                if (packed) {
+                    for (int d = 0; d < 16; ++d) q[d] = _mm512_loadu_si512((const void *)(pk + 64 * (16 * hh + d)));
+                } else {
+                    for (int c = 0; c < 16; ++c) q[c] = _mm512_loadu_si512((const void *)(p[c] + qo + 64 * hh));
+                    tr16x16_512(q);
+                }
                 for (int d = 0; d < 16; ++d) {
                     const int D = 16 * hh + d, j = D / 8, k = D % 8;
                     wt[2 * j][k] = _mm512_and_si512(q[d], m4);
                     wt[2 * j + 1][k] = _mm512_and_si512(_mm512_srli_epi16(q[d], 4), m4);
                 }
             }
-            if (hbit) { /* Q5_K: bit s of qh byte i is bit 4 of sub-block s's value i; qh dword k
+            if (hbit && !packed) { /* Q5_K: bit s of qh byte i is bit 4 of sub-block s's value i; qh dword k
                          * of every output holds values 4 k .. 4 k + 3's */
                 __m512i qh[16];
                 for (int c = 0; c < 16; ++c)
@@ -1607,13 +1636,18 @@ AI void qk45_t16_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, 
     static void name(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,     \
                      int64_t nb, int R, float *y) {                                          \
         if (R >= KT16_MIN_ROWS)                                                              \
-            qk45_t16_avx512(w, ws, C, xq, xs, nb, R, y, hbit);                               \
+            qk45_t16_avx512(w, ws, C, xq, xs, nb, R, y, hbit, 0);                            \
         else {                                                                               \
             BY_ROWS_ONCE(call)                                                               \
         }                                                                                    \
     }
 T16_TILE(q4_k_avx512, 0, Q4_K_T5)
 T16_TILE(q5_k_avx512, 1, Q5_K_T5)
+/* Q4_K packed at load: the transposed tile from one row on (no transposes left to share) */
+static void q4_k_p16_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
+                            int64_t nb, int R, float *y) {
+    qk45_t16_avx512(w, ws, C, xq, xs, nb, R, y, 0, 1);
+}
 COL_TILE(q6_k_avx512, Q6_K_T5)
 #endif
 #endif
@@ -1637,21 +1671,24 @@ static int qtype_info(int t, qtype_t *q) {
 #if RS_Q_AVX512
 #define FAST512(f) f##512
 #define P16(t) t##_p16_avx512
+#define P16K(t) t##_p16_avx512
 #else
 #define FAST512(f) FAST(f##2)
 #define P16(t) FAST(t##_p16_avx2)
+#define P16K(t) NULL /* the transposed K-quant tiles are AVX-512's */
 #endif
     case T_Q4_0: *q = (qtype_t){32, 18, 0, q4_0_ref, FAST512(q4_0_avx), 0, P16(q4_0)}; return 0;
     case T_Q4_1: *q = (qtype_t){32, 20, 0, q4_1_ref, FAST512(q4_1_avx), 0, P16(q4_1)}; return 0;
     case T_Q5_0: *q = (qtype_t){32, 22, 0, q5_0_ref, FAST(q5_0_avx2)}; return 0;
     case T_Q5_1: *q = (qtype_t){32, 24, 0, q5_1_ref, FAST(q5_1_avx2)}; return 0;
     case T_Q8_0: *q = (qtype_t){32, 34, 0, q8_0_ref, FAST512(q8_0_avx), 0, P16(q8_0)}; return 0;
-    case T_Q4_K: *q = (qtype_t){256, 144, 1, q4_k_ref, FAST512(q4_k_avx), RS_Q_AVX512}; return 0;
+    case T_Q4_K: *q = (qtype_t){256, 144, 1, q4_k_ref, FAST512(q4_k_avx), RS_Q_AVX512, P16K(q4_k)}; return 0;
     case T_Q5_K: *q = (qtype_t){256, 176, 1, q5_k_ref, FAST512(q5_k_avx), RS_Q_AVX512}; return 0;
     case T_Q6_K: *q = (qtype_t){256, 210, 1, q6_k_ref, FAST512(q6_k_avx)}; return 0;
 #undef FAST
 #undef FAST512
 #undef P16
+#undef P16K
     default: return 1;
     }
 }
@@ -1660,18 +1697,25 @@ static int qtype_info(int t, qtype_t *q) {
  * portable C */
 int rs_quant_isa(void) { return RS_Q_AVX512 ? 2 : RS_Q_AVX2; }
 
-/* ---- the 16-row packed layout (Q4_0, Q4_1, Q8_0 on AVX2 and AVX-512 builds) -------------
+/* ---- the 16-row packed layout (Q4_0, Q4_1, Q8_0 on AVX2 and AVX-512 builds; Q4_K on
+ * AVX-512) ------------------------------------------------------------------------------
  * Rows in groups of 16 (the last padded with zero rows), each group's blocks back to back;
  * a group's block b is 16 * bytes-per-block bytes: first the values, QS / 4 vectors of 64
  * bytes where vector q holds at bytes 4c..4c+3 row c's quant bytes 4q..4q+3 (QS = 16 for the
- * 4-bit types, 32 for Q8_0, whose int8 values are stored + 128, as the tile uses them), then
- * the 16 rows' fp16 scales, then Q4_1's 16 fp16 mins. Same bytes per group as the rows. */
+ * 4-bit types, 32 for Q8_0, whose int8 values are stored + 128, as the tile uses them; 128
+ * for Q4_K's qs), then (Q4_K) the 12 scale bytes as 3 such vectors, then the 16 rows' fp16
+ * scales, then Q4_1's 16 fp16 mins (Q4_K's dmin). Same bytes per group as the rows. */
 #define RS_PACK16 0x100 /* a weight type's flag: W is in this layout */
 /* rs_quant_linear hands each tile whole 16-row groups: its groups of rows start at multiples
  * of JB_ROUND */
 _Static_assert(JB_ROUND % 16 == 0, "the packed layout needs weight groups of 16-row multiples");
 
 static int pack16_shape(int wtype, int *qs, int *bb) {
+    if (wtype == T_Q4_K) { /* its 12 scale bytes ride along as 3 more dword vectors */
+        *qs = 128 + 12;
+        *bb = 144;
+        return 0;
+    }
     if (wtype != T_Q4_0 && wtype != T_Q4_1 && wtype != T_Q8_0) return 1;
     *qs = wtype == T_Q8_0 ? 32 : 16;
     *bb = wtype == T_Q4_0 ? 18 : wtype == T_Q4_1 ? 20 : 34;
@@ -1691,7 +1735,9 @@ int rs_quant_pack16(int wtype, const uint8_t *w, int64_t N, int64_t nb, uint8_t 
                     int num_threads) {
     int qs, bb;
     if (pack16_shape(wtype, &qs, &bb) || N < 0 || nb < 0) return 1;
-    const int qo = bb - qs, ms = wtype == T_Q4_1;
+    /* the row bytes that become dword vectors, in order: qs (from qo), then Q4_K's scales
+     * (bytes 4..15); then the fp16 fields at bytes 0 (and 2 with ms) */
+    const int kq = wtype == T_Q4_K, qo = kq ? 16 : bb - qs, ms = wtype == T_Q4_1 || kq;
     const uint32_t shift = wtype == T_Q8_0 ? 0x80808080u : 0;
     const int64_t ws = nb * bb, groups = (N + 15) / 16;
 #pragma omp parallel for num_threads(num_threads > 0 ? num_threads : 1) schedule(static)
@@ -1703,7 +1749,8 @@ int rs_quant_pack16(int wtype, const uint8_t *w, int64_t N, int64_t nb, uint8_t 
             for (int c = 0; c < 16 && g * 16 + c < N; ++c) {
                 uint8_t *row = (uint8_t *)(dir ? out : w) + (g * 16 + c) * ws + b * bb;
                 for (int q = 0; q < qs / 4; ++q) {
-                    uint8_t *packed = p + 64 * q + 4 * c, *rows = row + qo + 4 * q;
+                    const int ro = kq && q >= 32 ? 4 + 4 * (q - 32) : qo + 4 * q;
+                    uint8_t *packed = p + 64 * q + 4 * c, *rows = row + ro;
                     uint32_t v;
                     memcpy(&v, dir ? packed : rows, 4);
                     v ^= shift;
@@ -1734,7 +1781,8 @@ int rs_quant_linear(int wtype, const uint8_t *w, int64_t N, int64_t K, int xdt, 
     /* rows per tile (any count gives the same bits): the column tiles' (K-quants, Q4_0,
      * Q8_0, Q4_1) keep one row's sums in registers at a time */
     int tm = qt.kquant || wtype == T_Q4_0 || wtype == T_Q8_0 || wtype == T_Q4_1 ? TILE_MK : TILE_M;
-    if (tile == qt.fast && qt.t16 && M >= KT16_MIN_ROWS) tm = KT16_ROWS;
+    if ((tile == qt.fast && qt.t16 && M >= KT16_MIN_ROWS) || (packed && qt.kquant))
+        tm = M >= KT16_MIN_ROWS ? KT16_ROWS : TILE_MK;
     const int64_t nb = K / qt.block, row_bytes = nb * qt.bytes;
     const int64_t xs = qt.kquant ? nb * (int64_t)sizeof(xqk_t) : (nb + 3) / 4 * (int64_t)sizeof(xq32_t);
     uint8_t *xq = aligned_alloc(64, (size_t)((M * xs + 63) / 64 * 64));
