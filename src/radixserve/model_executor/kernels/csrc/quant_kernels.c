@@ -86,7 +86,9 @@
  * VM and script, best us, column tiles -> transposed: M = 8 811 -> 790, 16 1344 -> 1190, 32
  * 2552 -> 1965, 64 4901 -> 3608, 256 20473 -> 14984 (1.30x at 32 rows, 1.36-1.37x from 64);
  * Q5_K (its fifth bits or-ed in) 8 808 -> 821, 16 1393 -> 1280, 64 5185 -> 3681, 256 20822 ->
- * 14413. Transposed
+ * 14413. Q4_K weights of at most 4,096 input features are packed at load on these builds
+ * (rs_quant_pack16), and the transposed tile then runs from one row on with no transposes.
+ * Transposed
  * Q6_K tiles were slower (M = 8 1024 -> 1633, 64 7256 -> 7842: three 16 x 16 transposes and
  * 16 scale products per block) and are not built.
  * At Qwen2.5-7B's down projection, W [3584, 18944], the driver had made weight groups of 64 KiB
