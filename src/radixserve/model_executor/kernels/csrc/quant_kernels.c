@@ -1520,7 +1520,8 @@ AI void kt16_isums(const __m512i *wt, const __m512i *scs, const int ns, const in
 #define PK4_SCALES (32 * 64)
 #define PK4_D (PK4_SCALES + 3 * 64)
 #define PK4_DMIN (PK4_D + 32)
-/* bytes ahead of a packed Q4_K super-block that the tile asks the cache for */
+/* bytes ahead of a packed Q4_K super-block that the tile asks the cache for, into L2 (T0's
+ * requests into L1 read [3584, 18944] at one row in 1716 us, T1's in 1619 us) */
 #ifndef PK4_PF
 #define PK4_PF (2 * PK4_BLOCK)
 #endif
