@@ -398,7 +398,8 @@ def run_config(path: Path, backend: str, mode: str, ns: argparse.Namespace,
                             ns.device if cuda else "cpu")
         kw["speculative_config"] = {"method": "draft_model", "model": str(draft),
                                     "num_speculative_tokens": ns.spec_draft_k,
-                                    "disable_by_batch_size": None}
+                                    "disable_by_batch_size": None,
+                                    "adaptive_draft_length": False}
         offline = []
         max_seqs = max(batches)
         kw["max_num_seqs"] = max_seqs

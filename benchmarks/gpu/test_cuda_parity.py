@@ -90,10 +90,11 @@ def run_parity(tmp_path: Path, arch: str, backend: str, mode: str, dtype: str,
     spec_config = None
     if spec == "ngram":
         spec_config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-                       "prompt_lookup_max": 3, "disable_by_batch_size": None}
+                       "prompt_lookup_max": 3, "disable_by_batch_size": None,
+                       "adaptive_draft_length": False}
     elif spec == "draft_model":
         spec_config = {"method": "draft_model", "model": path, "num_speculative_tokens": 3,
-                       "disable_by_batch_size": None}
+                       "disable_by_batch_size": None, "adaptive_draft_length": False}
     try:
         llm = LLM(model=path, device=DEVICE, dtype=dtype, attention_backend=backend,
                   enforce_eager=mode == "eager", tensor_parallel_size=1, page_size=4,

@@ -200,6 +200,11 @@ class SpeculativeConfig:
             compute-bound. Left out (or "auto"): the crossover measured for the engine's
             device (``core.spec_decode.crossover_batch_size``: 1 on CPU and on CUDA); None
             (JSON null, vLLM's default) drafts at every batch size; an integer >= 1 is kept.
+        adaptive_draft_length: True (default): each step a request drafts the number of
+            tokens, from 0 to ``num_speculative_tokens``, that gives it the most tokens per
+            unit of step time, from its own acceptance so far and the step times the engine
+            measures (``core.spec_decode.DraftLengthRule``); False (vLLM's behaviour): always
+            up to ``num_speculative_tokens``.
 
     Raises:
         ValueError: from ``validate`` / ``parse``: an unknown field, a bad value or a method
@@ -212,6 +217,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None
     model: str | None = None
     disable_by_batch_size: int | str | None = SPEC_BATCH_AUTO
+    adaptive_draft_length: bool = True
 
     def __post_init__(self) -> None:
         self.validate()
@@ -246,6 +252,8 @@ class SpeculativeConfig:
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise bad(name, "must be an integer >= 1"
                           + (', null or "auto"' if name == "disable_by_batch_size" else ""))
+        if not isinstance(self.adaptive_draft_length, bool):
+            raise bad("adaptive_draft_length", "must be true or false")
         if self.method != "ngram":
             return
         # vLLM's rule: one bound given, the other follows it; neither, max 5 and min 5

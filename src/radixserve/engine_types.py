@@ -191,11 +191,14 @@ class SpecDecodeInfo(msgspec.Struct, kw_only=True, frozen=True):
         num_speculative_tokens: draft tokens per step, k.
         disable_by_batch_size: the effective cap: no drafts in a step with more running
             requests than this (``"auto"`` resolved for the device), None for never.
+        adaptive_draft_length: each request's draft length is chosen from its acceptance
+            and the measured step costs (up to ``num_speculative_tokens``).
     """
 
     method: str
     num_speculative_tokens: int
     disable_by_batch_size: int | None
+    adaptive_draft_length: bool = True
 
 
 class EngineInfo(msgspec.Struct, kw_only=True, frozen=True):

@@ -19,9 +19,10 @@ from radixserve import LLM, SamplingParams
 from radixserve.engine_types import EngineRequest
 
 #: null ``disable_by_batch_size``: these tests check batched verify steps, which the CPU
-#: default (draft only when one request runs) would leave out
+#: default (draft only when one request runs) would leave out; fixed draft lengths: the tiny
+#: random models accept few drafts, for which the adaptive rule would draft less and less
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-        "prompt_lookup_max": 3, "disable_by_batch_size": None}
+        "prompt_lookup_max": 3, "disable_by_batch_size": None, "adaptive_draft_length": False}
 
 
 def _llm(path: str | None, spec: dict | None, **kw) -> LLM:
@@ -379,7 +380,8 @@ def test_server_flag_reaches_the_engine_process(tmp_path: Path) -> None:
         # /server_info names the settings in force, the cap resolved for the device
         info = httpx.get(srv.base_url + "/server_info", timeout=10).json()
         assert info["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3,
-                                              "disable_by_batch_size": 1}
+                                              "disable_by_batch_size": 1,
+                                              "adaptive_draft_length": True}
         text = httpx.get(srv.base_url + "/metrics", timeout=10).text
         assert 'spec_decode_num_accepted_tokens_per_pos_total{model_name=' in text
         # bench serve reads those counters around each run: the copy set drafts, one
@@ -412,3 +414,30 @@ def test_server_refuses_the_draft_model_method_over_the_null_model(tmp_path: Pat
         capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert "the draft_model method needs a model runner with a KV pool" in out.stderr
+
+
+def test_adaptive_draft_length_drafts_less_where_drafts_fail(tmp_path: Path) -> None:
+    """The adaptive rule (the default) over a tiny random model, one request at a time: the
+    output is the one without speculation, the engine measured its one-row and verify steps,
+    and the requests drafted fewer tokens per verify step than with fixed lengths, with more
+    of them accepted."""
+    path = tiny_model(tmp_path, "llama", 0.2)
+    prompts = [p for p in _prompts(np.random.default_rng(11), 16) if len(p) > 6][:6]
+    params = [SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)]
+    base = _llm(path, None)
+    single = {**SPEC, "disable_by_batch_size": 1}
+    fixed = _llm(path, single)
+    adaptive = _llm(path, {**single, "adaptive_draft_length": True})
+    assert adaptive.engine.proposer.adaptive and not fixed.engine.proposer.adaptive
+    for p in prompts:  # one running request per step: the steps the costs are measured on
+        want = _run(base, [p], params)
+        assert _run(fixed, [p], params) == want
+        assert _run(adaptive, [p], params) == want
+    costs = adaptive.engine.proposer.costs
+    assert costs.one_row_s is not None and costs.one_row_s > 0
+    assert costs.per_row_s is not None
+    f, a = _spec_counts(fixed), _spec_counts(adaptive)
+    assert a.num_drafts > 0 and f.num_accepted_tokens > 0
+    assert a.num_draft_tokens / a.num_drafts < f.num_draft_tokens / f.num_drafts, (a, f)
+    assert (a.num_accepted_tokens / a.num_draft_tokens
+            > f.num_accepted_tokens / f.num_draft_tokens), (a, f)

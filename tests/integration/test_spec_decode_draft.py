@@ -25,9 +25,10 @@ from radixserve import LLM, SamplingParams
 
 
 def _spec(model: str, k: int = 3) -> dict:
-    # null disable_by_batch_size: batched verify steps, which the CPU default leaves out
+    # null disable_by_batch_size: batched verify steps, which the CPU default leaves out;
+    # fixed draft lengths: a random draft's low acceptance would make the adaptive rule stop
     return {"method": "draft_model", "model": model, "num_speculative_tokens": k,
-            "disable_by_batch_size": None}
+            "disable_by_batch_size": None, "adaptive_draft_length": False}
 
 
 def _tiny_llm(path: str, spec: dict | None, **kw) -> LLM:

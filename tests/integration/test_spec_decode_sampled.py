@@ -34,9 +34,10 @@ from radixserve.model_executor.forward_batch import SamplingBatch
 from radixserve.model_executor.sampler import exponential_draws, sample
 from radixserve.sampling_params import StructuredOutputsParams
 
-#: null ``disable_by_batch_size``: batched verify steps, which the CPU default leaves out
+#: null ``disable_by_batch_size``: batched verify steps, which the CPU default leaves out;
+#: fixed draft lengths, so low-acceptance requests keep verifying drafts
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-        "prompt_lookup_max": 3, "disable_by_batch_size": None}
+        "prompt_lookup_max": 3, "disable_by_batch_size": None, "adaptive_draft_length": False}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -186,11 +187,17 @@ class _TableProposer:
     verified position has a draft that is accepted about as often as it is rejected)."""
 
     def __init__(self, k: int, table: dict[tuple[int, ...], list[int]]) -> None:
+        from radixserve.core.spec_decode import StepCosts
+
         self.k = k
         self.table = table
+        self.costs = StepCosts()  # measured by the engine, unused: lengths are fixed
 
     def active(self, batch_size: int) -> bool:
         return True
+
+    def draft_length(self, req: object) -> int:
+        return self.k
 
     def propose(self, tokens: np.ndarray, most: int) -> np.ndarray:
         return np.asarray(self.table.get(tuple(tokens.tolist()), [])[:most], dtype=np.int32)
@@ -265,10 +272,14 @@ class _CountingProposer:
     def __init__(self, inner) -> None:  # noqa: ANN001 - the engine's NgramProposer
         self.inner = inner
         self.k = inner.k
+        self.costs = inner.costs
         self.proposed = 0
 
     def active(self, batch_size: int) -> bool:
         return self.inner.active(batch_size)
+
+    def draft_length(self, req) -> int:  # noqa: ANN001 - a core Request
+        return self.inner.draft_length(req)
 
     def propose(self, tokens: np.ndarray, most: int) -> np.ndarray:
         d = self.inner.propose(tokens, most)

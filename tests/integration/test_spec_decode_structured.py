@@ -29,9 +29,10 @@ from radixserve.sampling_params import StructuredOutputsParams
 #: tokens t4..t9 and t40..t99 (no allowed token's text is a proper prefix of another's that
 #: the grammar could not finish: "t4" is complete, "t40" too), then EOS (t1)
 REGEX = "(t[4-9]|t[4-9][0-9])+"
-#: null ``disable_by_batch_size``: batched verify steps, which the CPU default leaves out
+#: null ``disable_by_batch_size``: batched verify steps, which the CPU default leaves out;
+#: fixed draft lengths, so every step with a proposal verifies it
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-         "prompt_lookup_max": 3, "disable_by_batch_size": None}
+         "prompt_lookup_max": 3, "disable_by_batch_size": None, "adaptive_draft_length": False}
 
 
 def _llm(path: str, spec: dict | None) -> LLM:
@@ -109,7 +110,8 @@ def test_ngram_constrained_output_equals_without_speculation(models, want) -> No
 
 def test_draft_model_constrained_output_equals_without_speculation(models, want) -> None:
     _check(_llm(models[0], {"method": "draft_model", "model": models[1],
-                            "num_speculative_tokens": 3, "disable_by_batch_size": None}), want)
+                            "num_speculative_tokens": 3, "disable_by_batch_size": None,
+                            "adaptive_draft_length": False}), want)
 
 
 SCHEMA = {"type": "object", "properties": {

@@ -276,3 +276,102 @@ def test_absent_and_null_survive_the_engine_process_json() -> None:
         cfg = EngineConfig(speculative_config={"num_speculative_tokens": 2, **value})
         back = EngineConfig(**json.loads(json.dumps(dataclasses.asdict(cfg))))
         assert back.speculative_config == cfg.speculative_config
+
+
+def test_draft_length_follows_the_requests_acceptance() -> None:
+    """The adaptive rule drafts up to k for a request whose drafts are accepted, none for one
+    whose first tokens are rejected (then one token every ``PROBE_EVERY`` steps), and
+    something in between for a request whose drafts go wrong after the first token or two."""
+    from radixserve.core.request import DraftAcceptance
+    from radixserve.core.spec_decode import (
+        PROBE_EVERY,
+        StepCosts,
+        choose_draft_length,
+        record_verify,
+    )
+
+    costs = StepCosts()  # the default cost per row until measured
+    fresh = choose_draft_length(DraftAcceptance(), 8, costs)
+    assert 1 <= fresh < 8  # the prior: worth a short draft, not a full one
+
+    copying = DraftAcceptance()
+    for _ in range(6):
+        record_verify(copying, 8, 8)
+    assert choose_draft_length(copying, 8, costs) == 8
+    assert choose_draft_length(copying, 3, costs) == 3
+
+    wrong = DraftAcceptance()
+    for _ in range(6):
+        record_verify(wrong, 4, 0)
+    got = [choose_draft_length(wrong, 8, costs) for _ in range(2 * PROBE_EVERY)]
+    assert got == ([0] * (PROBE_EVERY - 1) + [1]) * 2
+    # accepted again: the record follows (older outcomes decay)
+    for _ in range(8):
+        record_verify(wrong, 1, 1)
+    assert choose_draft_length(wrong, 8, costs) >= 1
+
+    chat = DraftAcceptance()  # first token half the time, then about one more
+    for i in range(20):
+        record_verify(chat, 6, 0 if i % 2 else 2)
+    assert 1 <= choose_draft_length(chat, 8, costs) <= 3
+
+
+def test_draft_length_shrinks_as_verify_rows_cost_more() -> None:
+    """The same record drafts less where a verify row costs more against a one-row step, and
+    not at all where a row costs as much as a step (CUDA's eager verify against a graphed
+    decode measured 1.7 one-row steps per row: docs/benchmarks.md)."""
+    from radixserve.core.request import DraftAcceptance
+    from radixserve.core.spec_decode import StepCosts, choose_draft_length, record_verify
+
+    rec = DraftAcceptance()
+    for i in range(10):
+        record_verify(rec, 8, (4, 8, 6, 2, 8)[i % 5])
+
+    def with_row_cost(rel: float) -> int:
+        costs = StepCosts(one_row_s=0.005, per_row_s=0.005 * rel)
+        return choose_draft_length(DraftAcceptance(**{f: getattr(rec, f) for f in (
+            "first_accepted", "first_rejected", "accepted", "rejected")}), 8, costs)
+
+    lengths = [with_row_cost(rel) for rel in (0.02, 0.15, 0.4, 0.8)]
+    assert lengths == sorted(lengths, reverse=True) and lengths[0] == 8 and lengths[-1] < 8
+    assert lengths[0] > lengths[-1] > 0
+    assert with_row_cost(1.7) == 0
+
+
+def test_step_costs_take_medians() -> None:
+    """One-row steps and what each verify row adds, as medians: a stalled step moves
+    neither; the rows' cost is counted from the one-row step's."""
+    from radixserve.core.spec_decode import DEFAULT_ROW_COST, StepCosts
+
+    c = StepCosts()
+    assert c.relative(1) == 1.0 and c.relative(5) == pytest.approx(1 + 4 * DEFAULT_ROW_COST)
+    c.observe(5, 0.009)  # a verify before any one-row step: nothing to count it from
+    assert c.per_row_s is None
+    for s in (0.005, 0.005, 0.050, 0.005, 0.0051):
+        c.observe(1, s)
+    assert c.one_row_s == pytest.approx(0.005)
+    for s in (0.009, 0.0088, 0.2, 0.0092):
+        c.observe(5, s)
+    assert c.per_row_s == pytest.approx(0.001, rel=0.03)
+    assert c.relative(5) == pytest.approx(1.8, rel=0.02)
+    assert c.relative(1) == 1.0
+
+
+def test_adaptive_draft_length_field() -> None:
+    """On unless turned off; the fixed proposer always offers k; a non-boolean is refused,
+    naming the field."""
+    from radixserve.core.request import Request
+    from radixserve.core.spec_decode import NgramProposer, record_verify
+
+    on = SpeculativeConfig.parse('{"num_speculative_tokens": 4}')
+    assert on.adaptive_draft_length is True
+    off = SpeculativeConfig.parse('{"num_speculative_tokens": 4, "adaptive_draft_length": false}')
+    req = Request(request_id="r", prompt_token_ids=np.zeros(3, dtype=np.int32),
+                  params=SamplingParams(), eos_token_ids=frozenset(), max_tokens=8)
+    for _ in range(6):
+        record_verify(req.draft_acceptance, 4, 0)
+    assert NgramProposer(off, "cpu").draft_length(req) == 4
+    assert NgramProposer(on, "cpu").draft_length(req) == 0
+    with pytest.raises(ValueError, match=r"speculative_config.adaptive_draft_length=1 must be "
+                                         r"true or false"):
+        SpeculativeConfig.parse({"num_speculative_tokens": 4, "adaptive_draft_length": 1})

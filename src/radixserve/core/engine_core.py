@@ -21,7 +21,7 @@ from radixserve.core.batch import ScheduledBatch
 from radixserve.core.request import Request
 from radixserve.core.resolver import StepResolver
 from radixserve.core.scheduler import Scheduler
-from radixserve.core.spec_decode import DraftModelProposer, NgramProposer, Proposer
+from radixserve.core.spec_decode import DraftModelProposer, NgramProposer, Proposer, StepCosts
 from radixserve.engine_types import (
     ERROR_KV_TRANSFER_FAILED,
     FINISH_ABORT,
@@ -72,6 +72,18 @@ log = logging.getLogger(__name__)
 _NO_TOKENS = np.empty(0, dtype=np.int32)
 #: Seconds a step with nothing to run but loads in flight waits for one to end (no spinning).
 KV_IDLE_WAIT_S = 0.002
+
+
+def _observe_step_cost(costs: StepCosts, batch: ScheduledBatch, seconds: float) -> None:
+    """Add a step's wall time (scheduling and drafting, forward, acceptance) to ``costs`` when
+    it ran one request's decode or verify alone: then its query rows alone set the work."""
+    fb = batch.forward
+    if len(batch.requests) != 1:
+        return
+    rows = int(fb.num_new[0])
+    drafts = 0 if fb.num_draft is None else int(fb.num_draft[0])
+    if fb.num_decodes == 1 or (drafts and rows == drafts + 1):
+        costs.observe(rows, seconds)
 
 
 class EngineCore:
@@ -182,7 +194,8 @@ class EngineCore:
             page_size=config.page_size,
             speculative=None if spec is None else SpecDecodeInfo(
                 method=spec.method, num_speculative_tokens=spec.num_speculative_tokens,
-                disable_by_batch_size=self.proposer.disable_by_batch_size))
+                disable_by_batch_size=self.proposer.disable_by_batch_size,
+                adaptive_draft_length=self.proposer.adaptive))
 
     # ------------------------------------------------------------------ requests
     def add_request(self, er: EngineRequest) -> None:
@@ -361,6 +374,9 @@ class EngineCore:
         if self.check_integrity_each_step:
             # valid while a step is in flight too: its pages were taken when it was scheduled
             self.scheduler.check_integrity()
+        proposer = self.scheduler.proposer
+        if proposer is not None and batch is not None and not self.overlap:
+            _observe_step_cost(proposer.costs, batch, time.perf_counter() - t0)
         if self.timers is not None and batch is not None:
             t3 = time.perf_counter()
             self.timers.schedule.append(t1 - t0 - prepare)

@@ -25,6 +25,26 @@ class Status(enum.Enum):
     WAITING_FOR_REMOTE_KVS = 3
 
 
+@dataclass(slots=True)
+class DraftAcceptance:
+    """A request's speculative-decoding record, from which its draft length is chosen
+    (``core.spec_decode.choose_draft_length``). Counts of older verify steps are decayed
+    (``core.spec_decode.record_verify``).
+
+    Attributes:
+        first_accepted / first_rejected: verify steps whose first draft token was accepted /
+            rejected.
+        accepted / rejected: draft tokens after the first accepted / rejected.
+        skipped: decode steps in a row in which the rule chose no draft.
+    """
+
+    first_accepted: float = 0.0
+    first_rejected: float = 0.0
+    accepted: float = 0.0
+    rejected: float = 0.0
+    skipped: int = 0
+
+
 @dataclass(eq=False, slots=True)
 class Request:
     """A request inside the engine core.
@@ -81,6 +101,8 @@ class Request:
     #: connector may update it), and the ones its final output reports
     kv_transfer_params: dict[str, Any] | None = None
     kv_transfer_params_out: dict[str, Any] | None = None
+    #: speculative decoding: acceptance so far, which sets the request's draft length
+    draft_acceptance: DraftAcceptance = field(default_factory=DraftAcceptance)
 
     def __post_init__(self) -> None:
         # plain attributes: these are read for every running request in every step

@@ -17,7 +17,7 @@ from radixserve.core.batch import ScheduledBatch
 from radixserve.core.live_index import LiveIndex
 from radixserve.core.request import Request, Status
 from radixserve.core.row_tables import RowTables
-from radixserve.core.spec_decode import SpecDecodeStats, accepted_length
+from radixserve.core.spec_decode import SpecDecodeStats, accepted_length, record_verify
 from radixserve.engine_types import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
 from radixserve.structured.runtime import REJECTED, TERMINATED
 
@@ -146,6 +146,7 @@ class StepResolver:
             targets = sampled[f:f + k + 1]
             a = accepted_length(d, targets)
             self.spec_stats.observe(k, a)
+            record_verify(req.draft_acceptance, k, a)
             # the one placeholder ``commit`` appended becomes the a + 1 tokens
             del req.output_token_ids[len(req.output_token_ids) - req.num_pending:]
             req.num_pending = 0

@@ -452,12 +452,17 @@ class Scheduler:
             # room: budget, max_model_len, and max_tokens (a token past it is never output)
             most = min(budget, max_len - n_tok,
                        req.max_tokens - len(req.output_token_ids) - 1)
-            if most <= 0 or not may_speculate(req):
+            if most > 0 and may_speculate(req):
+                # the request's own draft length (0: drafting does not pay for it now)
+                most = min(most, proposer.draft_length(req))
+            else:
+                most = 0
+            if most <= 0:
                 plain.append(req)
                 continue
             d = (None if by_model else
                  grammar_prefix(req, proposer.propose(table[req.row, :n_tok], most)))
-            k = min(proposer.k, most) if d is None else int(d.shape[0])
+            k = most if d is None else int(d.shape[0])
             if k and not self._grow(req, n_tok + k):
                 # no page for every draft: keep those that fit in the pages held
                 k = min(k, req.num_pages * ps - n_tok)

@@ -7,17 +7,23 @@ logits: ``core/batch.py``); the target's pick at each position (the argmax, or f
 request a draw that realises rejection sampling: ``model_executor/sampler.py``) verifies the
 draft token that follows it (``StepResolver``), and the KV slots of rejected drafts are rolled
 back (``Scheduler.roll_back``).
+
+How many tokens a request drafts in a step is chosen per request (``choose_draft_length``):
+the length that gives the most tokens per unit of step time, from the request's acceptance so
+far and the step times the engine measures (``StepCosts``).
 """
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
 from radixserve.config import SPEC_BATCH_AUTO, SpeculativeConfig
-from radixserve.core.request import Request
+from radixserve.core.request import DraftAcceptance, Request
 
 _NONE = np.empty(0, dtype=np.int32)
 
@@ -123,6 +129,112 @@ def effective_disable_by_batch_size(config: SpeculativeConfig, device_type: str
     return v
 
 
+#: weight an earlier verify step's outcome keeps for each later verify step of the request: a
+#: request's acceptance follows what it is writing now (a copied passage, then free text)
+ACCEPT_DECAY = 0.8
+#: pseudo-counts before a request's first verify step, (accepted, rejected): of a draft's first
+#: token (a prior rate of 1/2), and of the tokens after an accepted one (2/3). The first token
+#: is kept apart because it decides whether a proposal continues the text at all (an n-gram
+#: found in the wrong place); once one is accepted the next ones usually are (the copy set:
+#: 87% of first tokens accepted, 94-97% of the following; chat: 41%, then 62-82%)
+PRIOR_FIRST = (1.0, 1.0)
+PRIOR_NEXT = (2.0, 1.0)
+#: a request whose rule chose no draft this many decode steps in a row drafts one token, so a
+#: request that starts copying (acceptance rising) is noticed
+PROBE_EVERY = 8
+#: a verify row's cost relative to a one-row step until the engine has measured both: a
+#: five-row verify of the default model costs 1.6-2.1 one-row steps on two CPU cores
+#: (docs/benchmarks.md); a model whose step reads its weights from DRAM costs less per row
+DEFAULT_ROW_COST = 0.25
+#: steps of each kind ``StepCosts`` keeps
+COST_WINDOW = 64
+
+
+def record_verify(rec: DraftAcceptance, num_draft: int, num_accepted: int) -> None:
+    """Add a verify step of ``num_draft`` (>= 1) draft tokens with ``num_accepted`` accepted
+    to the request's record: whether the first was accepted, then the later ones accepted and
+    the rejection that ended them, if any (drafts that ran out before a rejection say nothing
+    about the next token)."""
+    d = ACCEPT_DECAY
+    rec.first_accepted = rec.first_accepted * d + (num_accepted > 0)
+    rec.first_rejected = rec.first_rejected * d + (num_accepted == 0)
+    if num_accepted:
+        rec.accepted = rec.accepted * d + num_accepted - 1
+        rec.rejected = rec.rejected * d + (num_accepted < num_draft)
+
+
+@dataclass
+class StepCosts:
+    """What a step costs by the number of query rows of the one request it runs, measured by
+    the engine: medians over the last ``COST_WINDOW`` one-row steps' wall times and over what
+    each further row added in as many verify steps, in seconds (medians, so a step that met a
+    garbage collection or another process does not move them). Only steps of a single running
+    request with no prefill are measured, where the rows alone set the work.
+
+    Attributes:
+        one_row_s: a decode step's seconds; None before one is measured.
+        per_row_s: seconds each row past the first adds; None before a verify step is
+            measured after a decode step.
+    """
+
+    one_row_s: float | None = None
+    per_row_s: float | None = None
+    _one_row: deque[float] = field(default_factory=lambda: deque(maxlen=COST_WINDOW),
+                                   repr=False)
+    _per_row: deque[float] = field(default_factory=lambda: deque(maxlen=COST_WINDOW),
+                                   repr=False)
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """Add a measured step of ``rows`` query rows (>= 1) that took ``seconds``."""
+        if rows == 1:
+            self._one_row.append(seconds)
+            self.one_row_s = statistics.median(self._one_row)
+        elif self.one_row_s is not None:
+            self._per_row.append(max(0.0, (seconds - self.one_row_s) / (rows - 1)))
+            self.per_row_s = statistics.median(self._per_row)
+
+    def relative(self, rows: int) -> float:
+        """A step of ``rows`` query rows in one-row steps: 1 + (rows - 1) * the measured cost
+        of a row relative to a one-row step (``DEFAULT_ROW_COST`` until measured)."""
+        if self.one_row_s and self.per_row_s is not None:
+            return 1.0 + (rows - 1) * self.per_row_s / self.one_row_s
+        return 1.0 + (rows - 1) * DEFAULT_ROW_COST
+
+
+def choose_draft_length(rec: DraftAcceptance, k: int, costs: StepCosts) -> int:
+    """How many tokens a request drafts this step, 0 to ``k``: the length whose expected
+    tokens per step time beats a plain decode by the most.
+
+    A draft's first token is accepted with the request's rate a0 and each later one, after an
+    accepted one, with rate a (``record_verify``'s counts with the priors ``PRIOR_FIRST`` and
+    ``PRIOR_NEXT``), so a j-token draft gives 1 + a0 (1 + a + ... + a^(j-1)) tokens in one
+    step of j + 1 rows, which costs ``costs.relative(j + 1)`` one-row steps. This is the
+    model of Leviathan et al. 2023, section 3 (the expected tokens of one run, 1 + a + ... +
+    a^j, and choosing the draft length from them and a cost ratio) with the first token's rate
+    apart and the cost per verify row measured. The j with the highest ratio above 1 (a plain
+    decode's) wins; none above 1 gives 0, and after ``PROBE_EVERY`` such steps in a row one
+    token is drafted to keep the rates current.
+    """
+    fa, fr = rec.first_accepted + PRIOR_FIRST[0], rec.first_rejected + PRIOR_FIRST[1]
+    na, nr = rec.accepted + PRIOR_NEXT[0], rec.rejected + PRIOR_NEXT[1]
+    a0, a = fa / (fa + fr), na / (na + nr)
+    best_j, best, tokens, p = 0, 1.0, 1.0, a0
+    for j in range(1, k + 1):
+        tokens += p
+        p *= a
+        ratio = tokens / costs.relative(j + 1)
+        if ratio > best:
+            best_j, best = j, ratio
+    if best_j:
+        rec.skipped = 0
+        return best_j
+    rec.skipped += 1
+    if rec.skipped >= PROBE_EVERY:
+        rec.skipped = 0
+        return min(1, k)
+    return 0
+
+
 class ProposerBase:
     """What every proposer has: its k and when a step drafts at all.
 
@@ -135,11 +247,22 @@ class ProposerBase:
         k: most draft tokens per request and step (``num_speculative_tokens``).
         disable_by_batch_size: the effective cap (``effective_disable_by_batch_size``; None:
             drafts at every batch size).
+        adaptive: ``adaptive_draft_length``: each request's draft length is chosen by
+            ``choose_draft_length``; False: always up to ``k``.
+        costs: the measured step costs the choice uses (the engine adds to them).
     """
 
     def __init__(self, config: SpeculativeConfig, device_type: str) -> None:
         self.k = int(config.num_speculative_tokens or 0)
         self.disable_by_batch_size = effective_disable_by_batch_size(config, device_type)
+        self.adaptive = bool(config.adaptive_draft_length)
+        self.costs = StepCosts()
+
+    def draft_length(self, req: Request) -> int:
+        """Most draft tokens for ``req`` this step, 0 to ``k`` (0: a plain decode)."""
+        if not self.adaptive:
+            return self.k
+        return choose_draft_length(req.draft_acceptance, self.k, self.costs)
 
     def active(self, batch_size: int) -> bool:
         """Whether a step with ``batch_size`` running requests drafts at all
