@@ -299,6 +299,9 @@ class SpecDecodeCounts(msgspec.Struct, kw_only=True):
             per position up to ``num_speculative_tokens``.
         disable_by_batch_size: the effective ``disable_by_batch_size`` (the device's
             crossover when the configuration left it out); 0: drafts at every batch size.
+        verify_row_cost: what a verify row adds to a step, in one-row steps, as the engine
+            measured it (``core.spec_decode.StepCosts``, which the adaptive draft length
+            uses); 0 before it is measured.
     """
 
     num_drafts: int = 0
@@ -306,6 +309,7 @@ class SpecDecodeCounts(msgspec.Struct, kw_only=True):
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = []
     disable_by_batch_size: int = 0
+    verify_row_cost: float = 0.0
 
 
 class SchedulerStats(msgspec.Struct, kw_only=True):

@@ -230,6 +230,9 @@ class ServerMetrics:
             "spec_decode_disable_by_batch_size", "Most running requests at which a step "
             "still drafts (the device's measured crossover unless configured); 0: every "
             "batch size.")
+        self.spec_decode_verify_row_cost = gauge(
+            "spec_decode_verify_row_cost", "What a verify row adds to a step, in one-row "
+            "steps, as measured for the adaptive draft length; 0 before it is measured.")
         self._last_spec: dict[str, float] = dict.fromkeys(_SPEC_COUNTERS, 0)
         self._last_spec_pos: list[float] = []
 
@@ -268,6 +271,7 @@ class ServerMetrics:
         spec = stats.spec_decode
         if spec is not None:
             self.spec_decode_disable_by_batch_size.set(spec.disable_by_batch_size)
+            self.spec_decode_verify_row_cost.set(spec.verify_row_cost)
             for field, child in self.spec_decode.items():
                 self._last_spec[field] = _inc(child, getattr(spec, field),
                                               self._last_spec[field])

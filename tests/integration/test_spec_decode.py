@@ -437,6 +437,8 @@ def test_adaptive_draft_length_drafts_less_where_drafts_fail(tmp_path: Path) -> 
     assert costs.one_row_s is not None and costs.one_row_s > 0
     assert costs.per_row_s is not None
     f, a = _spec_counts(fixed), _spec_counts(adaptive)
+    # the engine's stats (and so /metrics) carry the measured cost
+    assert a.verify_row_cost == costs.measured_row_cost() and a.verify_row_cost >= 0
     assert a.num_drafts > 0 and f.num_accepted_tokens > 0
     assert a.num_draft_tokens / a.num_drafts < f.num_draft_tokens / f.num_drafts, (a, f)
     assert (a.num_accepted_tokens / a.num_draft_tokens

@@ -168,9 +168,10 @@ def test_metrics_count_growth_per_position() -> None:
         num_drafts=4, num_draft_tokens=12, num_accepted_tokens=7, accepted_per_pos=[4, 2, 1])))
     m.update_from_stats(SchedulerStats(spec_decode=SpecDecodeCounts(
         num_drafts=5, num_draft_tokens=15, num_accepted_tokens=8, accepted_per_pos=[5, 2, 1],
-        disable_by_batch_size=1)))
+        disable_by_batch_size=1, verify_row_cost=0.25)))
     text = m.render()[0].decode()
     assert 'radixserve:spec_decode_disable_by_batch_size{model_name="m"} 1.0' in text
+    assert 'radixserve:spec_decode_verify_row_cost{model_name="m"} 0.25' in text
     assert 'radixserve:spec_decode_num_drafts_total{model_name="m"} 5.0' in text
     assert 'radixserve:spec_decode_num_draft_tokens_total{model_name="m"} 15.0' in text
     assert 'radixserve:spec_decode_num_accepted_tokens_total{model_name="m"} 8.0' in text
@@ -345,6 +346,7 @@ def test_step_costs_take_medians() -> None:
 
     c = StepCosts()
     assert c.relative(1) == 1.0 and c.relative(5) == pytest.approx(1 + 4 * DEFAULT_ROW_COST)
+    assert c.measured_row_cost() is None
     c.observe(5, 0.009)  # a verify before any one-row step: nothing to count it from
     assert c.per_row_s is None
     for s in (0.005, 0.005, 0.050, 0.005, 0.0051):
@@ -354,6 +356,7 @@ def test_step_costs_take_medians() -> None:
         c.observe(5, s)
     assert c.per_row_s == pytest.approx(0.001, rel=0.03)
     assert c.relative(5) == pytest.approx(1.8, rel=0.02)
+    assert c.measured_row_cost() == pytest.approx(0.2, rel=0.05)
     assert c.relative(1) == 1.0
 
 

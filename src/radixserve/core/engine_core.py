@@ -573,7 +573,8 @@ class EngineCore:
             num_accepted_tokens=st.num_accepted_tokens,
             accepted_per_pos=list(st.accepted_per_pos)
             + [0] * (self.proposer.k - len(st.accepted_per_pos)),
-            disable_by_batch_size=self.proposer.disable_by_batch_size or 0)
+            disable_by_batch_size=self.proposer.disable_by_batch_size or 0,
+            verify_row_cost=self.proposer.costs.measured_row_cost() or 0.0)
 
     def _kv_stats(self) -> KVTransferStats | None:
         if self.kv_worker is None:

@@ -193,12 +193,17 @@ class StepCosts:
             self._per_row.append(max(0.0, (seconds - self.one_row_s) / (rows - 1)))
             self.per_row_s = statistics.median(self._per_row)
 
+    def measured_row_cost(self) -> float | None:
+        """A verify row's cost in one-row steps as measured; None before it is."""
+        if self.one_row_s and self.per_row_s is not None:
+            return self.per_row_s / self.one_row_s
+        return None
+
     def relative(self, rows: int) -> float:
         """A step of ``rows`` query rows in one-row steps: 1 + (rows - 1) * the measured cost
         of a row relative to a one-row step (``DEFAULT_ROW_COST`` until measured)."""
-        if self.one_row_s and self.per_row_s is not None:
-            return 1.0 + (rows - 1) * self.per_row_s / self.one_row_s
-        return 1.0 + (rows - 1) * DEFAULT_ROW_COST
+        row = self.measured_row_cost()
+        return 1.0 + (rows - 1) * (DEFAULT_ROW_COST if row is None else row)
 
 
 def choose_draft_length(rec: DraftAcceptance, k: int, costs: StepCosts) -> int:
