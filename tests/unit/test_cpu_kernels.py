@@ -352,3 +352,43 @@ def test_prefill_kernel_rejects_bad_input(kernel) -> None:
         kernel.paged_prefill_attention(q.double(), kv[0], kv[1], pages, 8, out, 0.25)
     with pytest.raises(ValueError, match="contiguous"):
         kernel.paged_prefill_attention(q, kv[0], kv[1], pages, 8, out.transpose(0, 1), 0.25)
+
+
+@pytest.mark.parametrize(("h", "hkv", "d", "page"), [(9, 3, 64, 16), (8, 2, 128, 4),
+                                                     (4, 4, 64, 1), (6, 2, 96, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_verify_runs_compute_each_row_as_a_decode(kernel, h, hkv, d, page, dtype,
+                                                  threads) -> None:
+    """A speculating request's k + 1 verify rows are consecutive decode rows at consecutive
+    lengths over one sequence's pages (the kernel may give them shared tasks): among plain
+    decodes, and two runs back to back, every row equals, bit for bit, that row decoded
+    alone."""
+    g = torch.Generator().manual_seed(d + page)
+    n_pages = 64
+    kv = torch.randn(2, n_pages, page, hkv, d, generator=g).to(dtype)
+    cols = -(-70 // page)
+    seq_pages = [torch.randperm(n_pages, generator=g)[:cols] for _ in range(4)]
+    # rows: a decode, a run of 5 (lengths 40..44), a run of 3 right after it (another
+    # sequence), a decode of the first run's sequence at a length that does not continue it
+    rows = [(0, 23)] + [(1, 40 + i) for i in range(5)] + [(2, 61 + i) for i in range(3)] + [
+        (1, 30), (3, 1), (3, 2)]
+    pt = torch.stack([seq_pages[s] for s, _ in rows]).contiguous()
+    lens = torch.tensor([n for _, n in rows], dtype=torch.int64)
+    q = torch.randn(len(rows), h + hkv, d, generator=g).to(dtype)[:, :h]
+    scale = d ** -0.5
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = torch.full((len(rows), h, d), float("nan"), dtype=dtype)
+        kernel.paged_decode_attention(q, kv[0], kv[1], pt, lens, out, scale)
+        for i in range(len(rows)):
+            alone = torch.full((1, h, d), float("nan"), dtype=dtype)
+            kernel.paged_decode_attention(q[i:i + 1], kv[0], kv[1], pt[i:i + 1], lens[i:i + 1],
+                                          alone, scale)
+            assert torch.equal(out[i], alone[0]), i
+    finally:
+        torch.set_num_threads(before)
+    ref = _reference(kv, pt, lens, q, scale)
+    tol = 2e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol * 5)

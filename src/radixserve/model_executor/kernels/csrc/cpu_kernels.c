@@ -14,7 +14,9 @@
  *
  * Per task (a sequence, or one KV head of it): the G = H / Hkv query heads of a group share every key and
  * value row they read (GQA), scores for the whole context go to a per-thread buffer, then an
- * exact two-pass softmax (max, exp, sum) and one pass over V.
+ * exact two-pass softmax (max, exp, sum) and one pass over V. A speculating request's verify
+ * rows (consecutive rows, one key longer each, over the same pages) share tasks on the
+ * AVX-512 bfloat16 path, each row's arithmetic unchanged.
  *
  * bfloat16 on CPUs with AVX-512 (picked at build time by -march=native; `rs_kernel_isa` says
  * which): scores with AVX512-BF16 pair dot products straight from the bf16 rows, and P.V with
@@ -392,6 +394,25 @@ int rs_kernel_isa(void) { return RS_BF16_DOT | (RS_PV_BF16 << 1); }
 /* value rows widened per block in the bfloat16 decode kernel */
 #define DECODE_VB 32
 
+/* Whether row b continues row b - 1's verify run: the same sequence one key longer (a
+ * speculating request's k + 1 rows are consecutive decode rows at consecutive lengths over one
+ * page table row's pages) */
+static int continues_run(const int64_t *page_table, int64_t pt_stride, const int64_t *seq_lens,
+                         int64_t b, int64_t P) {
+    if (b == 0 || seq_lens[b] != seq_lens[b - 1] + 1) return 0;
+    const int64_t *x = page_table + b * pt_stride, *y = x - pt_stride;
+    if (x == y) return 1;
+    for (int64_t j = 0; j < (seq_lens[b] + P - 1) / P; ++j)
+        if (x[j] != y[j]) return 0;
+    return 1;
+}
+
+/* one task of the decode kernel: rows [b0, b1) (several only for a verify run) and KV heads
+ * [kh0, kh0 + nkv) */
+typedef struct {
+    int64_t b0, b1, kh0, nkv;
+} attn_task_t;
+
 int rs_paged_decode_attention(int dtype, const void *q, int64_t q_stride_b, int64_t q_stride_h,
                               const void *k_cache, const void *v_cache,
                               const int64_t *page_table, int64_t pt_stride, int64_t pt_cols,
@@ -412,15 +433,48 @@ int rs_paged_decode_attention(int dtype, const void *q, int64_t q_stride_b, int6
             if (pg < 0 || pg >= num_pages) return 4;
         }
     }
-    /* One task per sequence reads each token's K and V rows (all KV heads, contiguous) once.
-     * With too few sequences to keep every thread busy, split each sequence by KV head
-     * instead (the heads of one token then share cache lines across tasks). */
-    const int64_t per_task = B >= 2 * (int64_t)num_threads ? Hkv : 1;
-    const int64_t tasks_per_seq = Hkv / per_task;
-    const int64_t HG = per_task * G; /* query heads per task */
-    const int64_t row = Hkv * D;     /* elements of one token's K (or V) row */
     const int fast = D % 8 == 0 && D / 8 <= MAX_D8;
     const int bf16dot = RS_BF16_DOT && dtype == 1 && D % 32 == 0;
+    /* A verify run's rows (bfloat16 on AVX-512: scores by `scores16_bf16`, P.V by `pv_bf16_*`)
+     * share their tasks: one task reads each key's row once for all of its rows, takes the
+     * key offsets and prefetches once, and widens each value row once for every row's heads.
+     * Each row's arithmetic is the one it gets alone (the same key scores, its own softmax
+     * over its own length, each output element's chain in key order), so the bits do not
+     * change. */
+    const int runs = bf16dot && RS_PV_BF16 && (D == 64 || D == 128);
+    /* One task per sequence reads each token's K and V rows (all KV heads, contiguous) once.
+     * With too few sequences to keep every thread busy, split each sequence by KV head
+     * instead (the heads of one token then share cache lines across tasks). A verify run is
+     * split by KV head and into as many row chunks as give every thread two tasks. */
+    int64_t nseq = 0, max_run = 1;
+    for (int64_t b = 0, r0 = 0; b < B; ++b) {
+        if (runs && b + 1 < B && continues_run(page_table, pt_stride, seq_lens, b + 1, P)) continue;
+        ++nseq;
+        if (b + 1 - r0 > max_run) max_run = b + 1 - r0;
+        r0 = b + 1;
+    }
+    const int64_t per_task = nseq >= 2 * (int64_t)num_threads ? Hkv : 1;
+    const int64_t chunks = max_run > 1 ? (2 * num_threads + Hkv - 1) / Hkv : 1;
+    const int64_t rows_per_task = (max_run + chunks - 1) / chunks;
+    attn_task_t *tasks = (attn_task_t *)malloc(sizeof(attn_task_t) * (size_t)(B * Hkv));
+    if (tasks == NULL) return 3;
+    int64_t ntasks = 0;
+    for (int64_t b = 0, r0 = 0; b < B; ++b) {
+        if (runs && b + 1 < B && continues_run(page_table, pt_stride, seq_lens, b + 1, P)) continue;
+        if (b == r0) {
+            for (int64_t kh = 0; kh < Hkv; kh += per_task)
+                tasks[ntasks++] = (attn_task_t){b, b + 1, kh, per_task};
+        } else {
+            for (int64_t kh = 0; kh < Hkv; ++kh)
+                for (int64_t c = r0; c <= b; c += rows_per_task)
+                    tasks[ntasks++] = (attn_task_t){c, c + rows_per_task < b + 1 ? c + rows_per_task
+                                                                             : b + 1, kh, 1};
+        }
+        r0 = b + 1;
+    }
+    /* rows x query heads a task holds at most */
+    const int64_t HG = per_task * G > rows_per_task * G ? per_task * G : rows_per_task * G;
+    const int64_t row = Hkv * D;     /* elements of one token's K (or V) row */
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -434,16 +488,18 @@ int rs_paged_decode_attention(int dtype, const void *q, int64_t q_stride_b, int6
             failed = 3;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < B * tasks_per_seq; ++task) {
+        for (int64_t task = 0; task < ntasks; ++task) {
             if (buf == NULL) continue;
-            const int64_t b = task / tasks_per_seq, kh0 = (task % tasks_per_seq) * per_task;
-            const int64_t L = seq_lens[b];
+            const attn_task_t tk = tasks[task];
+            const int64_t b = tk.b1 - 1, kh0 = tk.kh0, nr = tk.b1 - tk.b0;
+            const int64_t L = seq_lens[b]; /* the run's longest row */
+            const int64_t TG = tk.nkv * G; /* query heads per row of the task */
             float *scores = buf, *qs = buf + HG * max_len, *acc = qs + HG * D;
             float *tmp = acc + HG * D;
             const int64_t *pages = page_table + b * pt_stride;
             /* float32 queries, pre-scaled, for `scores8`/`dot` (the bf16 scores read q as
-             * stored) */
-            for (int64_t j = 0; !bf16dot && j < HG; ++j) {
+             * stored; a task of several rows is bf16) */
+            for (int64_t j = 0; !bf16dot && j < TG; ++j) {
                 const int64_t h = kh0 * G + j;
                 const float *qr = row_f32(dtype, q, b * q_stride_b + h * q_stride_h, D, tmp);
                 for (int64_t i = 0; i < D; ++i) qs[j * D + i] = qr[i] * scale;
@@ -463,26 +519,40 @@ int rs_paged_decode_attention(int dtype, const void *q, int64_t q_stride_b, int6
                 /* values too: the P.V pass then finds them in cache */
                 for (int64_t a = t + PREFETCH_AHEAD; a < t + PREFETCH_AHEAD + BF16_KEYS && a < L;
                      ++a) {
-                    prefetch_row(dtype, k_cache, offs[a], per_task * D);
-                    prefetch_row(dtype, v_cache, offs[a], per_task * D);
+                    prefetch_row(dtype, k_cache, offs[a], tk.nkv * D);
+                    prefetch_row(dtype, v_cache, offs[a], tk.nkv * D);
                 }
-                const int64_t nk = L - t < BF16_KEYS ? L - t : BF16_KEYS;
-                for (int64_t j = 0; j < HG; ++j)
-                    scores16_bf16((const uint16_t *)q + b * q_stride_b + (kh0 * G + j) * q_stride_h,
-                                  (const uint16_t *)k_cache, offs + t, (j / G) * D, nk, D, scale,
-                                  scores + j * max_len + t);
+                if (nr == 1) { /* a decode row: its own loop (the run loop cost 5% here) */
+                    const int64_t nk = L - t < BF16_KEYS ? L - t : BF16_KEYS;
+                    for (int64_t j = 0; j < TG; ++j)
+                        scores16_bf16((const uint16_t *)q + b * q_stride_b
+                                          + (kh0 * G + j) * q_stride_h,
+                                      (const uint16_t *)k_cache, offs + t, (j / G) * D, nk, D,
+                                      scale, scores + j * max_len + t);
+                    continue;
+                }
+                for (int64_t r = 0; r < nr; ++r) {
+                    const int64_t Lr = seq_lens[tk.b0 + r];
+                    if (t >= Lr) continue;
+                    const int64_t nk = Lr - t < BF16_KEYS ? Lr - t : BF16_KEYS;
+                    for (int64_t j = 0; j < TG; ++j)
+                        scores16_bf16((const uint16_t *)q + (tk.b0 + r) * q_stride_b
+                                          + (kh0 * G + j) * q_stride_h,
+                                      (const uint16_t *)k_cache, offs + t, (j / G) * D, nk, D,
+                                      scale, scores + (r * TG + j) * max_len + t);
+                }
             }
 #endif
             for (; fast && t < L; t += SCORE_KEYS) {
                 for (int64_t a = t + PREFETCH_AHEAD; a < t + PREFETCH_AHEAD + SCORE_KEYS && a < L;
                      ++a)
-                    prefetch_row(dtype, k_cache, offs[a], per_task * D);
+                    prefetch_row(dtype, k_cache, offs[a], tk.nkv * D);
                 const float *kr[SCORE_KEYS];
                 for (int64_t u = 0; u < SCORE_KEYS; ++u) {
                     const int64_t tu = t + u < L ? t + u : L - 1;
-                    kr[u] = row_f32(dtype, k_cache, offs[tu], per_task * D, tmp + u * row);
+                    kr[u] = row_f32(dtype, k_cache, offs[tu], tk.nkv * D, tmp + u * row);
                 }
-                for (int64_t j = 0; j < HG; ++j) {
+                for (int64_t j = 0; j < TG; ++j) {
                     const int64_t o = (j / G) * D;
                     const float *ko[SCORE_KEYS];
                     for (int u = 0; u < SCORE_KEYS; ++u) ko[u] = kr[u] + o;
@@ -493,14 +563,14 @@ int rs_paged_decode_attention(int dtype, const void *q, int64_t q_stride_b, int6
                 }
             }
             for (; t < L; ++t) {
-                const float *kr = row_f32(dtype, k_cache, offs[t], per_task * D, tmp);
-                for (int64_t j = 0; j < HG; ++j)
+                const float *kr = row_f32(dtype, k_cache, offs[t], tk.nkv * D, tmp);
+                for (int64_t j = 0; j < TG; ++j)
                     scores[j * max_len + t] = dot(qs + j * D, kr + (j / G) * D, D);
             }
             if (fast) {
                 /* the first value blocks come from DRAM while the softmax runs */
                 for (t = 0; t < L && t < 2 * DECODE_VB; ++t)
-                    prefetch_row(dtype, v_cache, offs[t], per_task * D);
+                    prefetch_row(dtype, v_cache, offs[t], tk.nkv * D);
             }
             /* the keys and values of the task this thread most likely runs next (tasks are
              * handed out in order), up to NEXT_TASK_BYTES, requested in equal parts between
@@ -509,35 +579,55 @@ int rs_paged_decode_attention(int dtype, const void *q, int64_t q_stride_b, int6
              * at once, they filled the miss queue while this task waited (spread: bf16
              * 1.06-1.09x per layer, CHANGELOG.md, 2026-11-24). */
             burst_t burst = {0};
-            if (fast && task + num_threads < B * tasks_per_seq) {
-                const int64_t nt = task + num_threads, nb = nt / tasks_per_seq;
+            if (fast && task + num_threads < ntasks) {
+                const attn_task_t nx = tasks[task + num_threads];
+                const int64_t nb = nx.b1 - 1;
                 const int64_t es = dtype == 0 ? 4 : 2;
-                const int64_t keys = NEXT_TASK_BYTES / (2 * per_task * D * es);
+                const int64_t keys = NEXT_TASK_BYTES / (2 * nx.nkv * D * es);
                 burst = (burst_t){(const char *)k_cache, (const char *)v_cache,
-                                  page_table + nb * pt_stride, P, row,
-                                  (nt % tasks_per_seq) * per_task * D, per_task * D * es, es, 0,
+                                  page_table + nb * pt_stride, P, row, nx.kh0 * D,
+                                  nx.nkv * D * es, es, 0,
                                   keys < seq_lens[nb] ? keys : seq_lens[nb]};
             }
-            for (int64_t j = 0; j < HG; ++j) {
-                burst_keys(&burst, (burst.end + HG - 1) / HG);
-                softmax_row(scores + j * max_len, L);
+            for (int64_t j = 0; j < nr * TG; ++j) {
+                burst_keys(&burst, (burst.end + nr * TG - 1) / (nr * TG));
+                softmax_row(scores + j * max_len, seq_lens[tk.b0 + j / TG]);
             }
-            memset(acc, 0, sizeof(float) * (size_t)(HG * D));
+            memset(acc, 0, sizeof(float) * (size_t)(nr * TG * D));
 #if RS_PV_BF16
             if (dtype == 1 && (D == 64 || D == 128)) {
-                for (int64_t kv = 0; kv < per_task; ++kv)
-                    for (int64_t g0 = 0, hs = 0; g0 < G; g0 += hs) {
-                        const int64_t j0 = kv * G + g0;
-                        pv_bf16_for(D, G - g0, &hs)(scores + j0 * max_len, max_len,
-                                                    (const uint16_t *)v_cache + kv * D, offs, L,
-                                                    acc + j0 * D, D);
+                /* a run's rows: every row over the first row's keys, its query heads of a KV
+                 * head side by side; then each longer row's last keys, its chains continued */
+                const int64_t L0 = seq_lens[tk.b0];
+                for (int64_t kv = 0; kv < tk.nkv; ++kv) {
+                    const uint16_t *vb = (const uint16_t *)v_cache + kv * D;
+                    if (nr == 1) {
+                        for (int64_t g0 = 0, hs = 0; g0 < G; g0 += hs) {
+                            const int64_t j0 = kv * G + g0;
+                            pv_bf16_for(D, G - g0, &hs)(scores + j0 * max_len, max_len, vb, offs,
+                                                        L0, acc + j0 * D, D);
+                        }
+                        continue;
                     }
+                    /* tk.nkv == 1 here: rows x G heads in one uniform stride */
+                    for (int64_t j0 = 0, hs = 0; j0 < nr * G; j0 += hs)
+                        pv_bf16_for(D, nr * G - j0, &hs)(scores + j0 * max_len, max_len, vb, offs,
+                                                         L0, acc + j0 * D, D);
+                    for (int64_t r = 1; r < nr; ++r) {
+                        const int64_t Lr = seq_lens[tk.b0 + r];
+                        for (int64_t g0 = 0, hs = 0; g0 < G && Lr > L0; g0 += hs) {
+                            const int64_t j0 = r * G + g0;
+                            pv_bf16_for(D, G - g0, &hs)(scores + j0 * max_len + L0, max_len, vb,
+                                                        offs + L0, Lr - L0, acc + j0 * D, D);
+                        }
+                    }
+                }
             } else
 #endif
             if (fast) {
                 /* head by head, its accumulators in registers over a block of keys (the
                  * prefill kernel's `pv_block` chain), the block two ahead on its way in */
-                const int64_t w = per_task * D;
+                const int64_t w = tk.nkv * D;
                 int64_t boffs[DECODE_VB];
                 for (int64_t u = 0; u < DECODE_VB; ++u) boffs[u] = u * w;
                 for (int64_t t0 = 0; t0 < L; t0 += DECODE_VB) {
@@ -545,7 +635,7 @@ int rs_paged_decode_attention(int dtype, const void *q, int64_t q_stride_b, int6
                     for (int64_t a = t0 + 2 * DECODE_VB; a < t0 + 3 * DECODE_VB && a < L; ++a)
                         prefetch_row(dtype, v_cache, offs[a], w);
                     if (dtype == 0) {
-                        for (int64_t j = 0; j < HG; ++j)
+                        for (int64_t j = 0; j < TG; ++j)
                             pv_rows(scores + j * max_len + t0, (const float *)v_cache + (j / G) * D,
                                     offs + t0, nk, D, acc + j * D);
                     } else {
@@ -554,23 +644,26 @@ int rs_paged_decode_attention(int dtype, const void *q, int64_t q_stride_b, int6
                             const uint16_t *src = (const uint16_t *)v_cache + offs[t0 + u];
                             for (int64_t i = 0; i < w; ++i) tmp[u * w + i] = bf16_to_f32(src[i]);
                         }
-                        for (int64_t j = 0; j < HG; ++j)
+                        for (int64_t j = 0; j < TG; ++j)
                             pv_rows(scores + j * max_len + t0, tmp + (j / G) * D, boffs, nk, D,
                                     acc + j * D);
                     }
                 }
             } else {
                 for (t = 0; t < L; ++t) {
-                    const float *vr = row_f32(dtype, v_cache, offs[t], per_task * D, tmp);
-                    for (int64_t j = 0; j < HG; ++j)
+                    const float *vr = row_f32(dtype, v_cache, offs[t], tk.nkv * D, tmp);
+                    for (int64_t j = 0; j < TG; ++j)
                         axpy(acc + j * D, scores[j * max_len + t], vr + (j / G) * D, D);
                 }
             }
-            for (int64_t j = 0; j < HG; ++j)
-                store_row(dtype, out, (b * H + kh0 * G + j) * D, acc + j * D, D);
+            for (int64_t r = 0; r < nr; ++r)
+                for (int64_t j = 0; j < TG; ++j)
+                    store_row(dtype, out, ((tk.b0 + r) * H + kh0 * G + j) * D,
+                              acc + (r * TG + j) * D, D);
         }
         free(buf);
     }
+    free(tasks);
     return failed;
 }
 
