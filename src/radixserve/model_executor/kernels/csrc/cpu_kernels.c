@@ -15,8 +15,8 @@
  * Per task (a sequence, or one KV head of it): the G = H / Hkv query heads of a group share every key and
  * value row they read (GQA), scores for the whole context go to a per-thread buffer, then an
  * exact two-pass softmax (max, exp, sum) and one pass over V. A speculating request's verify
- * rows (consecutive rows, one key longer each, over the same pages) share tasks on the
- * AVX-512 bfloat16 path, each row's arithmetic unchanged.
+ * rows (consecutive rows, one key longer each, over the same pages) share tasks, each row's
+ * arithmetic unchanged (not on the scalar path, D % 8 != 0).
  *
  * bfloat16 on CPUs with AVX-512 (picked at build time by -march=native; `rs_kernel_isa` says
  * which): scores with AVX512-BF16 pair dot products straight from the bf16 rows, and P.V with
@@ -435,13 +435,13 @@ int rs_paged_decode_attention(int dtype, const void *q, int64_t q_stride_b, int6
     }
     const int fast = D % 8 == 0 && D / 8 <= MAX_D8;
     const int bf16dot = RS_BF16_DOT && dtype == 1 && D % 32 == 0;
-    /* A verify run's rows (bfloat16 on AVX-512: scores by `scores16_bf16`, P.V by `pv_bf16_*`)
-     * share their tasks: one task reads each key's row once for all of its rows, takes the
-     * key offsets and prefetches once, and widens each value row once for every row's heads.
-     * Each row's arithmetic is the one it gets alone (the same key scores, its own softmax
-     * over its own length, each output element's chain in key order), so the bits do not
-     * change. */
-    const int runs = bf16dot && RS_PV_BF16 && (D == 64 || D == 128);
+    /* A verify run's rows share their tasks: one task reads each key's row once for all of
+     * its rows, takes the key offsets and prefetches once, and widens each key and value row
+     * once for every row's heads. Each row's arithmetic is the one it gets alone (each key's
+     * score computed on its own, its own softmax over its own length, each output element's
+     * chain in key order over the same blocks), so the bits do not change. Not on the scalar
+     * path (D % 8 != 0). */
+    const int runs = fast;
     /* One task per sequence reads each token's K and V rows (all KV heads, contiguous) once.
      * With too few sequences to keep every thread busy, split each sequence by KV head
      * instead (the heads of one token then share cache lines across tasks). A verify run is
@@ -498,10 +498,11 @@ int rs_paged_decode_attention(int dtype, const void *q, int64_t q_stride_b, int6
             float *tmp = acc + HG * D;
             const int64_t *pages = page_table + b * pt_stride;
             /* float32 queries, pre-scaled, for `scores8`/`dot` (the bf16 scores read q as
-             * stored; a task of several rows is bf16) */
-            for (int64_t j = 0; !bf16dot && j < TG; ++j) {
-                const int64_t h = kh0 * G + j;
-                const float *qr = row_f32(dtype, q, b * q_stride_b + h * q_stride_h, D, tmp);
+             * stored), [nr, TG, D] */
+            for (int64_t j = 0; !bf16dot && j < nr * TG; ++j) {
+                const int64_t h = kh0 * G + j % TG;
+                const float *qr = row_f32(dtype, q, (tk.b0 + j / TG) * q_stride_b
+                                                        + h * q_stride_h, D, tmp);
                 for (int64_t i = 0; i < D; ++i) qs[j * D + i] = qr[i] * scale;
             }
             /* every key's element offset, page by page: no division per key (a 64-bit
@@ -552,14 +553,28 @@ int rs_paged_decode_attention(int dtype, const void *q, int64_t q_stride_b, int6
                     const int64_t tu = t + u < L ? t + u : L - 1;
                     kr[u] = row_f32(dtype, k_cache, offs[tu], tk.nkv * D, tmp + u * row);
                 }
-                for (int64_t j = 0; j < TG; ++j) {
+                /* each key's score is its own chain: the keys beside it in the group (a
+                 * shorter row's group may hold a longer row's keys) change no value */
+                for (int64_t j = 0; nr == 1 && j < TG; ++j) { /* a decode row: its own loop */
                     const int64_t o = (j / G) * D;
                     const float *ko[SCORE_KEYS];
                     for (int u = 0; u < SCORE_KEYS; ++u) ko[u] = kr[u] + o;
-                    float r[SCORE_KEYS];
-                    scores8(qs + j * D, ko, D, r);
+                    float s8[SCORE_KEYS];
+                    scores8(qs + j * D, ko, D, s8);
                     for (int64_t u = 0; u < SCORE_KEYS && t + u < L; ++u)
-                        scores[j * max_len + t + u] = r[u];
+                        scores[j * max_len + t + u] = s8[u];
+                }
+                for (int64_t r = 0; nr > 1 && r < nr; ++r) {
+                    const int64_t Lr = seq_lens[tk.b0 + r];
+                    for (int64_t jj = 0; jj < TG && t < Lr; ++jj) {
+                        const int64_t j = r * TG + jj, o = (jj / G) * D;
+                        const float *ko[SCORE_KEYS];
+                        for (int u = 0; u < SCORE_KEYS; ++u) ko[u] = kr[u] + o;
+                        float s8[SCORE_KEYS];
+                        scores8(qs + j * D, ko, D, s8);
+                        for (int64_t u = 0; u < SCORE_KEYS && t + u < Lr; ++u)
+                            scores[j * max_len + t + u] = s8[u];
+                    }
                 }
             }
             for (; t < L; ++t) {
@@ -634,19 +649,35 @@ int rs_paged_decode_attention(int dtype, const void *q, int64_t q_stride_b, int6
                     const int64_t nk = L - t0 < DECODE_VB ? L - t0 : DECODE_VB;
                     for (int64_t a = t0 + 2 * DECODE_VB; a < t0 + 3 * DECODE_VB && a < L; ++a)
                         prefetch_row(dtype, v_cache, offs[a], w);
-                    if (dtype == 0) {
-                        for (int64_t j = 0; j < TG; ++j)
-                            pv_rows(scores + j * max_len + t0, (const float *)v_cache + (j / G) * D,
-                                    offs + t0, nk, D, acc + j * D);
-                    } else {
-                        /* bfloat16: widen the block once for all the group's heads */
+                    if (dtype == 1) {
+                        /* bfloat16: widen the block once for all the rows' heads */
                         for (int64_t u = 0; u < nk; ++u) {
                             const uint16_t *src = (const uint16_t *)v_cache + offs[t0 + u];
                             for (int64_t i = 0; i < w; ++i) tmp[u * w + i] = bf16_to_f32(src[i]);
                         }
-                        for (int64_t j = 0; j < TG; ++j)
+                    }
+                    for (int64_t j = 0; nr == 1 && j < TG; ++j) { /* a decode row */
+                        if (dtype == 0)
+                            pv_rows(scores + j * max_len + t0,
+                                    (const float *)v_cache + (j / G) * D, offs + t0, nk, D,
+                                    acc + j * D);
+                        else
                             pv_rows(scores + j * max_len + t0, tmp + (j / G) * D, boffs, nk, D,
                                     acc + j * D);
+                    }
+                    for (int64_t r = 0; nr > 1 && r < nr; ++r) {
+                        /* a shorter row of a run stops at its own last key */
+                        const int64_t left = seq_lens[tk.b0 + r] - t0;
+                        const int64_t n = left < nk ? left : nk;
+                        for (int64_t jj = 0; jj < TG && n > 0; ++jj) {
+                            const int64_t j = r * TG + jj, o = (jj / G) * D;
+                            if (dtype == 0)
+                                pv_rows(scores + j * max_len + t0, (const float *)v_cache + o,
+                                        offs + t0, n, D, acc + j * D);
+                            else
+                                pv_rows(scores + j * max_len + t0, tmp + o, boffs, n, D,
+                                        acc + j * D);
+                        }
                     }
                 }
             } else {
