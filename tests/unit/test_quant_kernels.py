@@ -26,8 +26,8 @@ TYPES = [int(QT.Q4_0), int(QT.Q4_1), int(QT.Q5_0), int(QT.Q5_1), int(QT.Q8_0), i
 TYPES_32 = [int(QT.Q4_0), int(QT.Q4_1), int(QT.Q5_0), int(QT.Q5_1), int(QT.Q8_0)]
 NAMES = {t: SUPPORTED_TYPES[t] for t in TYPES}
 #: the types with the 16-row packed layout (``QuantKernels.pack16``)
-PACKABLE = [int(QT.Q4_0), int(QT.Q4_1), int(QT.Q8_0), int(QT.Q4_K)]
-PACKABLE_AVX2 = PACKABLE[:3]  # Q4_K's packed tile is the AVX-512 transposed one
+PACKABLE = [int(QT.Q4_0), int(QT.Q4_1), int(QT.Q5_0), int(QT.Q5_1), int(QT.Q8_0), int(QT.Q4_K)]
+PACKABLE_AVX2 = PACKABLE[:5]  # Q4_K's packed tile is the AVX-512 transposed one
 
 
 @pytest.fixture(scope="module")

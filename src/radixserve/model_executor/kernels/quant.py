@@ -41,7 +41,7 @@ _DT = {torch.float32: 0, torch.bfloat16: 1}
 PACK16 = 0x100
 #: the types ``QuantKernels.pack16`` lays out (which of them a build runs packed:
 #: ``QuantKernels.has_pack16``)
-PACK16_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K")
+PACK16_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K")
 #: the most input features at which Q4_K is held packed: its packed tile walks each thread's
 #: rows as one stream, and from DRAM at long rows that read slower than the rows' tiles, which
 #: walk 8-16 rows at once (avx512_bf16 VM, one row, us rows -> packed: [2048, 1536] 102.6 ->
@@ -117,7 +117,7 @@ class QuantKernels:
 
     def has_pack16(self, ggml_type: int) -> bool:
         """Whether this build's tiles run ``ggml_type`` in the 16-row packed layout
-        (``pack16``): Q4_0, Q4_1 and Q8_0 on AVX2 and AVX-512 VNNI builds (the AVX2 tiles
+        (``pack16``): Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 on AVX2 and AVX-512 VNNI builds (the AVX2 tiles
         read a 16-row group as two 8-output halves), Q4_K on AVX-512 VNNI builds; none on the
         portable one."""
         return bool(self._has_pack16(ggml_type))
@@ -130,17 +130,18 @@ class QuantKernels:
             SUPPORTED_TYPES.get(ggml_type) == "Q4_K" and k > PACK16_Q4_K_MAX_K)
 
     def pack16(self, ggml_type: int, w: torch.Tensor) -> torch.Tensor:
-        """W's rows in the 16-row packed layout that the AVX2 and AVX-512 tiles of Q4_0, Q4_1
-        and Q8_0, and the AVX-512 tiles of Q4_K, read without transposing
+        """W's rows in the 16-row packed layout that the AVX2 and AVX-512 tiles of Q4_0, Q4_1,
+        Q5_0, Q5_1 and Q8_0, and the AVX-512 tiles of Q4_K, read without transposing
         (``csrc/quant_kernels.c``, ``rs_quant_pack16``): rows in groups of 16, each group's
-        blocks back to back, each block's 16 rows' values lane by lane, then (Q4_K) their
-        scale bytes the same way, then their fp16 scales (and Q4_1's mins, Q4_K's dmins). A
+        blocks back to back, each block's 16 rows' values lane by lane, then (Q5_0, Q5_1)
+        their fifth bits or (Q4_K) their scale bytes the same way, then their fp16 scales (and
+        Q4_1's and Q5_1's mins, Q4_K's dmins). A
         decode-sized call spent most of its time rearranging each block into that order
         (Q4_1 [3072, 576] at one row on the avx512_bf16 VM: 34.8 us from the rows, 17.7 us
         packed).
 
         Args:
-            ggml_type: Q4_0, Q4_1, Q8_0 or Q4_K's type id.
+            ggml_type: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 or Q4_K's type id.
             w: contiguous uint8 [N, row_bytes] rows of ggml blocks.
 
         Returns:

@@ -26,26 +26,20 @@
  *
  * Activations are quantized once per call, per block, into a scratch buffer (llama.cpp's
  * scheme): for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 weights 32 values as int8 with a float scale, four
- * blocks to a group (`xq32_t`: the four scales, s = d * sum(q) for Q4_1/Q5_1's min, -8 * the
- * sums of each 16 q for Q4_0's offset (twice that for Q5_0's -16), side by side); for the K-quants 256 values with a float scale and the sums
+ * blocks to a group (`xq32_t`: the four scales, s = d * sum(q) for Q4_1/Q5_1's min, o = -8 *
+ * sum(q) for Q4_0's offset (twice that for Q5_0's -16), side by side); for the K-quants 256 values with a float scale and the sums
  * of each 16 (and 32) values (`xqk_t`, Q8_K-style). Every scale is symmetric: d = amax / 127,
  * q = nearest-even(x * (127 / amax)) (0 for an all-zero block). The scale stays float32
  * (llama.cpp rounds Q8_0/Q8_1's to fp16).
  *
  * Dot products are exact integers per block; the float arithmetic is one fixed sequence per
  * output, whatever the tiling, the row count M or the instruction set:
- *   * Q4_0/Q8_0/Q4_1: per block b and output one exact integer dot (Q4_0's -8 included) and
- *     acc = fma(d_w * d_x, (float)dot, acc); Q4_1 also accm = fma(m_w, s_x, accm); y = acc
- *     (+ accm). The SIMD tiles transpose the weights of 8 (AVX2) or 16 (AVX-512) outputs so
- *     that one int32 lane holds 4 values of one output, and a dot product instruction against
- *     4 broadcast activation values adds into all of them (`q32b_cols_*`);
- *   * Q5_0/Q5_1: block b's integer dot is kept as two int32 "lanes", lo (its
- *     values 0..15) and hi (16..31), Q5_0's -16 offset included; with k = b % 4
- *     and s = d_w * d_x: acc[k] = fma(s, (float)lo, acc[k]), acc[4 + k] = fma(s, (float)hi,
- *     acc[4 + k]) (AVX2: four blocks' lanes gathered by an add tree into one vector, one
- *     convert + FMA per 4 blocks), Q5_1 also accm[k] = fma(m_w, s_x, accm[k]);
- *     y = ((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 + acc7)) (the AVX2
- *     horizontal sum), + ((accm0 + accm2) + (accm1 + accm3)) (Q5_1);
+ *   * Q4_0/Q8_0/Q4_1/Q5_0/Q5_1: per block b and output one exact integer dot (Q4_0's -8 and
+ *     Q5_0's -16 included) and acc = fma(d_w * d_x, (float)dot, acc); Q4_1 and Q5_1 also
+ *     accm = fma(m_w, s_x, accm); y = acc (+ accm). The SIMD tiles transpose the weights of 8
+ *     (AVX2) or 16 (AVX-512) outputs so that one int32 lane holds 4 values of one output
+ *     (Q5's fifth bits or-ed in), and a dot product instruction against 4 broadcast
+ *     activation values adds into all of them (`q32b_cols_*`);
  *   * K-quants: per super-block b and output, one exact integer isum (every product with its
  *     sub-block scale, Q6_K's -32 offset subtracted as 32 * sum(sc * bs16)) and, for
  *     Q4_K/Q5_K, msum = sum over sub-blocks of m[s] * bs32[s]; acc = fma(d_w * d_x,
@@ -56,8 +50,8 @@
  * The portable C path (`*_ref`) performs exactly these operations, so it gives the AVX2 path's
  * bits (tests compare them); the AVX-512 VNNI K-quant tiles (`*_cols_avx512`: 64 values per
  * maddubs, vpdpwssd applying the sub-block scales) give the same bits again. Each weight
- * block is decoded once per tile of up to TILE_M (K-quants: TILE_MK) activation rows, its
- * products added into each row's integer lanes. Threads split the N output rows, never K.
+ * block is decoded once per tile of up to TILE_MK activation rows, its products added into
+ * each row's integer lanes. Threads split the N output rows, never K.
  *
  * Measured (2-core Zen 3 VM, AVX2 path, 2 threads, W [8960, 1536] rotated over copies past the
  * L3 as bench/quant_kernels.py does, best of 7 batches, quiet machine), microseconds per call:
@@ -248,9 +242,7 @@ typedef struct {
     int8_t q[4][32];
     float d[4];
     float s[4];    /* d * sum(q) (Q4_1/Q5_1's min term) */
-    int32_t c[8];  /* -8 * sum(q[k][0..15]) for block k, then -8 * sum(q[k][16..31]) (Q4_0's
-                    * offset; Q5_0 adds it twice) */
-    int32_t o[4];  /* c[k] + c[4 + k]: -8 * sum(q[k]) */
+    int32_t o[4];  /* -8 * sum(q[k]) (Q4_0's offset; Q5_0 adds it twice) */
 } xq32_t;
 
 typedef struct {
@@ -348,8 +340,6 @@ static void quantize_row_32(int xdt, const void *x, int64_t off, int64_t nb, xq3
         const int lo = sum16_i8(g->q[k]), hi = sum16_i8(g->q[k] + 16);
         g->d[k] = amax / 127.0f;
         g->s[k] = g->d[k] * (float)(lo + hi);
-        g->c[k] = -8 * lo;
-        g->c[4 + k] = -8 * hi;
         g->o[k] = -8 * (lo + hi);
     }
 }
@@ -390,48 +380,13 @@ static inline void lanes_fma(float *acc, float s, const int32_t *lane, int n) {
 #define Q32_QS(type) ((type) <= 1 ? 2 : (type) == 2 ? 4 : (type) == 3 ? 6 : 8)
 #define Q32_MIN(type) ((type) == 2 || (type) == 4)
 #define Q32_OFF(type) ((type) == 0 ? 1 : (type) == 3 ? 2 : 0)
+/* where rs_quant_pack16's block of a 16-row group keeps the 16 fp16 scales: after the values
+ * (16 rows' 16 or 32 bytes) and Q5's 16 qh words */
+#define P16_QSB(type) ((type) == 1 ? 512 : (type) >= 3 ? 320 : 256)
 
-/* Q4_0, Q8_0, Q4_1, Q5_0, Q5_1 (`type` as Q32_BYTES): per block b, lanes lo (values 0..15) and
- * hi (16..31) into float accumulators b % 4 and 4 + b % 4 */
-static inline void q32_ref(const uint8_t *w0, int64_t ws, int C, const uint8_t *xq, int64_t xs,
-                           int64_t nb, int R, float *y, int type) {
-    const int bb = Q32_BYTES(type), qo = Q32_QS(type);
-    for (int c = 0; c < C; ++c)
-    for (int r = 0; r < R; ++r) {
-        const uint8_t *w = w0 + c * ws;
-        const xq32_t *x = (const xq32_t *)(xq + r * xs);
-        float acc[8] = {0}, accm[4] = {0};
-        for (int64_t b = 0; b < nb; ++b) {
-            const uint8_t *blk = w + b * bb;
-            const xq32_t *g = x + b / 4;
-            const int k = (int)(b % 4);
-            uint32_t qh = 0;
-            if (type >= 3) memcpy(&qh, blk + qo - 4, 4);
-            int32_t lane[2] = {0, 0};
-            for (int e = 0; e < 32; ++e) {
-                int q;
-                if (type == 1)
-                    q = (int8_t)blk[2 + e];
-                else {
-                    const uint8_t byte = blk[qo + e % 16];
-                    q = e < 16 ? byte & 15 : byte >> 4;
-                    q |= (int)((qh >> e) & 1u) << 4;
-                }
-                lane[e / 16] += q * g->q[k][e];
-            }
-            lane[0] += Q32_OFF(type) * g->c[k];
-            lane[1] += Q32_OFF(type) * g->c[4 + k];
-            const float s = fp16_to_f32(blk) * g->d[k];
-            acc[k] = fmaf(s, (float)lane[0], acc[k]);
-            acc[4 + k] = fmaf(s, (float)lane[1], acc[4 + k]);
-            if (Q32_MIN(type)) accm[k] = fmaf(fp16_to_f32(blk + 2), g->s[k], accm[k]);
-        }
-        y[c * R + r] = Q32_MIN(type) ? hsum8_ref(acc) + hsum4_ref(accm) : hsum8_ref(acc);
-    }
-}
-
-/* Q4_0 (type 0), Q8_0 (1), Q4_1 (2) under the per-block contract: per block one exact integer
- * dot (Q4_0's -8 included) and one FMA; Q4_1's min term its own FMA chain */
+/* Q4_0 (type 0), Q8_0 (1), Q4_1 (2), Q5_0 (3), Q5_1 (4) under the per-block contract: per
+ * block one exact integer dot (Q4_0's -8 and Q5_0's -16 included) and one FMA; the min term
+ * of Q4_1 and Q5_1 its own FMA chain */
 static inline void q32b_ref(const uint8_t *w0, int64_t ws, int C, const uint8_t *xq, int64_t xs,
                             int64_t nb, int R, float *y, int type) {
     const int bb = Q32_BYTES(type), qo = Q32_QS(type);
@@ -444,7 +399,9 @@ static inline void q32b_ref(const uint8_t *w0, int64_t ws, int C, const uint8_t 
             const uint8_t *blk = w + b * bb;
             const xq32_t *g = x + b / 4;
             const int k = (int)(b % 4);
-            int32_t dot = type == 0 ? g->o[k] : 0;
+            int32_t dot = Q32_OFF(type) * g->o[k];
+            uint32_t qh = 0;
+            if (type >= 3) memcpy(&qh, blk + qo - 4, 4);
             if (type == 1) {
                 /* read as int8 through an int8 pointer: GCC 12's vectorizer took
                  * `(int8_t)u8 * s8` for an unsigned x signed dot product (vpdpbusd) and
@@ -452,13 +409,16 @@ static inline void q32b_ref(const uint8_t *w0, int64_t ws, int C, const uint8_t 
                 const int8_t *qs = (const int8_t *)(blk + 2);
                 for (int e = 0; e < 32; ++e) dot += qs[e] * g->q[k][e];
             } else {
-                for (int e = 0; e < 16; ++e)
-                    dot += (blk[qo + e] & 15) * g->q[k][e] + (blk[qo + e] >> 4) * g->q[k][16 + e];
+                for (int e = 0; e < 16; ++e) {
+                    const int lo = (blk[qo + e] & 15) | (int)((qh >> e) & 1u) << 4;
+                    const int hi = (blk[qo + e] >> 4) | (int)((qh >> (16 + e)) & 1u) << 4;
+                    dot += lo * g->q[k][e] + hi * g->q[k][16 + e];
+                }
             }
             acc = fmaf(fp16_to_f32(blk) * g->d[k], (float)dot, acc);
-            if (type == 2) accm = fmaf(fp16_to_f32(blk + 2), g->s[k], accm);
+            if (Q32_MIN(type)) accm = fmaf(fp16_to_f32(blk + 2), g->s[k], accm);
         }
-        y[c * R + r] = type == 2 ? acc + accm : acc;
+        y[c * R + r] = Q32_MIN(type) ? acc + accm : acc;
     }
 }
 
@@ -479,12 +439,12 @@ static void q4_1_ref(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int
 
 static void q5_0_ref(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
                      int64_t nb, int R, float *y) {
-    q32_ref(w, ws, C, xq, xs, nb, R, y, 3);
+    q32b_ref(w, ws, C, xq, xs, nb, R, y, 3);
 }
 
 static void q5_1_ref(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
                      int64_t nb, int R, float *y) {
-    q32_ref(w, ws, C, xq, xs, nb, R, y, 4);
+    q32b_ref(w, ws, C, xq, xs, nb, R, y, 4);
 }
 
 /* Q4_K (hbit = 0) and Q5_K (hbit = 1): per super-block the exact integer sums (scales
@@ -560,144 +520,12 @@ static void q6_k_ref(const uint8_t *w0, int64_t ws, int C, const uint8_t *xq, in
 
 /* ---- AVX2 tiles: R activation rows share each weight block's decode ------------------- */
 #if RS_Q_AVX2
-AI float hsum4_avx(__m128 v) {
-    __m128 t = _mm_add_ps(v, _mm_movehl_ps(v, v)); /* (0 + 2), (1 + 3) */
-    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
-AI float hsum8_avx(__m256 v) {
-    return hsum4_avx(_mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)));
-}
-AI __m256i nibbles32(const uint8_t *p) { /* 16 bytes -> 32 values: low nibbles, then high */
-    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
-    const __m256i both = _mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
-    return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
-}
-/* Q5_0/Q5_1's fifth bits: bit j of the little-endian uint32 at p -> 0x10 in byte j (llama.cpp's
- * bytes_from_bits_32: byte j takes p's byte j / 8, is all ones iff its bit j % 8 is set) */
-AI __m256i hbits32(const uint8_t *p) {
-    uint32_t x;
-    memcpy(&x, p, 4);
-    const __m256i spread = _mm256_shuffle_epi8(
-        _mm256_set1_epi32((int)x), _mm256_set_epi64x(0x0303030303030303ll, 0x0202020202020202ll,
-                                                     0x0101010101010101ll, 0));
-    const __m256i ones = _mm256_cmpeq_epi8(
-        _mm256_or_si256(spread, _mm256_set1_epi64x(0x7FBFDFEFF7FBFDFEll)), _mm256_set1_epi8(-1));
-    return _mm256_and_si256(ones, _mm256_set1_epi8(0x10));
-}
-AI float f16(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
-
 /* bytes ahead of the weight block in use that each row's stream asks the cache for: a decode
  * streams the weights from DRAM, and the hardware prefetcher alone leaves ~1/3 of the time in
  * stalls at M = 1 (measured: Q4_0 [8960, 1536], one thread, 1.35 -> 0.9 ms) */
 #ifndef QPF
 #define QPF 4096
 #endif
-
-/* [sum of lanes 0..3 of p[k], k < 4 | sum of lanes 4..7 of p[k]]: a horizontal-add tree of
- * unpacks and adds (single-uop shuffles; integer sums, exact in any order) */
-AI __m256i tree4(const __m256i *p) {
-    const __m256i a = _mm256_add_epi32(_mm256_unpacklo_epi32(p[0], p[1]),
-                                       _mm256_unpackhi_epi32(p[0], p[1]));
-    const __m256i b = _mm256_add_epi32(_mm256_unpacklo_epi32(p[2], p[3]),
-                                       _mm256_unpackhi_epi32(p[2], p[3]));
-    return _mm256_add_epi32(_mm256_unpacklo_epi64(a, b), _mm256_unpackhi_epi64(a, b));
-}
-
-/* tree4 from the four blocks' maddubs outputs of unsigned 4- or 5-bit values x int8 (each
- * int16 at most 2 * 31 * 127 = 7874 in magnitude, so sums of four, 31496, stay in int16): the
- * first levels in int16, one madd for all four blocks */
-AI __m256i tree4_16(const __m256i *p) {
-    const __m256i a = _mm256_add_epi16(_mm256_unpacklo_epi16(p[0], p[1]),
-                                       _mm256_unpackhi_epi16(p[0], p[1]));
-    const __m256i b = _mm256_add_epi16(_mm256_unpacklo_epi16(p[2], p[3]),
-                                       _mm256_unpackhi_epi16(p[2], p[3]));
-    /* per 128 bits, int16: [p0, p1, p2, p3] of pairs (0 + 4) + (2 + 6), then of (1 + 5) + (3 + 7) */
-    const __m256i c = _mm256_add_epi16(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
-    const __m256i order = _mm256_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15,
-                                           0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15);
-    return _mm256_madd_epi16(_mm256_shuffle_epi8(c, order), _mm256_set1_epi16(1));
-}
-
-/* Row tiles, now run for Q5_0/Q5_1 only (Q4_0/Q8_0/Q4_1 take the column tiles below; the
- * type cases are compile-time constants). Q4_0 (type 0: unsigned nibbles, the -8 added to the lanes in integers), Q8_0 (type 1:
- * signed, abs/sign trick), Q4_1 (type 2: unsigned, min term), Q5_0 (type 3: unsigned 5-bit,
- * the -16 added in integers), Q5_1 (type 4: unsigned 5-bit, min term): one weight row x R
- * activation rows, four blocks at a time. Each block's maddubs + madd leave 8 int32; a
- * horizontal-add tree over the four blocks gives [lo(b0..b3) | hi(b0..b3)], converted and
- * accumulated with one FMA per 4 blocks and row (lane k: block 4g + k's first 16 values; 4 + k: its last 16).
- * nv < 4 (the row's last group): the missing blocks count as zeros (scale 0, lanes 0). */
-AI void q32_group_avx2(const uint8_t *w, const uint8_t *xq, int64_t xs, int64_t g, int nv,
-                       __m256 *acc, __m128 *accm, const int R, const int type) {
-    const int bb = Q32_BYTES(type), qo = Q32_QS(type);
-    const __m256i ones = _mm256_set1_epi16(1);
-    const uint8_t *blk = w + g * 4 * bb;
-    _mm_prefetch((const char *)(blk + QPF), _MM_HINT_T0);
-    _mm_prefetch((const char *)(blk + QPF + 64), _MM_HINT_T0);
-    if (type == 1) _mm_prefetch((const char *)(blk + QPF + 128), _MM_HINT_T0);
-    __m256i wq[4], aw[4];
-    uint64_t hd = 0, hm = 0;
-    for (int k = 0; k < 4; ++k) {
-        if (k < nv) {
-            const uint8_t *p = blk + k * bb;
-            uint16_t h;
-            memcpy(&h, p, 2);
-            hd |= (uint64_t)h << (16 * k);
-            if (Q32_MIN(type)) {
-                memcpy(&h, p + 2, 2);
-                hm |= (uint64_t)h << (16 * k);
-            }
-            if (type == 1) {
-                wq[k] = _mm256_loadu_si256((const __m256i *)(p + 2));
-                aw[k] = _mm256_sign_epi8(wq[k], wq[k]);
-            } else if (type >= 3) {
-                wq[k] = aw[k] = _mm256_or_si256(nibbles32(p + qo), hbits32(p + qo - 4));
-            } else {
-                wq[k] = aw[k] = nibbles32(p + qo);
-            }
-        } else {
-            wq[k] = aw[k] = _mm256_setzero_si256();
-        }
-    }
-    const __m128 dw4 = _mm_cvtph_ps(_mm_cvtsi64_si128((long long)hd));
-    const __m256 dw8 = _mm256_insertf128_ps(_mm256_castps128_ps256(dw4), dw4, 1);
-    const __m128 mw4 = Q32_MIN(type) ? _mm_cvtph_ps(_mm_cvtsi64_si128((long long)hm)) : dw4;
-    for (int r = 0; r < R; ++r) {
-        const xq32_t *x = (const xq32_t *)(xq + r * xs) + g;
-        __m256i p[4];
-        for (int k = 0; k < 4; ++k) {
-            __m256i xv = _mm256_loadu_si256((const __m256i *)x->q[k]);
-            if (type == 1) xv = _mm256_sign_epi8(xv, wq[k]);
-            p[k] = _mm256_maddubs_epi16(aw[k], xv);
-            if (type == 1) p[k] = _mm256_madd_epi16(p[k], ones);
-        }
-        __m256i t = type == 1 ? tree4(p) : tree4_16(p);
-        if (Q32_OFF(type) == 1) t = _mm256_add_epi32(t, _mm256_loadu_si256((const __m256i *)x->c));
-        if (Q32_OFF(type) == 2)
-            t = _mm256_add_epi32(t, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)x->c), 1));
-        const __m256 s = _mm256_mul_ps(dw8, _mm256_broadcast_ps((const __m128 *)x->d));
-        acc[r] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(t), acc[r]);
-        if (Q32_MIN(type)) accm[r] = _mm_fmadd_ps(mw4, _mm_loadu_ps(x->s), accm[r]);
-    }
-}
-
-AI void q32_tile_avx2(const uint8_t *w, const uint8_t *xq, int64_t xs, int64_t nb, float *y,
-                      const int R, const int type) {
-    __m256 acc[TILE_M];
-    __m128 accm[TILE_M];
-    for (int r = 0; r < R; ++r) {
-        acc[r] = _mm256_setzero_ps();
-        accm[r] = _mm_setzero_ps();
-    }
-    const int64_t full = nb / 4;
-    for (int64_t g = 0; g < full; ++g) q32_group_avx2(w, xq, xs, g, 4, acc, accm, R, type);
-    if (nb % 4) q32_group_avx2(w, xq, xs, full, (int)(nb % 4), acc, accm, R, type);
-    for (int r = 0; r < R; ++r)
-        y[r] = Q32_MIN(type) ? hsum8_avx(acc[r]) + hsum4_avx(accm[r]) : hsum8_avx(acc[r]);
-}
 
 /* pshufb selectors: 16-bit scale s of a [sc0 .. sc7] vector into every 16-bit lane */
 static const uint8_t k4_sel[8][32] __attribute__((aligned(32))) = {
@@ -913,35 +741,6 @@ AI void q6k_cols_avx2(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, in
     }
 }
 
-/* one tile function per type: the R (and, at R = 1, C) counts as compile-time constants; the
- * loop over the C weight rows of a group inside each specialization (constants stay put) */
-#if TILE_M > 4
-#define ROWS_5_8(call)                                                                       \
-    case 8: for (int c = 0; c < C; ++c) call(8); break;                                      \
-    case 7: for (int c = 0; c < C; ++c) call(7); break;                                      \
-    case 6: for (int c = 0; c < C; ++c) call(6); break;                                      \
-    case 5: for (int c = 0; c < C; ++c) call(5); break;
-#else
-#define ROWS_5_8(call)
-#endif
-#define BY_ROWS(call)                                                                        \
-    switch (R) {                                                                             \
-    ROWS_5_8(call)                                                                           \
-    case 4: for (int c = 0; c < C; ++c) call(4); break;                                      \
-    case 3: for (int c = 0; c < C; ++c) call(3); break;                                      \
-    case 2: for (int c = 0; c < C; ++c) call(2); break;                                      \
-    default: for (int c = 0; c < C; ++c) call(1); break;                                     \
-    }
-#define ROW_TILE(name, call)                                                                 \
-    static void name(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,     \
-                     int64_t nb, int R, float *y) {                                          \
-        BY_ROWS(call)                                                                        \
-    }
-#define Q5_0_T(r) q32_tile_avx2(w + c * ws, xq, xs, nb, y + c * R, r, 3)
-#define Q5_1_T(r) q32_tile_avx2(w + c * ws, xq, xs, nb, y + c * R, r, 4)
-/* Q5_0 / Q5_1 (llama.cpp's fall-back types) run these on AVX-512 builds too */
-ROW_TILE(q5_0_avx2, Q5_0_T)
-ROW_TILE(q5_1_avx2, Q5_1_T)
 /* ---- Q4_0 / Q8_0 / Q4_1 column tiles: 8 (AVX2) or 16 (AVX-512) weight rows at a time,
  * block by block, the weight values transposed so that one int32 lane holds 4 consecutive
  * values of one output: a dot product instruction with 4 activation values broadcast then
@@ -989,17 +788,26 @@ AI void q32b_rows_avx2(const __m256i *T, __m256 dw, __m256 mw, const uint8_t *xq
             for (int q = 0; q < 8; ++q)
                 dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(
                     A[q], _mm256_sign_epi8(_mm256_set1_epi32(xi[q]), T[q])), ones));
-        } else {
+        } else if (type < 3) {
             /* eight products of 4-bit values and int8 stay within int16 (8 * 3810) */
             __m256i s16 = _mm256_maddubs_epi16(T[0], _mm256_set1_epi32(xi[0]));
             for (int q = 1; q < 8; ++q)
                 s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(T[q], _mm256_set1_epi32(xi[q])));
             dot = _mm256_madd_epi16(s16, ones);
-            if (type == 0) dot = _mm256_add_epi32(dot, _mm256_set1_epi32(g->o[k]));
+        } else {
+            /* 5-bit values: four pairs' products stay within int16 (4 * 7874) */
+            __m256i s16[2];
+            for (int h = 0; h < 2; ++h) {
+                s16[h] = _mm256_maddubs_epi16(T[4 * h], _mm256_set1_epi32(xi[4 * h]));
+                for (int q = 4 * h + 1; q < 4 * h + 4; ++q)
+                    s16[h] = _mm256_add_epi16(s16[h], _mm256_maddubs_epi16(T[q], _mm256_set1_epi32(xi[q])));
+            }
+            dot = _mm256_add_epi32(_mm256_madd_epi16(s16[0], ones), _mm256_madd_epi16(s16[1], ones));
         }
+        if (Q32_OFF(type)) dot = _mm256_add_epi32(dot, _mm256_set1_epi32(Q32_OFF(type) * g->o[k]));
         _mm256_storeu_ps(acc[r], _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(g->d[k])),
                                                  _mm256_cvtepi32_ps(dot), _mm256_loadu_ps(acc[r])));
-        if (type == 2)
+        if (Q32_MIN(type))
             _mm256_storeu_ps(accm[r], _mm256_fmadd_ps(mw, _mm256_set1_ps(g->s[k]),
                                                       _mm256_loadu_ps(accm[r])));
     }
@@ -1010,10 +818,26 @@ AI void q32b_store_avx2(float (*acc)[8], float (*accm)[8], float *y, int c0, int
                         const int R, const int type) {
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < nc; ++c)
-            y[(c0 + c) * R + r] = type == 2 ? acc[r][c] + accm[r][c] : acc[r][c];
+            y[(c0 + c) * R + r] = Q32_MIN(type) ? acc[r][c] + accm[r][c] : acc[r][c];
 }
 
-/* type 0 Q4_0, 1 Q8_0, 2 Q4_1; C weight rows x R activation rows */
+/* Q5_0/Q5_1's fifth bits of T[q] (values 4q..4q+3 of each output) from each lane's qh as the
+ * block stores it (bit e: value e): nibble q of the lane, bit m moved to bit 4 of byte m (a
+ * multiply by 2^4 + 2^11 + 2^18 + 2^25 puts bit m at 8m + 4 and no other product there) */
+#define Q5_SPREAD 0x02040810
+AI __m256i q5_bits_avx2(__m256i qh, int q) {
+    const __m256i nib = _mm256_and_si256(_mm256_srli_epi32(qh, 4 * q), _mm256_set1_epi32(15));
+    return _mm256_and_si256(_mm256_mullo_epi32(nib, _mm256_set1_epi32(Q5_SPREAD)),
+                            _mm256_set1_epi8(0x10));
+}
+
+/* the same from rs_quant_pack16's qh lanes (byte m, bit j: value 4j + m), one shift */
+AI __m256i q5p_bits_avx2(__m256i qh, int q) {
+    return _mm256_and_si256(q <= 4 ? _mm256_slli_epi32(qh, 4 - q) : _mm256_srli_epi32(qh, q - 4),
+                            _mm256_set1_epi8(0x10));
+}
+
+/* type 0 Q4_0, 1 Q8_0, 2 Q4_1, 3 Q5_0, 4 Q5_1; C weight rows x R activation rows */
 AI void q32b_cols_avx2(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
                        int64_t nb, float *y, const int R, const int type) {
     const int bb = Q32_BYTES(type), qo = Q32_QS(type);
@@ -1040,8 +864,11 @@ AI void q32b_cols_avx2(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, i
             const uint8_t *base = w + c0 * ws + b * bb;
             const __m256i dd = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), (const int *)base, offs,
                                                            live, 1);
-            const __m256i md = type == 2 ? _mm256_mask_i32gather_epi32(_mm256_setzero_si256(),
-                                                                        (const int *)(base + 2), offs, live, 1)
+            const __m256i md = Q32_MIN(type) ? _mm256_mask_i32gather_epi32(_mm256_setzero_si256(),
+                                                                            (const int *)(base + 2), offs, live, 1)
+                                             : dd;
+            const __m256i qh = type >= 3 ? _mm256_mask_i32gather_epi32(_mm256_setzero_si256(),
+                                                                        (const int *)(base + qo - 4), offs, live, 1)
                                          : dd;
             __m256i T[8], a[4];
             if (type == 1) {
@@ -1061,6 +888,8 @@ AI void q32b_cols_avx2(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, i
                     T[j] = _mm256_and_si256(raw[j], m4);
                     T[j + 4] = _mm256_and_si256(_mm256_srli_epi16(raw[j], 4), m4);
                 }
+                if (type >= 3)
+                    for (int q = 0; q < 8; ++q) T[q] = _mm256_or_si256(T[q], q5_bits_avx2(qh, q));
             }
             q32b_rows_avx2(T, _mm256_cvtph_ps(low16(dd)), _mm256_cvtph_ps(low16(md)), xq, xs, b,
                            acc, accm, R, type);
@@ -1075,7 +904,7 @@ AI void q32b_cols_avx2(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, i
 AI void q32p_cols_avx2(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
                        int64_t nb, float *y, const int R, const int type) {
     const int64_t gb = 16 * (int64_t)Q32_BYTES(type);
-    const int qsb = type == 1 ? 512 : 256;
+    const int qsb = P16_QSB(type);
     const __m256i m4 = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8((char)0x80);
     float acc[TILE_MK][8], accm[TILE_MK][8];
     for (int c0 = 0; c0 < C; c0 += 8) {
@@ -1097,9 +926,13 @@ AI void q32p_cols_avx2(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, i
                     T[j] = _mm256_and_si256(raw, m4);
                     T[j + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
                 }
+                if (type >= 3) {
+                    const __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 256 + 32 * h));
+                    for (int q = 0; q < 8; ++q) T[q] = _mm256_or_si256(T[q], q5p_bits_avx2(qh, q));
+                }
             }
             const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + qsb + 16 * h)));
-            const __m256 mw = type == 2 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + qsb + 32 + 16 * h)))
+            const __m256 mw = Q32_MIN(type) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + qsb + 32 + 16 * h)))
                                         : dw;
             q32b_rows_avx2(T, dw, mw, xq, xs, b, acc, accm, R, type);
         }
@@ -1147,6 +980,8 @@ AI void q32p_cols_avx2(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, i
 #define Q4_0_B(r) q32b_cols_avx2(w, ws, C, xq, xs, nb, y, r, 0)
 #define Q8_0_B(r) q32b_cols_avx2(w, ws, C, xq, xs, nb, y, r, 1)
 #define Q4_1_B(r) q32b_cols_avx2(w, ws, C, xq, xs, nb, y, r, 2)
+#define Q5_0_B(r) q32b_cols_avx2(w, ws, C, xq, xs, nb, y, r, 3)
+#define Q5_1_B(r) q32b_cols_avx2(w, ws, C, xq, xs, nb, y, r, 4)
 #define Q4_K_T(r) qk45_cols_avx2(w, ws, C, xq, xs, nb, y, r, 0)
 #define Q5_K_T(r) qk45_cols_avx2(w, ws, C, xq, xs, nb, y, r, 1)
 #define Q6_K_T(r) q6k_cols_avx2(w, ws, C, xq, xs, nb, y, r)
@@ -1157,9 +992,15 @@ COL_TILE(q4_1_avx2, Q4_1_B)
 #define Q4_0_P(r) q32p_cols_avx2(w, ws, C, xq, xs, nb, y, r, 0)
 #define Q8_0_P(r) q32p_cols_avx2(w, ws, C, xq, xs, nb, y, r, 1)
 #define Q4_1_P(r) q32p_cols_avx2(w, ws, C, xq, xs, nb, y, r, 2)
+#define Q5_0_P(r) q32p_cols_avx2(w, ws, C, xq, xs, nb, y, r, 3)
+#define Q5_1_P(r) q32p_cols_avx2(w, ws, C, xq, xs, nb, y, r, 4)
 COL_TILE(q4_0_p16_avx2, Q4_0_P)
 COL_TILE(q8_0_p16_avx2, Q8_0_P)
 COL_TILE(q4_1_p16_avx2, Q4_1_P)
+COL_TILE(q5_0_p16_avx2, Q5_0_P)
+COL_TILE(q5_1_p16_avx2, Q5_1_P)
+COL_TILE(q5_0_avx2, Q5_0_B)
+COL_TILE(q5_1_avx2, Q5_1_B)
 COL_TILE(q4_k_avx2, Q4_K_T)
 COL_TILE(q5_k_avx2, Q5_K_T)
 COL_TILE(q6_k_avx2, Q6_K_T)
@@ -1314,8 +1155,8 @@ AI void q32b_rows_avx512(const __m512i *T, __m512 dw, __m512 mw, const uint8_t *
     for (int r = 0; r < R; ++r) {
         const xq32_t *g = (const xq32_t *)(xq + r * xs) + b / 4;
         const i32u *xi = (const i32u *)g->q[k];
-        __m512i dot = type == 0 ? _mm512_set1_epi32(g->o[k])
-                    : type == 1 ? _mm512_set1_epi32(16 * g->o[k]) : _mm512_setzero_si512();
+        __m512i dot = type == 1 ? _mm512_set1_epi32(16 * g->o[k])
+                    : Q32_OFF(type) ? _mm512_set1_epi32(Q32_OFF(type) * g->o[k]) : _mm512_setzero_si512();
 #if Q32_CHAINS == 2
         __m512i dot1 = _mm512_setzero_si512();
         for (int q = 0; q < 8; q += 2) {
@@ -1329,7 +1170,7 @@ AI void q32b_rows_avx512(const __m512i *T, __m512 dw, __m512 mw, const uint8_t *
 #endif
         acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(g->d[k])),
                                  _mm512_cvtepi32_ps(dot), acc[r]);
-        if (type == 2) accm[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(g->s[k]), accm[r]);
+        if (Q32_MIN(type)) accm[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(g->s[k]), accm[r]);
     }
 }
 
@@ -1340,8 +1181,19 @@ AI void q32b_store_avx512(const __m512 *acc, const __m512 *accm, float *y, int c
         float a[16], m[16];
         _mm512_storeu_ps(a, acc[r]);
         _mm512_storeu_ps(m, accm[r]);
-        for (int c = 0; c < nc; ++c) y[(c0 + c) * R + r] = type == 2 ? a[c] + m[c] : a[c];
+        for (int c = 0; c < nc; ++c) y[(c0 + c) * R + r] = Q32_MIN(type) ? a[c] + m[c] : a[c];
     }
+}
+
+/* q5_bits_avx2 and q5p_bits_avx2 for 16 outputs */
+AI __m512i q5_bits_avx512(__m512i qh, int q) {
+    const __m512i nib = _mm512_and_si512(_mm512_srli_epi32(qh, 4 * q), _mm512_set1_epi32(15));
+    return _mm512_and_si512(_mm512_mullo_epi32(nib, _mm512_set1_epi32(Q5_SPREAD)),
+                            _mm512_set1_epi8(0x10));
+}
+AI __m512i q5p_bits_avx512(__m512i qh, int q) {
+    return _mm512_and_si512(q <= 4 ? _mm512_slli_epi32(qh, 4 - q) : _mm512_srli_epi32(qh, q - 4),
+                            _mm512_set1_epi8(0x10));
 }
 
 AI void q32b_cols_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
@@ -1365,8 +1217,11 @@ AI void q32b_cols_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq,
             }
             const uint8_t *base = w + c0 * ws + b * bb;
             const __m512i dd = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, offs, base, 1);
-            const __m512i md = type == 2 ? _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, offs,
-                                                                        base + 2, 1)
+            const __m512i md = Q32_MIN(type) ? _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, offs,
+                                                                            base + 2, 1)
+                                             : dd;
+            const __m512i qh = type >= 3 ? _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, offs,
+                                                                        base + qo - 4, 1)
                                          : dd;
             __m512i T[8], a[4];
             if (type == 1) {
@@ -1383,6 +1238,8 @@ AI void q32b_cols_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq,
                     T[j] = _mm512_and_si512(raw[j], m4);
                     T[j + 4] = _mm512_and_si512(_mm512_srli_epi16(raw[j], 4), m4);
                 }
+                if (type >= 3)
+                    for (int q = 0; q < 8; ++q) T[q] = _mm512_or_si512(T[q], q5_bits_avx512(qh, q));
             }
             const __m512 dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
             const __m512 mw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(md));
@@ -1399,7 +1256,7 @@ AI void q32b_cols_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq,
 AI void q32p_cols_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
                          int64_t nb, float *y, const int R, const int type) {
     const int64_t gb = 16 * (int64_t)Q32_BYTES(type);
-    const int qsb = type == 1 ? 512 : 256;
+    const int qsb = P16_QSB(type);
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     __m512 acc[TILE_MK], accm[TILE_MK];
     for (int c0 = 0; c0 < C; c0 += 16) {
@@ -1418,9 +1275,13 @@ AI void q32p_cols_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq,
                     T[j] = _mm512_and_si512(raw, m4);
                     T[j + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
                 }
+                if (type >= 3) {
+                    const __m512i qh = _mm512_loadu_si512(p + 256);
+                    for (int q = 0; q < 8; ++q) T[q] = _mm512_or_si512(T[q], q5p_bits_avx512(qh, q));
+                }
             }
             const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + qsb)));
-            const __m512 mw = type == 2 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + qsb + 32)))
+            const __m512 mw = Q32_MIN(type) ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + qsb + 32)))
                                         : dw;
             q32b_rows_avx512(T, dw, mw, xq, xs, b, acc, accm, R, type);
         }
@@ -1434,12 +1295,20 @@ AI void q32p_cols_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq,
 COL_TILE(q4_0_avx512, Q4_0_B5)
 COL_TILE(q8_0_avx512, Q8_0_B5)
 COL_TILE(q4_1_avx512, Q4_1_B5)
+#define Q5_0_B5(r) q32b_cols_avx512(w, ws, C, xq, xs, nb, y, r, 3)
+#define Q5_1_B5(r) q32b_cols_avx512(w, ws, C, xq, xs, nb, y, r, 4)
+COL_TILE(q5_0_avx512, Q5_0_B5)
+COL_TILE(q5_1_avx512, Q5_1_B5)
 #define Q4_0_P5(r) q32p_cols_avx512(w, ws, C, xq, xs, nb, y, r, 0)
 #define Q8_0_P5(r) q32p_cols_avx512(w, ws, C, xq, xs, nb, y, r, 1)
 #define Q4_1_P5(r) q32p_cols_avx512(w, ws, C, xq, xs, nb, y, r, 2)
 COL_TILE(q4_0_p16_avx512, Q4_0_P5)
 COL_TILE(q8_0_p16_avx512, Q8_0_P5)
 COL_TILE(q4_1_p16_avx512, Q4_1_P5)
+#define Q5_0_P5(r) q32p_cols_avx512(w, ws, C, xq, xs, nb, y, r, 3)
+#define Q5_1_P5(r) q32p_cols_avx512(w, ws, C, xq, xs, nb, y, r, 4)
+COL_TILE(q5_0_p16_avx512, Q5_0_P5)
+COL_TILE(q5_1_p16_avx512, Q5_1_P5)
 /* ---- K-quant transposed tiles: 16 outputs in the 16 int32 lanes of a zmm. The column tiles
  * above spend two instructions (maddubs, vpdpwssd) per 64 products of one output and then add
  * each output's lanes horizontally. Here a 16-output group's weight block is transposed once
@@ -1676,8 +1545,8 @@ static int qtype_info(int t, qtype_t *q) {
 #endif
     case T_Q4_0: *q = (qtype_t){32, 18, 0, q4_0_ref, FAST512(q4_0_avx), 0, P16(q4_0)}; return 0;
     case T_Q4_1: *q = (qtype_t){32, 20, 0, q4_1_ref, FAST512(q4_1_avx), 0, P16(q4_1)}; return 0;
-    case T_Q5_0: *q = (qtype_t){32, 22, 0, q5_0_ref, FAST(q5_0_avx2)}; return 0;
-    case T_Q5_1: *q = (qtype_t){32, 24, 0, q5_1_ref, FAST(q5_1_avx2)}; return 0;
+    case T_Q5_0: *q = (qtype_t){32, 22, 0, q5_0_ref, FAST512(q5_0_avx), 0, P16(q5_0)}; return 0;
+    case T_Q5_1: *q = (qtype_t){32, 24, 0, q5_1_ref, FAST512(q5_1_avx), 0, P16(q5_1)}; return 0;
     case T_Q8_0: *q = (qtype_t){32, 34, 0, q8_0_ref, FAST512(q8_0_avx), 0, P16(q8_0)}; return 0;
     case T_Q4_K: *q = (qtype_t){256, 144, 1, q4_k_ref, FAST512(q4_k_avx), RS_Q_AVX512, P16K(q4_k)}; return 0;
     case T_Q5_K: *q = (qtype_t){256, 176, 1, q5_k_ref, FAST512(q5_k_avx), RS_Q_AVX512}; return 0;
@@ -1694,14 +1563,16 @@ static int qtype_info(int t, qtype_t *q) {
  * portable C */
 int rs_quant_isa(void) { return RS_Q_AVX512 ? 2 : RS_Q_AVX2; }
 
-/* ---- the 16-row packed layout (Q4_0, Q4_1, Q8_0 on AVX2 and AVX-512 builds; Q4_K on
- * AVX-512) ------------------------------------------------------------------------------
+/* ---- the 16-row packed layout (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 on AVX2 and AVX-512 builds;
+ * Q4_K on AVX-512) --------------------------------------------------------------------------
  * Rows in groups of 16 (the last padded with zero rows), each group's blocks back to back;
  * a group's block b is 16 * bytes-per-block bytes: first the values, QS / 4 vectors of 64
  * bytes where vector q holds at bytes 4c..4c+3 row c's quant bytes 4q..4q+3 (QS = 16 for the
- * 4-bit types, 32 for Q8_0, whose int8 values are stored + 128, as the tile uses them; 128
- * for Q4_K's qs), then (Q4_K) the 12 scale bytes as 3 such vectors, then the 16 rows' fp16
- * scales, then Q4_1's 16 fp16 mins (Q4_K's dmin). Same bytes per group as the rows. */
+ * 4- and 5-bit types, 32 for Q8_0, whose int8 values are stored + 128, as the tile uses them;
+ * 128 for Q4_K's qs), then (Q5) the 16 rows' qh words as one such vector, their bits
+ * reordered (q5_qh_order), or (Q4_K) the 12 scale bytes as 3 such vectors, then the 16 rows'
+ * fp16 scales, then Q4_1/Q5_1's 16 fp16 mins (Q4_K's dmin). Same bytes per group as the
+ * rows. */
 #define RS_PACK16 0x100 /* a weight type's flag: W is in this layout */
 /* rs_quant_linear hands each tile whole 16-row groups: its groups of rows start at multiples
  * of JB_ROUND */
@@ -1713,10 +1584,27 @@ static int pack16_shape(int wtype, int *qs, int *bb) {
         *bb = 144;
         return 0;
     }
+    if (wtype == T_Q5_0 || wtype == T_Q5_1) { /* the qh word rides along as one more vector */
+        *qs = 16 + 4;
+        *bb = wtype == T_Q5_0 ? 22 : 24;
+        return 0;
+    }
     if (wtype != T_Q4_0 && wtype != T_Q4_1 && wtype != T_Q8_0) return 1;
     *qs = wtype == T_Q8_0 ? 32 : 16;
     *bb = wtype == T_Q4_0 ? 18 : wtype == T_Q4_1 ? 20 : 34;
     return 0;
+}
+
+/* a Q5 block's qh word (bit e: value e's fifth bit) in the packed layout's order, byte m bit
+ * j: value 4j + m, so that the tile's vector j of values takes its fifth bits with one shift
+ * (q5p_bits_*); inv 1 the inverse */
+static uint32_t q5_qh_order(uint32_t v, int inv) {
+    uint32_t o = 0;
+    for (int e = 0; e < 32; ++e) {
+        const int p = 8 * (e % 4) + e / 4;
+        o |= ((v >> (inv ? p : e)) & 1u) << (inv ? e : p);
+    }
+    return o;
 }
 
 /* whether this build runs W in the packed layout for wtype (rs_quant_linear's RS_PACK16) */
@@ -1734,7 +1622,9 @@ int rs_quant_pack16(int wtype, const uint8_t *w, int64_t N, int64_t nb, uint8_t 
     if (pack16_shape(wtype, &qs, &bb) || N < 0 || nb < 0) return 1;
     /* the row bytes that become dword vectors, in order: qs (from qo), then Q4_K's scales
      * (bytes 4..15); then the fp16 fields at bytes 0 (and 2 with ms) */
-    const int kq = wtype == T_Q4_K, qo = kq ? 16 : bb - qs, ms = wtype == T_Q4_1 || kq;
+    const int kq = wtype == T_Q4_K, q5 = wtype == T_Q5_0 || wtype == T_Q5_1;
+    const int qo = kq ? 16 : q5 ? bb - 16 : bb - qs;
+    const int ms = wtype == T_Q4_1 || wtype == T_Q5_1 || kq;
     const uint32_t shift = wtype == T_Q8_0 ? 0x80808080u : 0;
     const int64_t ws = nb * bb, groups = (N + 15) / 16;
 #pragma omp parallel for num_threads(num_threads > 0 ? num_threads : 1) schedule(static)
@@ -1746,11 +1636,12 @@ int rs_quant_pack16(int wtype, const uint8_t *w, int64_t N, int64_t nb, uint8_t 
             for (int c = 0; c < 16 && g * 16 + c < N; ++c) {
                 uint8_t *row = (uint8_t *)(dir ? out : w) + (g * 16 + c) * ws + b * bb;
                 for (int q = 0; q < qs / 4; ++q) {
-                    const int ro = kq && q >= 32 ? 4 + 4 * (q - 32) : qo + 4 * q;
+                    const int qh = q5 && q == 4;
+                    const int ro = kq && q >= 32 ? 4 + 4 * (q - 32) : qh ? qo - 4 : qo + 4 * q;
                     uint8_t *packed = p + 64 * q + 4 * c, *rows = row + ro;
                     uint32_t v;
                     memcpy(&v, dir ? packed : rows, 4);
-                    v ^= shift;
+                    v = qh ? q5_qh_order(v, dir) : v ^ shift;
                     memcpy(dir ? rows : packed, &v, 4);
                 }
                 for (int h = 0; h < 1 + ms; ++h) /* the scale, then Q4_1's min */
@@ -1775,9 +1666,9 @@ int rs_quant_linear(int wtype, const uint8_t *w, int64_t N, int64_t K, int xdt, 
         return 1;
     if (M == 0 || N == 0) return 0;
     const tile_fn tile = packed ? qt.p16 : (flags & 1) || !qt.fast ? qt.ref : qt.fast;
-    /* rows per tile (any count gives the same bits): the column tiles' (K-quants, Q4_0,
-     * Q8_0, Q4_1) keep one row's sums in registers at a time */
-    int tm = qt.kquant || wtype == T_Q4_0 || wtype == T_Q8_0 || wtype == T_Q4_1 ? TILE_MK : TILE_M;
+    /* rows per tile (any count gives the same bits): the column tiles keep one row's sums
+     * in registers at a time */
+    int tm = TILE_MK;
     if ((tile == qt.fast && qt.t16 && M >= KT16_MIN_ROWS) || (packed && qt.kquant))
         tm = M >= KT16_MIN_ROWS ? KT16_ROWS : TILE_MK;
     const int64_t nb = K / qt.block, row_bytes = nb * qt.bytes;
