@@ -26,8 +26,9 @@ TYPES = [int(QT.Q4_0), int(QT.Q4_1), int(QT.Q5_0), int(QT.Q5_1), int(QT.Q8_0), i
 TYPES_32 = [int(QT.Q4_0), int(QT.Q4_1), int(QT.Q5_0), int(QT.Q5_1), int(QT.Q8_0)]
 NAMES = {t: SUPPORTED_TYPES[t] for t in TYPES}
 #: the types with the 16-row packed layout (``QuantKernels.pack16``)
-PACKABLE = [int(QT.Q4_0), int(QT.Q4_1), int(QT.Q5_0), int(QT.Q5_1), int(QT.Q8_0), int(QT.Q4_K)]
-PACKABLE_AVX2 = PACKABLE[:5]  # Q4_K's packed tile is the AVX-512 transposed one
+PACKABLE = [int(QT.Q4_0), int(QT.Q4_1), int(QT.Q5_0), int(QT.Q5_1), int(QT.Q8_0), int(QT.Q4_K),
+            int(QT.Q6_K)]
+PACKABLE_AVX2 = PACKABLE[:5]  # Q4_K's and Q6_K's packed tiles are AVX-512 transposed ones
 
 
 @pytest.fixture(scope="module")
@@ -191,6 +192,24 @@ def test_dequantize_rows_bitwise(qk, t):
     assert torch.all(out == 1.0)
 
 
+@pytest.mark.parametrize("t", PACKABLE, ids=[NAMES[t] for t in PACKABLE])
+def test_dequantize_rows_from_the_packed_layout(qk, t):
+    """A tied embedding looks its rows up in the LM head's packed blocks: the same bits as
+    from the rows, ids past the rows (into the last group's padding) refused. Portable C."""
+    k, n = 512, 21
+    w = torch.from_numpy(make_weight(t, n, k, seed=12))
+    p = qk.pack16(t, w)
+    ids = torch.tensor([20, 0, 15, 16, 3, 20], dtype=torch.int64)
+    rows, packed = torch.empty(6, k), torch.empty(6, k)
+    qk.dequantize_rows(t, w, ids, rows)
+    qk.dequantize_rows(t | PACK16, p, ids, packed, n)
+    assert torch.equal(packed.view(torch.int32), rows.view(torch.int32))
+    with pytest.raises(RuntimeError, match="out of range"):
+        qk.dequantize_rows(t | PACK16, p, torch.tensor([n]), packed[:1], n)
+    with pytest.raises(ValueError):  # 21 rows are packed as 32
+        qk.dequantize_rows(t | PACK16, p[:16], ids, packed, n)
+
+
 def test_bad_inputs_raise(qk):
     t = int(QT.Q4_K)
     w = torch.from_numpy(make_weight(t, 8, 512))
@@ -268,7 +287,7 @@ def test_avx2_and_avx512_tiles_give_the_same_bits(qk, tmp_path):
         for m in (1, 8, 19):
             assert torch.equal(run(avx2, t, w, x[:m]), run(qk, t, w, x[:m])), (NAMES[t], m)
     # the AVX2 tiles read the 16-row packed layout as two 8-output halves
-    assert not avx2.has_pack16(int(QT.Q4_K))
+    assert not avx2.has_pack16(int(QT.Q4_K)) and not avx2.has_pack16(int(QT.Q6_K))
     for t in PACKABLE_AVX2:
         assert avx2.has_pack16(t)
         w = make_weight(t, 27, 768, seed=t + 2)
@@ -370,7 +389,7 @@ def test_pack16_round_trip(qk, t):
         assert not torch.equal(p[:n], w) or n == 0  # rearranged, not copied
         assert torch.equal(qk.unpack16(t, p, n), w)
     with pytest.raises(ValueError):
-        qk.pack16(int(QT.Q6_K), torch.zeros(16, 210, dtype=torch.uint8))
+        qk.pack16(int(QT.Q5_K), torch.zeros(16, 176, dtype=torch.uint8))
     with pytest.raises(ValueError):
         qk.unpack16(t, p, 16)  # 40 rows' packing is not 16 rows'
 
@@ -431,19 +450,17 @@ def test_quantized_linear_holds_packable_segments_packed(qk):
         assert torch.equal(wt[at:at + w.shape[0]], ref)
 
 
-def test_q4_k_is_held_packed_at_short_rows_only(qk):
-    """Q4_K is held packed up to ``PACK16_Q4_K_MAX_K`` input features, where the build has
-    its packed tile (AVX-512), and as rows past it; both give the rows' bits."""
-    from radixserve.model_executor.kernels.quant import PACK16_Q4_K_MAX_K
+@pytest.mark.parametrize("t", [int(QT.Q4_K), int(QT.Q6_K)], ids=["Q4_K", "Q6_K"])
+def test_k_quants_are_held_packed_at_long_rows(qk, t):
+    """Q4_K and Q6_K are held packed where the build has their packed tile (AVX-512), long
+    rows included (a 7B model's down projection has 18,944 inputs), with the rows' bits."""
     from radixserve.model_executor.layers.quantized import QuantizedLinear, Segment
 
-    t = int(QT.Q4_K)
-    assert not qk.pack16_pays(t, PACK16_Q4_K_MAX_K + 256)
-    assert qk.pack16_pays(t, PACK16_Q4_K_MAX_K) == qk.has_pack16(t)
-    x = torch.randn(3, PACK16_Q4_K_MAX_K + 256, generator=torch.Generator().manual_seed(5))
-    for k in (PACK16_Q4_K_MAX_K, PACK16_Q4_K_MAX_K + 256):
-        w = make_weight(t, 20, k, seed=k)
-        lin = QuantizedLinear(qk, 20, k, [Segment(0, 20, t, torch.from_numpy(w))])
-        assert lin.segments[0].layout == (PACK16 if qk.pack16_pays(t, k) else 0)
-        xk = x[:, :k].contiguous()
-        assert torch.equal(lin(xk), run(qk, t, w, xk))
+    k = 4608
+    w = make_weight(t, 20, k, seed=k)
+    lin = QuantizedLinear(qk, 20, k, [Segment(0, 20, t, torch.from_numpy(w))])
+    assert lin.segments[0].layout == (PACK16 if qk.has_pack16(t) else 0)
+    assert qk.has_pack16(t) == (qk.isa == "avx512")
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(5))
+    for m in (1, 9):
+        assert torch.equal(lin(x[:m]), run(qk, t, w, x[:m]))

@@ -98,4 +98,4 @@ def test_a_rank_holds_its_share_in_blocks_and_cut_blocks_dense(tmp_path: Path) -
     # 2 of 4 query heads and 1 of 2 KV heads, of 64
     assert layer.quantized["down"].k == 256 and layer.quantized["qkv"].n == 128 + 2 * 64
     assert m.embed_q is not None and m.lm_head_q is not None
-    assert m.embed_q.data.shape[0] == m.shard.vocab_rows
+    assert m.embed_q.table.hi == m.shard.vocab_rows

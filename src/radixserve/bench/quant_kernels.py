@@ -98,7 +98,7 @@ def run_quant_bench(n: int = 8960, k: int = 1536, ms: tuple[int, ...] = (1, 4, 1
         t = _BY_NAME[name]
         nbytes = n * row_bytes(t, k)
         # the layout the server holds the type in (``layers.quantized``)
-        packed = q.pack16_pays(t, k)
+        packed = q.has_pack16(t)
         nxt = rotate(lambda t=t, packed=packed: q.pack16(t, _random_blocks(t, n, k, gen))
                      if packed else _random_blocks(t, n, k, gen), nbytes)
         t = t | PACK16 if packed else t

@@ -379,7 +379,7 @@ def measure_gguf_forms(blocks: list[tuple[int, torch.Tensor, torch.Tensor]],
     k_blocks: dict[tuple[int, int], int | None] = {}
     packed = [dense_form_linear(kernels, d, batch_hint, k_blocks) for _, _, d in blocks]
     # the blocks as the server holds them (``layers.quantized``: packed where the build can)
-    served = [(t | PACK16, quant.pack16(t, b)) if quant.pack16_pays(t, d.shape[1]) else (t, b)
+    served = [(t | PACK16, quant.pack16(t, b)) if quant.has_pack16(t) else (t, b)
               for t, b, d in blocks]
     out: dict[str, list[float]] = {"gguf": [], "none": []}
     g = torch.Generator().manual_seed(0)

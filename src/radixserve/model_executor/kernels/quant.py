@@ -41,13 +41,7 @@ _DT = {torch.float32: 0, torch.bfloat16: 1}
 PACK16 = 0x100
 #: the types ``QuantKernels.pack16`` lays out (which of them a build runs packed:
 #: ``QuantKernels.has_pack16``)
-PACK16_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K")
-#: the most input features at which Q4_K is held packed: its packed tile walks each thread's
-#: rows as one stream, and from DRAM at long rows that read slower than the rows' tiles, which
-#: walk 8-16 rows at once (avx512_bf16 VM, one row, us rows -> packed: [2048, 1536] 102.6 ->
-#: 84.8, [17920, 1536] 731 -> 692, [37888, 3584] 3340 -> 3166; [1536, 8960] 317 -> 337,
-#: [3584, 18944] 1410 -> 1593)
-PACK16_Q4_K_MAX_K = 4096
+PACK16_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K")
 _ERRORS = {1: "bad type or sizes", 2: "a row id out of range (nothing written)",
            3: "out of memory", 5: "a build without AVX2 + FMA"}
 
@@ -118,16 +112,10 @@ class QuantKernels:
     def has_pack16(self, ggml_type: int) -> bool:
         """Whether this build's tiles run ``ggml_type`` in the 16-row packed layout
         (``pack16``): Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 on AVX2 and AVX-512 VNNI builds (the AVX2 tiles
-        read a 16-row group as two 8-output halves), Q4_K on AVX-512 VNNI builds; none on the
-        portable one."""
+        read a 16-row group as two 8-output halves), Q4_K and Q6_K on AVX-512 VNNI builds;
+        none on the portable one. Where it does, weights are held packed: the packed tiles
+        give the rows' bits and measured faster at every shape tried."""
         return bool(self._has_pack16(ggml_type))
-
-    def pack16_pays(self, ggml_type: int, k: int) -> bool:
-        """Whether a weight of ``ggml_type`` with ``k`` input features is held packed: where
-        ``has_pack16``, except Q4_K rows longer than ``PACK16_Q4_K_MAX_K`` (measured slower
-        packed at one row)."""
-        return self.has_pack16(ggml_type) and not (
-            SUPPORTED_TYPES.get(ggml_type) == "Q4_K" and k > PACK16_Q4_K_MAX_K)
 
     def pack16(self, ggml_type: int, w: torch.Tensor) -> torch.Tensor:
         """W's rows in the 16-row packed layout that the AVX2 and AVX-512 tiles of Q4_0, Q4_1,
@@ -282,21 +270,34 @@ class QuantKernels:
                                f"({_ERRORS.get(rc, 'unknown')})")
 
     def dequantize_rows(self, ggml_type: int, w: torch.Tensor, ids: torch.Tensor,
-                        out: torch.Tensor) -> None:
+                        out: torch.Tensor, n: int | None = None) -> None:
         """Embedding lookup: ``out[t] = dequantize(W[ids[t]])``, with gguf-py's float32
         arithmetic (bit for bit its ``dequantize`` in float32; bfloat16 out rounds that to
         nearest even).
 
         Args:
-            ggml_type: ggml type id (``SUPPORTED_TYPES``).
-            w: contiguous uint8 [N, row_bytes] (rows of raw ggml blocks).
-            ids: contiguous int64 [T], each in [0, N).
+            ggml_type: ggml type id (``SUPPORTED_TYPES``), or ``id | PACK16`` for W in
+                ``pack16``'s layout (a tied embedding shares its LM head's packed blocks).
+            w: contiguous uint8 [N, row_bytes] (rows of raw ggml blocks; packed:
+                ``ceil(n / 16) * 16`` rows' bytes).
+            ids: contiguous int64 [T], each in [0, n).
             out: contiguous float32 or bfloat16 [T, K]; written.
+            n: the rows W holds (default ``w.shape[0]``); packed W's last group may hold
+                padding rows past it.
 
         Raises:
             ValueError: unsupported type, wrong dtypes, shapes or layouts.
             RuntimeError: an id out of range (code 2; nothing written), or code 1 (bad sizes).
         """
+        n = w.shape[0] if n is None else n
+        packed = ggml_type & PACK16
+        ggml_type &= ~PACK16
+        if packed and (SUPPORTED_TYPES.get(ggml_type) not in PACK16_TYPES
+                       or w.shape[0] != -(-n // 16) * 16):
+            raise ValueError(f"w holds {tuple(w.shape)}, not {n} rows of "
+                             f"{SUPPORTED_TYPES.get(ggml_type)} in groups of 16")
+        if not 0 <= n <= w.shape[0]:
+            raise ValueError(f"n = {n} rows, but w holds {w.shape[0]}")
         block, _ = block_info(ggml_type)
         if w.dtype != torch.uint8 or w.dim() != 2 or not w.is_contiguous():
             raise ValueError(f"w must be a contiguous uint8 [N, row_bytes] tensor, got "
@@ -314,7 +315,7 @@ class QuantKernels:
                              f"{SUPPORTED_TYPES[ggml_type]}")
         if any(t.device.type != "cpu" for t in (w, ids, out)):
             raise ValueError("w, ids and out must be CPU tensors")
-        rc = self._dequant(ggml_type, w.data_ptr(), w.shape[0], k, ids.data_ptr(),
+        rc = self._dequant(ggml_type | packed, w.data_ptr(), n, k, ids.data_ptr(),
                            ids.shape[0], _DT[out.dtype], out.data_ptr(),
                            torch.get_num_threads())
         if rc:

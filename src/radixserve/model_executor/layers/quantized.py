@@ -65,8 +65,9 @@ class QuantizedLinear:
         quant: the loaded quantized kernels.
         n, k: output and input features.
         segments: covering ``[0, n)`` in order, without overlap. Block segments of a type
-            the kernels run faster packed (``QuantKernels.pack16_pays``: Q4_0, Q4_1, Q8_0 on
-            AVX2 and AVX-512 builds, Q4_K up to 4,096 input features on AVX-512) are replaced by their packed copy; the same outputs, bit for bit.
+            the build runs packed (``QuantKernels.has_pack16``: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
+            on AVX2 and AVX-512 builds, Q4_K and Q6_K on AVX-512) are replaced by their
+            packed copy; the same outputs, bit for bit.
         bias: [n] in the activation dtype, or None.
 
     Raises:
@@ -100,7 +101,7 @@ class QuantizedLinear:
         self.quant, self.n, self.k = quant, n, k
         self.segments = [
             Segment(s.lo, s.hi, s.ggml_type, quant.pack16(s.ggml_type, s.data), s.scale, PACK16)
-            if s.ggml_type in SUPPORTED_TYPES and not s.layout and quant.pack16_pays(s.ggml_type, k)
+            if s.ggml_type in SUPPORTED_TYPES and not s.layout and quant.has_pack16(s.ggml_type)
             else s for s in segments]
         self.bias = bias
 
@@ -127,10 +128,9 @@ class QuantizedLinear:
             if s.ggml_type is None:
                 out[s.lo:s.hi] = s.data.float()
             else:
-                rows = (self.quant.unpack16(s.ggml_type, s.data, s.hi - s.lo) if s.layout
-                        else s.data)
                 ids = torch.arange(s.hi - s.lo, dtype=torch.int64)
-                self.quant.dequantize_rows(s.ggml_type, rows, ids, out[s.lo:s.hi])
+                self.quant.dequantize_rows(s.kernel_type, s.data, ids, out[s.lo:s.hi],
+                                           s.hi - s.lo)
         return out
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -165,24 +165,32 @@ class QuantizedEmbedding:
 
     Args:
         quant: the loaded quantized kernels.
-        ggml_type: the blocks' type.
-        data: uint8 ``[vocab_rows, row_bytes]``.
+        table: the ``[0, vocab_rows)`` block segment: rows as stored (uint8
+            ``[vocab_rows, row_bytes]``) or, for an embedding tied to a packed LM head, that
+            head's ``PACK16`` segment (the lookup gathers a row from its group).
         dim: values per row (the hidden size).
         dtype: the activation dtype rows are returned in.
+
+    Raises:
+        ValueError: a dense or int8 segment.
     """
 
-    def __init__(self, quant: QuantKernels, ggml_type: int, data: torch.Tensor, dim: int,
+    def __init__(self, quant: QuantKernels, table: Segment, dim: int,
                  dtype: torch.dtype) -> None:
-        self.quant, self.ggml_type, self.data = quant, ggml_type, data
+        if table.ggml_type not in SUPPORTED_TYPES or table.lo != 0:
+            raise ValueError(f"an embedding table of ggml blocks from row 0, got type "
+                             f"{table.ggml_type} from row {table.lo}")
+        self.quant, self.table = quant, table
         self.dim, self.dtype = dim, dtype
         #: the blocks' type name (``Q6_K``)
-        self.kind = GGMLQuantizationType(ggml_type).name
+        self.kind = GGMLQuantizationType(table.ggml_type).name
 
     def weight(self) -> torch.Tensor:
         """Every row dequantized, float32 [vocab_rows, dim]."""
-        out = torch.empty(self.data.shape[0], self.dim, dtype=torch.float32)
-        ids = torch.arange(self.data.shape[0], dtype=torch.int64)
-        self.quant.dequantize_rows(self.ggml_type, self.data, ids, out)
+        out = torch.empty(self.table.hi, self.dim, dtype=torch.float32)
+        self.quant.dequantize_rows(self.table.kernel_type, self.table.data,
+                                   torch.arange(self.table.hi, dtype=torch.int64), out,
+                                   self.table.hi)
         return out
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
@@ -192,5 +200,6 @@ class QuantizedEmbedding:
             RuntimeError: an id outside the table (the kernel's check).
         """
         out = torch.empty(ids.shape[0], self.dim, dtype=self.dtype)
-        self.quant.dequantize_rows(self.ggml_type, self.data, ids.contiguous(), out)
+        self.quant.dequantize_rows(self.table.kernel_type, self.table.data, ids.contiguous(),
+                                   out, self.table.hi)
         return out

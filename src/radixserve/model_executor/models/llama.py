@@ -779,7 +779,7 @@ class CausalLM(nn.Module):
             if pad:  # zero bytes are zero scales: rows of zeros in every block type
                 data = torch.cat([data, data.new_zeros(pad, data.shape[1])])
             if (base != "embed" and self.quant is not None
-                    and self.quant.pack16_pays(t, data.shape[1] // nbytes * block)):
+                    and self.quant.has_pack16(t)):
                 # packed here, one tensor at a time, so the file's rows are freed as each is
                 # packed (``QuantizedLinear`` would pack them all while holding them all); the
                 # embedding keeps its rows for the lookup
@@ -825,10 +825,13 @@ class CausalLM(nn.Module):
             if name == "embed":
                 if len(segs) != 1 or (segs[0].lo, segs[0].hi) != (0, n):
                     continue  # partly dense: the dense table serves
-                self.embed_q = QuantizedEmbedding(quant, segs[0].ggml_type, segs[0].data, k,
-                                                  param.dtype)
+                table = segs[0]
                 if self.lm_head is None:
+                    # tied: the head packs the table where the build runs it packed, and the
+                    # lookup gathers rows from those blocks, so they are held once
                     self.lm_head_q = QuantizedLinear(quant, n, k, full)
+                    table = self.lm_head_q.segments[0]
+                self.embed_q = QuantizedEmbedding(quant, table, k, param.dtype)
                 param.data = torch.empty(0, dtype=param.dtype)
                 continue
             method = QuantizedLinear(quant, n, k, full,

@@ -1494,6 +1494,76 @@ AI void qk45_t16_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, 
     }
 }
 
+/* bytes of a packed Q6_K group's super-block (16 rows' 210) and of its parts: ql as 32
+ * vectors of transposed dwords, qh as 16, the 16 int8 scales as 4, then the 16 rows' fp16 d
+ * (rs_quant_pack16) */
+#define PK6_BLOCK (16 * 210)
+#define PK6_QH (32 * 64)
+#define PK6_SCALES (48 * 64)
+#define PK6_D (52 * 64)
+
+/* Q6_K packed at load, C weight rows x R activation rows, 16 outputs at a time: the 6-bit
+ * values of 16 outputs decoded once per super-block from the transposed ql / qh dwords (no
+ * transposes), each 16-value sub-block's 4 dwords of products scaled in kt16_isums, and the
+ * -32 offset taken off as 32 * sum(sc * bs16), exact integers as q6_k_ref's. The column tile
+ * reads a row's block at a time and spends most of a one-row call rearranging it (Q6_K [8960,
+ * 1536], one row: 19.1 GB/s of weight bytes against the packed Q4_K tile's 30.7, Zen 5) */
+static void q6_k_p16_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
+                            int64_t nb, int R, float *y) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    const __m512i lo16 = _mm512_set1_epi32(0xFFFF);
+    __m512i wt[16][4] __attribute__((aligned(64)));
+    __m512i is[KT16_ROWS] __attribute__((aligned(64)));
+    float acc[KT16_ROWS][16] __attribute__((aligned(64)));
+    for (int c0 = 0; c0 < C; c0 += 16) {
+        const int nc = C - c0 < 16 ? C - c0 : 16;
+        memset(acc, 0, (size_t)R * sizeof acc[0]);
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t *pk = w + c0 * ws + b * PK6_BLOCK;
+            for (int l = 0; l < PK6_BLOCK; l += 64)
+                _mm_prefetch((const char *)(pk + 2 * PK6_BLOCK + l), PK4_HINT);
+            const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pk + PK6_D)));
+            /* scs[s]: sub-block s's scale of every output, int32; scp[k]: scales 2k, 2k + 1
+             * as an int16 pair */
+            __m512i scs[16], scp[8];
+            for (int m = 0; m < 4; ++m) {
+                const __m512i v = _mm512_loadu_si512((const void *)(pk + PK6_SCALES + 64 * m));
+                for (int i = 0; i < 4; ++i)
+                    scs[4 * m + i] = _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * i), 24);
+            }
+            for (int k = 0; k < 8; ++k)
+                scp[k] = _mm512_or_si512(_mm512_and_si512(scs[2 * k], lo16), _mm512_slli_epi32(scs[2 * k + 1], 16));
+            /* half hh, dword k of its 32 values per group: ql dwords 16 hh + k (groups 4 hh,
+             * 4 hh + 2: low, high nibbles) and 16 hh + 8 + k (4 hh + 1, 4 hh + 3), two bits each
+             * of qh dword 8 hh + k; group g's dword k is sub-block 2 g + k / 4's dword k % 4 */
+            for (int hh = 0; hh < 2; ++hh)
+                for (int k = 0; k < 8; ++k) {
+                    const __m512i a = _mm512_loadu_si512((const void *)(pk + 64 * (16 * hh + k)));
+                    const __m512i c = _mm512_loadu_si512((const void *)(pk + 64 * (16 * hh + 8 + k)));
+                    const __m512i q = _mm512_loadu_si512((const void *)(pk + PK6_QH + 64 * (8 * hh + k)));
+                    __m512i *g = &wt[8 * hh + k / 4][k % 4];
+                    g[0] = _mm512_or_si512(_mm512_and_si512(a, m4), _mm512_and_si512(_mm512_slli_epi16(q, 4), m30));
+                    g[8] = _mm512_or_si512(_mm512_and_si512(c, m4), _mm512_and_si512(_mm512_slli_epi16(q, 2), m30));
+                    g[16] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(a, 4), m4), _mm512_and_si512(q, m30));
+                    g[24] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(c, 4), m4),
+                                            _mm512_and_si512(_mm512_srli_epi16(q, 2), m30));
+                }
+            kt16_isums(&wt[0][0], scs, 16, 4, xq, xs, b, R, is);
+            for (int r = 0; r < R; ++r) {
+                const xqk_t *x = (const xqk_t *)(xq + r * xs) + b;
+                const i32u *bp = (const i32u *)x->bs16;
+                __m512i off = _mm512_setzero_si512();
+                for (int k = 0; k < 8; ++k) off = _mm512_dpwssd_epi32(off, scp[k], _mm512_set1_epi32(bp[k]));
+                const __m512i isum = _mm512_sub_epi32(is[r], _mm512_slli_epi32(off, 5));
+                _mm512_store_ps(acc[r], _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(x->d)),
+                                                        _mm512_cvtepi32_ps(isum), _mm512_load_ps(acc[r])));
+            }
+        }
+        for (int r = 0; r < R; ++r)
+            for (int c = 0; c < nc; ++c) y[(c0 + c) * R + r] = acc[r][c];
+    }
+}
+
 #define Q4_K_T5(r) qk45_cols_avx512(w, ws, C, xq, xs, nb, y, r, 0)
 #define Q5_K_T5(r) qk45_cols_avx512(w, ws, C, xq, xs, nb, y, r, 1)
 #define Q6_K_T5(r) q6k_cols_avx512(w, ws, C, xq, xs, nb, y, r)
@@ -1550,7 +1620,7 @@ static int qtype_info(int t, qtype_t *q) {
     case T_Q8_0: *q = (qtype_t){32, 34, 0, q8_0_ref, FAST512(q8_0_avx), 0, P16(q8_0)}; return 0;
     case T_Q4_K: *q = (qtype_t){256, 144, 1, q4_k_ref, FAST512(q4_k_avx), RS_Q_AVX512, P16K(q4_k)}; return 0;
     case T_Q5_K: *q = (qtype_t){256, 176, 1, q5_k_ref, FAST512(q5_k_avx), RS_Q_AVX512}; return 0;
-    case T_Q6_K: *q = (qtype_t){256, 210, 1, q6_k_ref, FAST512(q6_k_avx)}; return 0;
+    case T_Q6_K: *q = (qtype_t){256, 210, 1, q6_k_ref, FAST512(q6_k_avx), 0, P16K(q6_k)}; return 0;
 #undef FAST
 #undef FAST512
 #undef P16
@@ -1578,21 +1648,38 @@ int rs_quant_isa(void) { return RS_Q_AVX512 ? 2 : RS_Q_AVX2; }
  * of JB_ROUND */
 _Static_assert(JB_ROUND % 16 == 0, "the packed layout needs weight groups of 16-row multiples");
 
-static int pack16_shape(int wtype, int *qs, int *bb) {
-    if (wtype == T_Q4_K) { /* its 12 scale bytes ride along as 3 more dword vectors */
-        *qs = 128 + 12;
-        *bb = 144;
+/* where a type's row bytes go in its packed block: qs bytes (from row byte qo; Q4_K's 12
+ * scale bytes from byte 4; Q5's qh word from qo - 4) become qs / 4 dword vectors, then the
+ * fp16 fields (the scale, with ms the min) from row byte fo */
+typedef struct {
+    int qs, bb, qo, fo, ms, kq, q5;
+    uint32_t shift; /* xor-ed into each dword (Q8_0's int8 values stored + 128) */
+} pack16_t;
+
+static int pack16_info(int wtype, pack16_t *f) {
+    const int kq = wtype == T_Q4_K, q5 = wtype == T_Q5_0 || wtype == T_Q5_1;
+    *f = (pack16_t){0, 0, 0, 0, wtype == T_Q4_1 || wtype == T_Q5_1 || kq, kq, q5,
+                    wtype == T_Q8_0 ? 0x80808080u : 0};
+    switch (wtype) {
+    case T_Q6_K: /* ql, qh and the 16 int8 scales: every byte but the fp16 d, kept last */
+        f->qs = 208, f->bb = 210, f->qo = 0, f->fo = 208;
         return 0;
-    }
-    if (wtype == T_Q5_0 || wtype == T_Q5_1) { /* the qh word rides along as one more vector */
-        *qs = 16 + 4;
-        *bb = wtype == T_Q5_0 ? 22 : 24;
+    case T_Q4_K: /* its 12 scale bytes ride along as 3 more dword vectors */
+        f->qs = 128 + 12, f->bb = 144, f->qo = 16;
         return 0;
+    case T_Q5_0:
+    case T_Q5_1: /* the qh word rides along as one more vector */
+        f->qs = 16 + 4, f->bb = wtype == T_Q5_0 ? 22 : 24, f->qo = f->bb - 16;
+        return 0;
+    case T_Q4_0:
+    case T_Q4_1:
+    case T_Q8_0:
+        f->qs = wtype == T_Q8_0 ? 32 : 16;
+        f->bb = wtype == T_Q4_0 ? 18 : wtype == T_Q4_1 ? 20 : 34;
+        f->qo = f->bb - f->qs;
+        return 0;
+    default: return 1;
     }
-    if (wtype != T_Q4_0 && wtype != T_Q4_1 && wtype != T_Q8_0) return 1;
-    *qs = wtype == T_Q8_0 ? 32 : 16;
-    *bb = wtype == T_Q4_0 ? 18 : wtype == T_Q4_1 ? 20 : 34;
-    return 0;
 }
 
 /* a Q5 block's qh word (bit e: value e's fifth bit) in the packed layout's order, byte m bit
@@ -1607,6 +1694,22 @@ static uint32_t q5_qh_order(uint32_t v, int inv) {
     return o;
 }
 
+/* row c's block between a group's packed block p and the row's block: dir 0 into p, 1 out */
+static void pack16_move(const pack16_t *f, uint8_t *p, int c, uint8_t *row, int dir) {
+    for (int q = 0; q < f->qs / 4; ++q) {
+        const int qh = f->q5 && q == 4;
+        const int ro = f->kq && q >= 32 ? 4 + 4 * (q - 32) : qh ? f->qo - 4 : f->qo + 4 * q;
+        uint8_t *packed = p + 64 * q + 4 * c, *rows = row + ro;
+        uint32_t v;
+        memcpy(&v, dir ? packed : rows, 4);
+        v = qh ? q5_qh_order(v, dir) : v ^ f->shift;
+        memcpy(dir ? rows : packed, &v, 4);
+    }
+    for (int h = 0; h < 1 + f->ms; ++h) /* the scale, then the min */
+        memcpy(dir ? row + f->fo + 2 * h : p + 16 * f->qs + 32 * h + 2 * c,
+               dir ? p + 16 * f->qs + 32 * h + 2 * c : row + f->fo + 2 * h, 2);
+}
+
 /* whether this build runs W in the packed layout for wtype (rs_quant_linear's RS_PACK16) */
 int rs_quant_has_pack16(int wtype) {
     qtype_t qt;
@@ -1618,37 +1721,17 @@ int rs_quant_has_pack16(int wtype) {
  * Returns 1 for another type. */
 int rs_quant_pack16(int wtype, const uint8_t *w, int64_t N, int64_t nb, uint8_t *out, int dir,
                     int num_threads) {
-    int qs, bb;
-    if (pack16_shape(wtype, &qs, &bb) || N < 0 || nb < 0) return 1;
-    /* the row bytes that become dword vectors, in order: qs (from qo), then Q4_K's scales
-     * (bytes 4..15); then the fp16 fields at bytes 0 (and 2 with ms) */
-    const int kq = wtype == T_Q4_K, q5 = wtype == T_Q5_0 || wtype == T_Q5_1;
-    const int qo = kq ? 16 : q5 ? bb - 16 : bb - qs;
-    const int ms = wtype == T_Q4_1 || wtype == T_Q5_1 || kq;
-    const uint32_t shift = wtype == T_Q8_0 ? 0x80808080u : 0;
-    const int64_t ws = nb * bb, groups = (N + 15) / 16;
+    pack16_t f;
+    if (pack16_info(wtype, &f) || N < 0 || nb < 0) return 1;
+    const int64_t ws = nb * f.bb, groups = (N + 15) / 16;
 #pragma omp parallel for num_threads(num_threads > 0 ? num_threads : 1) schedule(static)
     for (int64_t g = 0; g < groups; ++g) {
         uint8_t *grp = (uint8_t *)(dir ? w : out) + g * 16 * ws;
         if (dir == 0) memset(grp, 0, (size_t)(16 * ws));
-        for (int64_t b = 0; b < nb; ++b) {
-            uint8_t *p = grp + b * 16 * bb;
-            for (int c = 0; c < 16 && g * 16 + c < N; ++c) {
-                uint8_t *row = (uint8_t *)(dir ? out : w) + (g * 16 + c) * ws + b * bb;
-                for (int q = 0; q < qs / 4; ++q) {
-                    const int qh = q5 && q == 4;
-                    const int ro = kq && q >= 32 ? 4 + 4 * (q - 32) : qh ? qo - 4 : qo + 4 * q;
-                    uint8_t *packed = p + 64 * q + 4 * c, *rows = row + ro;
-                    uint32_t v;
-                    memcpy(&v, dir ? packed : rows, 4);
-                    v = qh ? q5_qh_order(v, dir) : v ^ shift;
-                    memcpy(dir ? rows : packed, &v, 4);
-                }
-                for (int h = 0; h < 1 + ms; ++h) /* the scale, then Q4_1's min */
-                    memcpy(dir ? row + 2 * h : p + 16 * qs + 32 * h + 2 * c,
-                           dir ? p + 16 * qs + 32 * h + 2 * c : row + 2 * h, 2);
-            }
-        }
+        for (int64_t b = 0; b < nb; ++b)
+            for (int c = 0; c < 16 && g * 16 + c < N; ++c)
+                pack16_move(&f, grp + b * 16 * f.bb, c,
+                            (uint8_t *)(dir ? out : w) + (g * 16 + c) * ws + b * f.bb, dir);
     }
     return 0;
 }
@@ -1801,12 +1884,18 @@ static void dequant_block(int t, const uint8_t *blk, float *v) {
     }
 }
 
-/* out[T, K] (contiguous, odt 0 float32 / 1 bf16) = rows ids[T] of W [N, K], dequantized */
+/* out[T, K] (contiguous, odt 0 float32 / 1 bf16) = rows ids[T] of W [N, K], dequantized; W
+ * rows as stored or (wtype | RS_PACK16) rs_quant_pack16's layout of them (a tied embedding
+ * looked up in its LM head's packed blocks) */
 int rs_quant_dequantize_rows(int wtype, const uint8_t *w, int64_t N, int64_t K,
                              const int64_t *ids, int64_t T, int odt, void *out,
                              int num_threads) {
     qtype_t qt;
-    if (qtype_info(wtype, &qt) || K <= 0 || K % qt.block || N < 0 || T < 0 || (unsigned)odt > 1)
+    pack16_t f;
+    const int packed = (wtype & RS_PACK16) != 0;
+    wtype &= ~RS_PACK16;
+    if (qtype_info(wtype, &qt) || K <= 0 || K % qt.block || N < 0 || T < 0 || (unsigned)odt > 1
+        || (packed && pack16_info(wtype, &f)))
         return 1;
     for (int64_t t = 0; t < T; ++t)
         if (ids[t] < 0 || ids[t] >= N) return 2;
@@ -1816,8 +1905,12 @@ int rs_quant_dequantize_rows(int wtype, const uint8_t *w, int64_t N, int64_t K,
     for (int64_t t = 0; t < T; ++t) {
         const uint8_t *row = w + ids[t] * row_bytes;
         float v[256];
+        uint8_t blk[256];
         for (int64_t b = 0; b < nb; ++b) {
-            dequant_block(wtype, row + b * qt.bytes, v);
+            if (packed) /* the row's block gathered from its group's packed block */
+                pack16_move(&f, (uint8_t *)w + (ids[t] / 16 * 16 * nb + b * 16) * qt.bytes,
+                            (int)(ids[t] % 16), blk, 1);
+            dequant_block(wtype, packed ? blk : row + b * qt.bytes, v);
             const int64_t o = t * K + b * qt.block;
             if (odt == 0)
                 memcpy((float *)out + o, v, sizeof(float) * (size_t)qt.block);
