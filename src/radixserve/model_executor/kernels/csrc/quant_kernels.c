@@ -1410,8 +1410,10 @@ AI void qk45_t16_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, 
     float acc[KT16_ROWS][16] __attribute__((aligned(64))), accm[KT16_ROWS][16] __attribute__((aligned(64)));
     for (int c0 = 0; c0 < C; c0 += 16) {
         const int nc = C - c0 < 16 ? C - c0 : 16;
-        memset(acc, 0, sizeof acc);
-        memset(accm, 0, sizeof accm);
+        /* only the R rows in use: the whole arrays, 8 KiB per 16 outputs, had been 4.6% of
+         * a one-row decode step of Qwen2.5-1.5B in Q4_K_M (Zen 5) */
+        memset(acc, 0, (size_t)R * sizeof acc[0]);
+        memset(accm, 0, (size_t)R * sizeof accm[0]);
         for (int64_t b = 0; b < nb; ++b) {
             const uint8_t *p[16], *pk = w + c0 * ws + b * PK4_BLOCK;
             /* headers: h[0] = d | dmin << 16, h[1..3] the 12 scale bytes, lane c: output c */
