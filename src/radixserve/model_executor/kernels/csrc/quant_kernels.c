@@ -80,11 +80,12 @@
  * VM and script, best us, column tiles -> transposed: M = 8 811 -> 790, 16 1344 -> 1190, 32
  * 2552 -> 1965, 64 4901 -> 3608, 256 20473 -> 14984 (1.30x at 32 rows, 1.36-1.37x from 64);
  * Q5_K (its fifth bits or-ed in) 8 808 -> 821, 16 1393 -> 1280, 64 5185 -> 3681, 256 20822 ->
- * 14413. Q4_K weights of at most 4,096 input features are packed at load on these builds
- * (rs_quant_pack16), and the transposed tile then runs from one row on with no transposes.
- * Transposed
- * Q6_K tiles were slower (M = 8 1024 -> 1633, 64 7256 -> 7842: three 16 x 16 transposes and
- * 16 scale products per block) and are not built.
+ * 14413. Q4_K and Q6_K weights are packed at load on these builds (rs_quant_pack16), and
+ * their transposed tiles then run from one row on with no transposes. Transposing Q6_K per
+ * call had been slower than its column tile (M = 8 1024 -> 1633, 64 7256 -> 7842: three
+ * 16 x 16 transposes and 16 scale products per block); packed, Zen 5 kind, [1536, 8960] at
+ * M = 1 / 4 / 16 / 64, us: 512 / 562 / 1604 / 6464 -> 323-370 / 403-486 / 1110-1165 /
+ * 3616-4232.
  * At Qwen2.5-7B's down projection, W [3584, 18944], the driver had made weight groups of 64 KiB
  * (8 Q4_K rows, 4 Q8_0 rows: the 16-output tiles half or three-quarters idle) and run every
  * activation row over each group (22 MiB of quantized rows per group at 1024 rows, from L3).
@@ -1636,15 +1637,15 @@ static int qtype_info(int t, qtype_t *q) {
 int rs_quant_isa(void) { return RS_Q_AVX512 ? 2 : RS_Q_AVX2; }
 
 /* ---- the 16-row packed layout (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 on AVX2 and AVX-512 builds;
- * Q4_K on AVX-512) --------------------------------------------------------------------------
+ * Q4_K and Q6_K on AVX-512) ------------------------------------------------------------------
  * Rows in groups of 16 (the last padded with zero rows), each group's blocks back to back;
  * a group's block b is 16 * bytes-per-block bytes: first the values, QS / 4 vectors of 64
  * bytes where vector q holds at bytes 4c..4c+3 row c's quant bytes 4q..4q+3 (QS = 16 for the
  * 4- and 5-bit types, 32 for Q8_0, whose int8 values are stored + 128, as the tile uses them;
- * 128 for Q4_K's qs), then (Q5) the 16 rows' qh words as one such vector, their bits
- * reordered (q5_qh_order), or (Q4_K) the 12 scale bytes as 3 such vectors, then the 16 rows'
- * fp16 scales, then Q4_1/Q5_1's 16 fp16 mins (Q4_K's dmin). Same bytes per group as the
- * rows. */
+ * 128 for Q4_K's qs, 208 for Q6_K's ql, qh and int8 scales), then (Q5) the 16 rows' qh
+ * words as one such vector, their bits reordered (q5_qh_order), or (Q4_K) the 12 scale bytes
+ * as 3 such vectors, then the 16 rows' fp16 scales, then Q4_1/Q5_1's 16 fp16 mins (Q4_K's
+ * dmin). Same bytes per group as the rows. */
 #define RS_PACK16 0x100 /* a weight type's flag: W is in this layout */
 /* rs_quant_linear hands each tile whole 16-row groups: its groups of rows start at multiples
  * of JB_ROUND */
