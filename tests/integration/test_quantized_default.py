@@ -155,6 +155,35 @@ def _check_against_llama_cpp(model: Path, golden: dict, kinds: dict[tuple[int, s
     assert diffs[len(diffs) // 2] < 0.1, diffs[len(diffs) // 2]
 
 
+def test_mlp_slices_of_a_long_prefill_change_no_logprob(monkeypatch):
+    """A prefill chunk of more than ``MLP_MAX_ROWS`` rows runs its MLP in slices of rows (its
+    gate/up activations are not held for the whole chunk); the block kernels give a row the
+    same bits whatever the row count, so the prompt's logprobs are those of the whole chunk
+    at once, bit for bit."""
+    from radixserve.model_executor.models import llama
+
+    ids = json.loads((GOLDEN / "llama_cpp_smollm2_q4_1.json").read_text())["token_ids"]
+    ids = ids[:llama.MLP_MAX_ROWS * 3 // 2]
+    llm = LLM(str(_default_gguf()), max_model_len=len(ids) + 8, num_pages=64,
+              quantization="gguf", enable_prefix_caching=False)
+    assert llm.engine.runner.paths.paths["quantization"] == "gguf"
+    rows: list[int] = []
+    mlp = llama.DecoderLayer._mlp
+
+    def counted(self, x):  # noqa: ANN001, ANN202 - the wrapped method's own types
+        rows.append(x.shape[0])
+        return mlp(self, x)
+
+    monkeypatch.setattr(llama.DecoderLayer, "_mlp", counted)
+    sliced = _logprobs(llm, ids)
+    assert max(rows) == llama.MLP_MAX_ROWS and len(ids) - llama.MLP_MAX_ROWS in rows
+    monkeypatch.setattr(llama, "MLP_MAX_ROWS", 2 * len(ids))
+    rows.clear()
+    whole = _logprobs(llm, ids)
+    assert max(rows) == len(ids)
+    assert sliced == whole
+
+
 def test_default_q4_1_perplexity_matches_llama_cpp():
     golden = json.loads((GOLDEN / "llama_cpp_smollm2_q4_1.json").read_text())
     _check_against_llama_cpp(_default_gguf(), golden, {(0, "qkv"): "Q4_1"})

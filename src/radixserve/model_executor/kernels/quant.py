@@ -119,17 +119,18 @@ class QuantKernels:
 
     def pack16(self, ggml_type: int, w: torch.Tensor) -> torch.Tensor:
         """W's rows in the 16-row packed layout that the AVX2 and AVX-512 tiles of Q4_0, Q4_1,
-        Q5_0, Q5_1 and Q8_0, and the AVX-512 tiles of Q4_K, read without transposing
+        Q5_0, Q5_1 and Q8_0, and the AVX-512 tiles of Q4_K and Q6_K, read without transposing
         (``csrc/quant_kernels.c``, ``rs_quant_pack16``): rows in groups of 16, each group's
         blocks back to back, each block's 16 rows' values lane by lane, then (Q5_0, Q5_1)
         their fifth bits or (Q4_K) their scale bytes the same way, then their fp16 scales (and
-        Q4_1's and Q5_1's mins, Q4_K's dmins). A
+        Q4_1's and Q5_1's mins, Q4_K's dmins); Q6_K's ql, qh and int8 scales are all value
+        vectors, then its fp16 d. A
         decode-sized call spent most of its time rearranging each block into that order
         (Q4_1 [3072, 576] at one row on the avx512_bf16 VM: 34.8 us from the rows, 17.7 us
         packed).
 
         Args:
-            ggml_type: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 or Q4_K's type id.
+            ggml_type: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K or Q6_K's type id.
             w: contiguous uint8 [N, row_bytes] rows of ggml blocks.
 
         Returns:
