@@ -74,8 +74,9 @@ _LINEAR_PARAMS = ("qkv", "o", "gate_up", "down")
 #: the most rows the MLP runs at once: a longer prefill chunk runs it in slices of this many
 #: rows, so its gate/up output (2 x intermediate values per row) is not held for the whole
 #: chunk (Qwen2.5-7B, 2,048 rows: 155 MB of bf16 gate/up, 78 MB after SiLU, 48 MB of
-#: quantized activations for the down projection). Every linear path gives a row the same
-#: bits whatever the row count, so the slices change no output. CPU only: a GPU's prefill
+#: quantized activations for the down projection). radixserve's linear kernels give a row
+#: the same bits whatever the row count, so on them the slices change no output (oneDNN,
+#: where it serves, rounds a row by its batch in any case). CPU only: a GPU's prefill
 #: activations are small beside its memory, and its GEMMs run best whole.
 MLP_MAX_ROWS = 512
 
@@ -799,7 +800,7 @@ class CausalLM(nn.Module):
                     and self.quant.has_pack16(t)):
                 # packed here, one tensor at a time, so the file's rows are freed as each is
                 # packed (``QuantizedLinear`` would pack them all while holding them all); the
-                # embedding keeps its rows for the lookup
+                # embedding keeps its rows (a tied one is packed with its head, ``_bind_blocks``)
                 return Segment(lo, lo + n + pad, t, self.quant.pack16(t, data), layout=PACK16)
             return Segment(lo, lo + n + pad, t, data)
         if base == "embed":
