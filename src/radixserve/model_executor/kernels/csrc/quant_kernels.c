@@ -1361,6 +1361,20 @@ AI void kt16_blocks(const uint8_t **p, const uint8_t *w, int64_t ws, int c0, int
     }
 }
 
+/* sum over k < n of the int16 pairs p[k] (every output) dotted with row pair bp[k] (broadcast):
+ * Q4_K's mins against bs32, Q6_K's scales against bs16 */
+AI __m512i kt16_pair_dots(const __m512i *p, const int n, const i32u *bp) {
+    __m512i s = _mm512_setzero_si512();
+    for (int k = 0; k < n; ++k) s = _mm512_dpwssd_epi32(s, p[k], _mm512_set1_epi32(bp[k]));
+    return s;
+}
+
+/* acc (16 outputs) = fma(d_w * d_x, (float)isum, acc): a super-block's one float step */
+AI void kt16_fma(float *acc, __m512 dw, float dx, __m512i isum) {
+    _mm512_store_ps(acc, _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(dx)), _mm512_cvtepi32_ps(isum),
+                                         _mm512_load_ps(acc)));
+}
+
 /* is[r] += sum over ns sub-blocks s of scs[s] * (sub-block s's products for row r of block b),
  * the products nd transposed dwords wt[s * nd + k] against row r's activation values
  * nd * 4 * s + 4 k .. + 3 broadcast */
@@ -1482,14 +1496,8 @@ AI void qk45_t16_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, 
             kt16_isums(&wt[0][0], scs, 8, 8, xq, xs, b, R, is);
             for (int r = 0; r < R; ++r) {
                 const xqk_t *x = (const xqk_t *)(xq + r * xs) + b;
-                const i32u *bp = (const i32u *)x->bs32;
-                __m512i ms = _mm512_setzero_si512();
-                for (int k = 0; k < 4; ++k) ms = _mm512_dpwssd_epi32(ms, mnp[k], _mm512_set1_epi32(bp[k]));
-                const __m512 dx = _mm512_set1_ps(x->d);
-                _mm512_store_ps(acc[r], _mm512_fmadd_ps(_mm512_mul_ps(dw, dx), _mm512_cvtepi32_ps(is[r]),
-                                                        _mm512_load_ps(acc[r])));
-                _mm512_store_ps(accm[r], _mm512_fmadd_ps(_mm512_mul_ps(mw, dx), _mm512_cvtepi32_ps(ms),
-                                                         _mm512_load_ps(accm[r])));
+                kt16_fma(acc[r], dw, x->d, is[r]);
+                kt16_fma(accm[r], mw, x->d, kt16_pair_dots(mnp, 4, (const i32u *)x->bs32));
             }
         }
         for (int r = 0; r < R; ++r)
@@ -1554,12 +1562,8 @@ static void q6_k_p16_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *
             kt16_isums(&wt[0][0], scs, 16, 4, xq, xs, b, R, is);
             for (int r = 0; r < R; ++r) {
                 const xqk_t *x = (const xqk_t *)(xq + r * xs) + b;
-                const i32u *bp = (const i32u *)x->bs16;
-                __m512i off = _mm512_setzero_si512();
-                for (int k = 0; k < 8; ++k) off = _mm512_dpwssd_epi32(off, scp[k], _mm512_set1_epi32(bp[k]));
-                const __m512i isum = _mm512_sub_epi32(is[r], _mm512_slli_epi32(off, 5));
-                _mm512_store_ps(acc[r], _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(x->d)),
-                                                        _mm512_cvtepi32_ps(isum), _mm512_load_ps(acc[r])));
+                const __m512i off = kt16_pair_dots(scp, 8, (const i32u *)x->bs16);
+                kt16_fma(acc[r], dw, x->d, _mm512_sub_epi32(is[r], _mm512_slli_epi32(off, 5)));
             }
         }
         for (int r = 0; r < R; ++r)
