@@ -464,3 +464,72 @@ def test_k_quants_are_held_packed_at_long_rows(qk, t):
     x = torch.randn(9, k, generator=torch.Generator().manual_seed(5))
     for m in (1, 9):
         assert torch.equal(lin(x[:m]), run(qk, t, w, x[:m]))
+
+
+def amx_operand(qk, t: int, w: np.ndarray) -> tuple[int, torch.Tensor]:
+    """(type id, weight) in the form the AVX-512 build's AMX tiles read: packed where the
+    build packs the type (``has_pack16``), else its rows (Q5_K)."""
+    if qk.has_pack16(t):
+        return t | PACK16, qk.pack16(t, torch.from_numpy(w))
+    return t, torch.from_numpy(w)
+
+
+def run_amx(qk, t: int, w: torch.Tensor, n: int, x: torch.Tensor, amx: str,
+            out_dtype=torch.float32) -> torch.Tensor:
+    out = torch.empty(x.shape[0], n, dtype=out_dtype)
+    qk.linear_unchecked(t, w.data_ptr(), n, x.shape[1], x.data_ptr(), x.dtype, x.shape[0],
+                        out.data_ptr(), out.dtype, n, amx=amx)
+    return out
+
+
+@pytest.mark.parametrize("t", TYPES, ids=NAMES.values())
+def test_amx_int8_tiles_give_the_same_bits(qk, t):
+    """The AMX-INT8 tiles (integer dots from TDPBSUD over the transposed weight dwords, 16
+    activation rows per tile) run here on a scalar emulation of the tile instruction, which
+    is integer and so exactly the hardware's: every row count (a partial last A tile of 16
+    rows, 64-row K-quant tiles), a partial last group of 16 outputs, a partial last group of
+    four 32-value blocks and bf16 in and out give the bits of the vpdpbusd tiles and of the
+    portable C. The tile instructions themselves run in ``test_amx_int8_tiles_on_this_cpu``
+    where the CPU has them."""
+    if qk.isa != "avx512":
+        pytest.skip(f"the AMX-INT8 tiles are variants of the AVX-512 tiles; this CPU's build "
+                    f"runs the {qk.isa} ones")
+    n, k = 40, 288 if block_info(t)[0] == 32 else 512
+    w = make_weight(t, n, k, seed=t + 21)
+    ta, wa = amx_operand(qk, t, w)
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(t + 1))
+    for m in (1, 5, 8, 16, 17, 40, 64, 70):
+        emu = run_amx(qk, ta, wa, n, x[:m], "emulate")
+        assert torch.equal(emu, run_amx(qk, ta, wa, n, x[:m], "off")), (NAMES[t], m)
+        assert torch.equal(emu, run(qk, t, w, x[:m], portable=True)), (NAMES[t], m)
+    xb = x[:19].bfloat16()
+    assert torch.equal(run_amx(qk, ta, wa, n, xb, "emulate", torch.bfloat16),
+                       run(qk, t, w, xb, torch.bfloat16))
+    with pytest.raises(RuntimeError):  # the portable tiles have no AMX variant
+        out = torch.empty(1, n)
+        qk.linear_unchecked(t, torch.from_numpy(w).data_ptr(), n, k, x.data_ptr(), x.dtype,
+                            1, out.data_ptr(), out.dtype, n, portable=True, amx="emulate")
+    with pytest.raises(ValueError, match="amx"):
+        run_amx(qk, ta, wa, n, x[:1], "always")
+
+
+def test_amx_int8_tiles_on_this_cpu(qk):
+    """Where the CPU has AMX-INT8 (``amx_int8``: the probe at load compared the tile unit
+    with the scalar definition), the hardware tiles give the vpdpbusd tiles' bits for every
+    type at 16 to 130 rows (full and partial A tiles, several 64-row K-quant tiles), a long
+    K and outputs in several groups, and a row alone gives its bits in the batch."""
+    if not qk.amx_int8:
+        pytest.skip("no AMX-INT8 here (CPUID's AMX-TILE/AMX-INT8 absent, Linux refused the "
+                    "tile state, or not an AVX-512 build): the emulation test covers the tiles' "
+                    "loops")
+    for t in TYPES:
+        n, k = 100, 1536 if block_info(t)[0] == 32 else 2048
+        w = make_weight(t, n, k, seed=t + 31)
+        ta, wa = amx_operand(qk, t, w)
+        x = torch.randn(130, k, generator=torch.Generator().manual_seed(t + 2))
+        for m in (16, 17, 64, 100, 130):
+            hw = run_amx(qk, ta, wa, n, x[:m], "auto")
+            assert torch.equal(hw, run_amx(qk, ta, wa, n, x[:m], "off")), (NAMES[t], m)
+            assert torch.equal(hw, run_amx(qk, ta, wa, n, x[:m], "emulate")), (NAMES[t], m)
+        full = run_amx(qk, ta, wa, n, x, "auto")
+        assert torch.equal(run_amx(qk, ta, wa, n, x[77:78].contiguous(), "auto"), full[77:78])

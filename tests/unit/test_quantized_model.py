@@ -19,6 +19,7 @@ from test_loader import gguf_copy_metadata, write_tiny_gguf
 
 from radixserve import SamplingParams
 from radixserve.entrypoints.llm import LLM
+from radixserve.model_executor.kernels.cpu import CpuKernels
 
 #: ggml block sizes in bytes of the K-quants built from random bytes here (gguf-py has no
 #: quantizer for them): Q4_K (d, dmin, 12 scale bytes, 128 nibble bytes), Q5_K (plus 32 high-bit
@@ -117,6 +118,11 @@ def test_gguf_served_in_blocks_matches_dequantized(mixed_gguf):
     runner = quant.engine.runner
     assert runner.paths.paths["quantization"] == "gguf"
     assert runner.paths.paths["linear"] == "quantized"
+    # the start-up log names the block kernels' instruction set, and AMX where it runs
+    qk = (runner.kernels or CpuKernels.load()).quant
+    reason = runner.paths.reasons["linear"]
+    assert f"{qk.isa} block kernels" in reason
+    assert ("AMX-INT8" in reason) == qk.amx_int8
     layer = runner.model.layers[0]
     assert layer.quantized["qkv"].kind == "Q4_K+Q6_K"
     assert {n: m.kind for n, m in layer.quantized.items()} == {

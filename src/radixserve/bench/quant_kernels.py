@@ -72,8 +72,9 @@ def run_quant_bench(n: int = 8960, k: int = 1536, ms: tuple[int, ...] = (1, 4, 1
         yardsticks: also time torch's int4 GEMM and float32 ``F.linear``.
 
     Returns:
-        {"shape": [n, k], "threads", "isa", "rows": [{"kernel", "m", "us", "weight_bytes",
-        "gb_s"}]}: gb_s is weight bytes per second (1e9).
+        {"shape": [n, k], "threads", "isa", "amx_int8", "rows": [{"kernel", "m", "us",
+        "weight_bytes", "gb_s"}]}: gb_s is weight bytes per second (1e9); where ``amx_int8``,
+        each type also as "NAME (amx off)", its vpdpbusd tiles.
     """
     kern = CpuKernels.load()
     if kern is None:
@@ -102,21 +103,26 @@ def run_quant_bench(n: int = 8960, k: int = 1536, ms: tuple[int, ...] = (1, 4, 1
         nxt = rotate(lambda t=t, packed=packed: q.pack16(t, _random_blocks(t, n, k, gen))
                      if packed else _random_blocks(t, n, k, gen), nbytes)
         t = t | PACK16 if packed else t
-        for m in ms:
-            x = torch.randn(m, k, generator=gen)
-            out = torch.empty(m, n)
+        # where AMX-INT8 runs, each M also on the vpdpbusd tiles (the A/B that sets
+        # AMXQ_MIN_ROWS in quant_kernels.c)
+        for amx in ("auto", "off") if q.amx_int8 else ("auto",):
+            for m in ms:
+                x = torch.randn(m, k, generator=gen)
+                out = torch.empty(m, n)
 
-            def call(x=x, out=out, t=t, m=m, nxt=nxt):
-                w = nxt()
-                q.linear_unchecked(t, w.data_ptr(), n, k, x.data_ptr(), x.dtype, m,
-                                   out.data_ptr(), out.dtype, n)
-            s = _time(call, min_time, clock)
-            rows.append({"kernel": name, "m": m, "us": s * 1e6, "weight_bytes": nbytes,
-                         "gb_s": nbytes / s / 1e9, "layout": "pack16" if packed else "rows"})
+                def call(x=x, out=out, t=t, m=m, nxt=nxt, amx=amx):
+                    w = nxt()
+                    q.linear_unchecked(t, w.data_ptr(), n, k, x.data_ptr(), x.dtype, m,
+                                       out.data_ptr(), out.dtype, n, amx=amx)
+                s = _time(call, min_time, clock)
+                rows.append({"kernel": name if amx == "auto" else f"{name} (amx off)", "m": m,
+                             "us": s * 1e6, "weight_bytes": nbytes, "gb_s": nbytes / s / 1e9,
+                             "layout": "pack16" if packed else "rows"})
 
     if not yardsticks:
         return {"shape": [n, k], "threads": torch.get_num_threads(), "isa": q.isa,
-                "clock": "process" if cpu_time else "wall", "rows": rows}
+                "amx_int8": q.amx_int8, "clock": "process" if cpu_time else "wall",
+                "rows": rows}
     # torch's int4 weight-only GEMM (group 32, scales and zeros) with bfloat16 activations,
     # its vectorized path (float32 activations take a scalar path, ~10x slower)
     def make_int4():
@@ -144,7 +150,7 @@ def run_quant_bench(n: int = 8960, k: int = 1536, ms: tuple[int, ...] = (1, 4, 1
         rows.append({"kernel": "F.linear float32", "m": m, "us": s * 1e6,
                      "weight_bytes": nbytes, "gb_s": nbytes / s / 1e9})
     return {"shape": [n, k], "threads": torch.get_num_threads(), "isa": q.isa,
-            "clock": "process" if cpu_time else "wall", "rows": rows}
+            "amx_int8": q.amx_int8, "clock": "process" if cpu_time else "wall", "rows": rows}
 
 
 if __name__ == "__main__":

@@ -400,8 +400,12 @@ class ModelRunner:
         head = "dense" if m.lm_head_q is None else m.lm_head_q.kind
         embed = "dense" if m.embed_q is None else m.embed_q.kind
         packed = m.pack_linears(batch_hint=hint)
+        quant = _quant_kernels(self.kernels)
+        tiles = f"{quant.isa} block kernels" + (
+            ", integer dots on AMX-INT8 tiles from 16 rows" if quant.amx_int8 else "")
         paths.pick("linear", "quantized", f"projections {kinds}, LM head {head}, embedding "
-                   f"{embed}; dense rest {'packed for oneDNN' if packed else 'F.linear'}")
+                   f"{embed} ({tiles}); dense rest "
+                   f"{'packed for oneDNN' if packed else 'F.linear'}")
         paths.pick("decode_layers", *enable_decode_stack(m, config.fused_decode))
         return packed
 

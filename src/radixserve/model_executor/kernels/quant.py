@@ -42,6 +42,8 @@ PACK16 = 0x100
 #: the types ``QuantKernels.pack16`` lays out (which of them a build runs packed:
 #: ``QuantKernels.has_pack16``)
 PACK16_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K")
+#: ``amx`` argument -> rs_quant_linear's flag bits (2: no AMX tiles, 4: their emulation)
+_AMX_FLAGS = {"auto": 0, "off": 2, "emulate": 4}
 _ERRORS = {1: "bad type or sizes", 2: "a row id out of range (nothing written)",
            3: "out of memory", 5: "a build without AVX2 + FMA"}
 
@@ -99,6 +101,14 @@ class QuantKernels:
         #: the tiles this build runs: "avx512" (AVX-512 BW + VNNI), "avx2" (AVX2 + FMA +
         #: F16C) or "portable" (plain C); the same bits on each
         self.isa = {2: "avx512", 1: "avx2"}.get(fn(), "portable")
+        fn = lib.rs_quant_amx
+        fn.argtypes = []
+        fn.restype = c_int
+        #: whether tiles of 16 rows and more take their integer dot products from AMX-INT8
+        #: tiles (``TDPBSUD``): an AVX-512 build on a CPU with AMX-TILE and AMX-INT8, Linux
+        #: granted the tile state, and a probe gave the scalar definition's integers. The
+        #: integers are exact, so the bits are the vpdpbusd tiles'
+        self.amx_int8 = bool(fn())
         # the int8-weight GEMM lives in cpu_kernels.c: a library of quant_kernels.c alone
         # (the plain-x86-64 build the tests compare) has the block kernels only
         fn = getattr(lib, "rs_linear_f32_i8w", None)
@@ -195,7 +205,7 @@ class QuantKernels:
                                f"({_ERRORS.get(rc, 'unknown')})")
 
     def linear(self, ggml_type: int, w: torch.Tensor, x: torch.Tensor, out: torch.Tensor, *,
-               portable: bool = False) -> None:
+               portable: bool = False, amx: str = "auto") -> None:
         """``out = x @ W.T`` for a quantized weight W, written into ``out``.
 
         Args:
@@ -208,6 +218,9 @@ class QuantKernels:
                 a column slice ``big[:, lo:hi]`` of a fused output); written.
             portable: run the portable C tiles even where AVX2 ones are built (the same bits;
                 for tests).
+            amx: "auto" (AMX-INT8 tiles where ``amx_int8``, from 16 rows), "off" (the
+                vpdpbusd tiles), or "emulate" (the AMX tiles' loops on a scalar emulation of
+                the tile instruction at every row count, on any AVX-512 build; for tests).
 
         Raises:
             ValueError: unsupported type, or wrong dtypes, shapes or layouts (the message
@@ -241,11 +254,11 @@ class QuantKernels:
                              f"strides {out.stride()}")
         self.linear_unchecked(ggml_type, w.data_ptr(), n, k, x.data_ptr(), x.dtype, m,
                               out.data_ptr(), out.dtype, max(out.stride(0), n),
-                              portable=portable)
+                              portable=portable, amx=amx)
 
     def linear_unchecked(self, ggml_type: int, w_ptr: int, n: int, k: int, x_ptr: int,
                          x_dtype: torch.dtype, m: int, out_ptr: int, out_dtype: torch.dtype,
-                         ldo: int, *, portable: bool = False) -> None:
+                         ldo: int, *, portable: bool = False, amx: str = "auto") -> None:
         """``linear`` on raw addresses for a caller that checked the tensors once (the decode
         path calls it many times per step).
 
@@ -259,13 +272,19 @@ class QuantKernels:
             out_ptr, out_dtype: address of [M, N] float32/bfloat16 output, element (i, j) at
                 ``i * ldo + j``.
             ldo: out's row stride in elements (>= N).
+            portable, amx: as ``linear``'s.
 
         Raises:
+            ValueError: ``amx`` not one of "auto", "off", "emulate".
             RuntimeError: the kernel's error code (1: bad type or sizes, or a packed W with
-                ``portable`` or on a build without its tile; 3: out of memory).
+                ``portable`` or on a build without its tile, or "emulate" on a build without
+                AVX-512; 3: out of memory).
         """
+        if amx not in _AMX_FLAGS:
+            raise ValueError(f"amx must be one of {sorted(_AMX_FLAGS)}, got {amx!r}")
+        flags = (1 if portable else 0) | _AMX_FLAGS[amx]
         rc = self._linear(ggml_type, w_ptr, n, k, _DT[x_dtype], x_ptr, m, _DT[out_dtype],
-                          out_ptr, ldo, 1 if portable else 0, torch.get_num_threads())
+                          out_ptr, ldo, flags, torch.get_num_threads())
         if rc:
             raise RuntimeError(f"quantized linear kernel failed with code {rc} "
                                f"({_ERRORS.get(rc, 'unknown')})")

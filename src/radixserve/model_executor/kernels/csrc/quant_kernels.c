@@ -120,6 +120,19 @@
 #define RS_Q_AVX512 0
 #endif
 
+/* AMX-INT8 (Intel Xeons from Sapphire Rapids on): the AVX-512 tiles below can take their
+ * integer dot products from tile instructions instead of vpdpbusd (amx_int8 section). GCC 11
+ * has the intrinsics; the functions carry a target attribute, so any AVX-512 build has them
+ * and runs them only where the CPU and Linux allow. */
+#if RS_Q_AVX512 && defined(__x86_64__) && defined(__GNUC__) && __GNUC__ >= 11
+#define RS_Q_AMX 1
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define RS_Q_AMX 0
+#endif
+
 #define AI static inline __attribute__((always_inline))
 
 enum {
@@ -1146,18 +1159,156 @@ AI __m512i load4x128(const uint8_t *const *p, int m, int off) {
 /* an int32 read from any byte address (activation bytes as one broadcast operand) */
 typedef int32_t i32u __attribute__((may_alias, aligned(1)));
 
+/* ---- AMX-INT8 dot products --------------------------------------------------------------
+ * The transposed tiles hold 16 outputs' weights as vectors of dwords, vector k lane n =
+ * output n's values 4k .. 4k + 3: exactly an AMX B tile row (TDPBSUD's "VNNI" form). An
+ * activation row's quantized values are an A tile row, 16 rows at the row stride. One
+ * TDPBSUD then gives the 16 x 16 exact integer dots of a (sub-)block, which the tiles scale
+ * and sum as the vpdpbusd path does: the same integers and float steps, so the same bits.
+ *   dots(c, a, as, b, ns, nd): for s < ns, m < 16, n < 16
+ *     c[256 s + 16 m + n] = sum over j < 4 nd of (int8) a[m * as + 4 nd s + j]
+ *                                               * (uint8) b[64 (nd s + j / 4) + 4 n + j % 4]
+ *   nd = 8: 32-value (sub-)blocks (Q4_0 .. Q8_0, Q4_K/Q5_K); nd = 4: Q6_K's 16 values.
+ * amxq_dots_emu is that definition in plain C (Intel's pseudo-code for TDPBSUD; integer, so
+ * exactly the hardware's results): it runs the AMX tiles' loops on any AVX-512 CPU (tests). */
+typedef void (*dots_fn)(int32_t *c, const int8_t *a, int64_t as, const uint8_t *b, int ns,
+                        int nd);
+
+static void amxq_dots_emu(int32_t *c, const int8_t *a, int64_t as, const uint8_t *b, int ns,
+                          int nd) {
+    for (int s = 0; s < ns; ++s)
+        for (int m = 0; m < 16; ++m)
+            for (int n = 0; n < 16; ++n) {
+                int32_t acc = 0;
+                for (int j = 0; j < 4 * nd; ++j)
+                    acc += (int32_t)a[m * as + 4 * nd * s + j]
+                           * (int32_t)b[64 * (nd * s + j / 4) + 4 * n + j % 4];
+                c[256 * s + 16 * m + n] = acc;
+            }
+}
+
+/* rows at and above which rs_quant_linear takes the AMX tiles (16: one full A tile). Not yet
+ * measured on an AMX CPU: a first guess, to be set by `bench quant-kernels` there */
+#ifndef AMXQ_MIN_ROWS
+#define AMXQ_MIN_ROWS 16
+#endif
+
+#if RS_Q_AMX
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* tmm0, tmm5: C (16 x 16 int32); tmm1/tmm2: A (16 rows x 32 bytes) and B (8 rows x 64 bytes)
+ * of a 32-value block; tmm3/tmm4: A (16 x 16) and B (4 x 64) of Q6_K's 16 values */
+__attribute__((target("amx-tile"))) static void amxq_config(void) {
+    struct {
+        uint8_t palette_id, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    const int colsb[6] = {64, 32, 64, 16, 64, 64}, rows[6] = {16, 16, 8, 16, 4, 16};
+    for (int t = 0; t < 6; ++t) {
+        cfg.colsb[t] = (uint16_t)colsb[t];
+        cfg.rows[t] = (uint8_t)rows[t];
+    }
+    _tile_loadconfig(&cfg);
+}
+
+__attribute__((target("amx-tile"))) static void amxq_release(void) { _tile_release(); }
+
+/* amxq_dots_emu's contract on the tile unit (amxq_config loaded in this thread); two C
+ * tiles in turn, so a sub-block's store overlaps the next one's product */
+__attribute__((target("amx-tile,amx-int8"))) static void amxq_dots_hw(
+        int32_t *c, const int8_t *a, int64_t as, const uint8_t *b, int ns, int nd) {
+    if (nd == 8) {
+        for (int s = 0; s < ns; s += 2) {
+            _tile_zero(0);
+            _tile_loadd(1, a + 32 * s, as);
+            _tile_loadd(2, b + 512 * s, 64);
+            _tile_dpbsud(0, 1, 2);
+            if (s + 1 < ns) {
+                _tile_zero(5);
+                _tile_loadd(1, a + 32 * (s + 1), as);
+                _tile_loadd(2, b + 512 * (s + 1), 64);
+                _tile_dpbsud(5, 1, 2);
+            }
+            _tile_stored(0, c + 256 * s, 64);
+            if (s + 1 < ns) _tile_stored(5, c + 256 * (s + 1), 64);
+        }
+    } else {
+        for (int s = 0; s < ns; s += 2) {
+            _tile_zero(0);
+            _tile_loadd(3, a + 16 * s, as);
+            _tile_loadd(4, b + 256 * s, 64);
+            _tile_dpbsud(0, 3, 4);
+            if (s + 1 < ns) {
+                _tile_zero(5);
+                _tile_loadd(3, a + 16 * (s + 1), as);
+                _tile_loadd(4, b + 256 * (s + 1), 64);
+                _tile_dpbsud(5, 3, 4);
+            }
+            _tile_stored(0, c + 256 * s, 64);
+            if (s + 1 < ns) _tile_stored(5, c + 256 * (s + 1), 64);
+        }
+    }
+}
+
+/* 1 where the tile unit runs amxq_dots_hw: CPUID's AMX-TILE and AMX-INT8, Linux granted
+ * the tile state (arch_prctl(ARCH_REQ_XCOMP_PERM); without it the first tile instruction
+ * raises SIGILL), and on a fixed probe the hardware gives amxq_dots_emu's integers for
+ * both block shapes and an odd row stride (else a kernel bug: the vpdpbusd tiles serve) */
+static int amxq_probe(void) {
+    unsigned ea, eb, ec, ed;
+    if (!__get_cpuid_count(7, 0, &ea, &eb, &ec, &ed)) return 0;
+    if (!((ed >> 24) & 1) || !((ed >> 25) & 1)) return 0;
+    if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) return 0;
+    enum { AS = 300 };
+    static int8_t a[16 * AS];
+    static uint8_t b[16 * 256] __attribute__((aligned(64)));
+    static int32_t hw[16 * 256] __attribute__((aligned(64))), emu[16 * 256];
+    uint32_t v = 12345u;
+    for (int i = 0; i < 16 * AS; ++i) a[i] = (int8_t)((v = v * 1103515245u + 12345u) >> 24);
+    for (int i = 0; i < 16 * 256; ++i) b[i] = (uint8_t)((v = v * 1103515245u + 12345u) >> 24);
+    int ok = 1;
+    for (int nd = 4; nd <= 8; nd += 4) {
+        const int ns = nd == 8 ? 8 : 16;
+        amxq_config();
+        amxq_dots_hw(hw, a, AS, b, ns, nd);
+        amxq_release();
+        amxq_dots_emu(emu, a, AS, b, ns, nd);
+        ok &= memcmp(hw, emu, sizeof hw) == 0;
+    }
+    return ok;
+}
+#endif
+
+
 /* one 32-value block b of a 16-output group against R activation rows: T[q] lane c holds
  * output c's values 4q..4q+3 (Q8_0's shifted to unsigned), dw / mw its 16 scales / mins;
  * the block's float steps are the per-block contract's (q32b_ref). The sums are vectors
  * indexed by the compile-time row, so they stay in registers */
+/* what a block's dot starts from: Q4_0's -8 sum(x), Q5_0's -16 sum(x), and for Q8_0 (values
+ * stored + 128) -128 sum(x) */
+AI __m512i q32b_offset(const xq32_t *g, int k, const int type) {
+    return type == 1 ? _mm512_set1_epi32(16 * g->o[k])
+         : Q32_OFF(type) ? _mm512_set1_epi32(Q32_OFF(type) * g->o[k]) : _mm512_setzero_si512();
+}
+
+/* a block's float steps for one activation row, given its exact integer dots */
+AI void q32b_step(__m512i dot, __m512 dw, __m512 mw, const xq32_t *g, int k, __m512 *acc,
+                  __m512 *accm, const int type) {
+    *acc = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(g->d[k])), _mm512_cvtepi32_ps(dot), *acc);
+    if (Q32_MIN(type)) *accm = _mm512_fmadd_ps(mw, _mm512_set1_ps(g->s[k]), *accm);
+}
+
 AI void q32b_rows_avx512(const __m512i *T, __m512 dw, __m512 mw, const uint8_t *xq, int64_t xs,
                          int64_t b, __m512 *acc, __m512 *accm, const int R, const int type) {
     const int k = (int)(b % 4);
     for (int r = 0; r < R; ++r) {
         const xq32_t *g = (const xq32_t *)(xq + r * xs) + b / 4;
         const i32u *xi = (const i32u *)g->q[k];
-        __m512i dot = type == 1 ? _mm512_set1_epi32(16 * g->o[k])
-                    : Q32_OFF(type) ? _mm512_set1_epi32(Q32_OFF(type) * g->o[k]) : _mm512_setzero_si512();
+        __m512i dot = q32b_offset(g, k, type);
 #if Q32_CHAINS == 2
         __m512i dot1 = _mm512_setzero_si512();
         for (int q = 0; q < 8; q += 2) {
@@ -1169,9 +1320,7 @@ AI void q32b_rows_avx512(const __m512i *T, __m512 dw, __m512 mw, const uint8_t *
         for (int q = 0; q < 8; ++q)
             dot = _mm512_dpbusd_epi32(dot, T[q], _mm512_set1_epi32(xi[q]));
 #endif
-        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(g->d[k])),
-                                 _mm512_cvtepi32_ps(dot), acc[r]);
-        if (Q32_MIN(type)) accm[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(g->s[k]), accm[r]);
+        q32b_step(dot, dw, mw, g, k, &acc[r], &accm[r], type);
     }
 }
 
@@ -1254,11 +1403,34 @@ AI void q32b_cols_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq,
  * is already the tile's operands (P16_QS bytes of lane-ordered values, then 16 fp16 scales,
  * then Q4_1's 16 fp16 mins), so the per-block gathers, 128-bit inserts and transposes are
  * gone; the integers and float steps, so the bits, are the unpacked tile's */
+/* a 16-output group's packed block p (gb bytes) as the tile's operands: T[q] lane c holds
+ * output c's values 4q..4q+3 (Q5's fifth bits or-ed in), dw / mw the 16 scales / mins;
+ * asks the cache for the block QPF bytes on */
+AI void q32p_block_avx512(const uint8_t *p, int64_t gb, __m512i *T, __m512 *dw, __m512 *mw,
+                          const int type) {
+    const int qsb = P16_QSB(type);
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    for (int64_t l = 0; l < gb; l += 64) _mm_prefetch((const char *)(p + QPF + l), _MM_HINT_T0);
+    if (type == 1) {
+        for (int q = 0; q < 8; ++q) T[q] = _mm512_loadu_si512(p + 64 * q);
+    } else {
+        for (int j = 0; j < 4; ++j) {
+            const __m512i raw = _mm512_loadu_si512(p + 64 * j);
+            T[j] = _mm512_and_si512(raw, m4);
+            T[j + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+        }
+        if (type >= 3) {
+            const __m512i qh = _mm512_loadu_si512(p + 256);
+            for (int q = 0; q < 8; ++q) T[q] = _mm512_or_si512(T[q], q5p_bits_avx512(qh, q));
+        }
+    }
+    *dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + qsb)));
+    *mw = Q32_MIN(type) ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + qsb + 32))) : *dw;
+}
+
 AI void q32p_cols_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
                          int64_t nb, float *y, const int R, const int type) {
     const int64_t gb = 16 * (int64_t)Q32_BYTES(type);
-    const int qsb = P16_QSB(type);
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
     __m512 acc[TILE_MK], accm[TILE_MK];
     for (int c0 = 0; c0 < C; c0 += 16) {
         const int nc = C - c0 < 16 ? C - c0 : 16;
@@ -1266,25 +1438,40 @@ AI void q32p_cols_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq,
         for (int r = 0; r < R; ++r) acc[r] = accm[r] = _mm512_setzero_ps();
         for (int64_t b = 0; b < nb; ++b) {
             const uint8_t *p = g + b * gb;
-            for (int64_t l = 0; l < gb; l += 64) _mm_prefetch((const char *)(p + QPF + l), _MM_HINT_T0);
             __m512i T[8];
-            if (type == 1) {
-                for (int q = 0; q < 8; ++q) T[q] = _mm512_loadu_si512(p + 64 * q);
-            } else {
-                for (int j = 0; j < 4; ++j) {
-                    const __m512i raw = _mm512_loadu_si512(p + 64 * j);
-                    T[j] = _mm512_and_si512(raw, m4);
-                    T[j + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
-                }
-                if (type >= 3) {
-                    const __m512i qh = _mm512_loadu_si512(p + 256);
-                    for (int q = 0; q < 8; ++q) T[q] = _mm512_or_si512(T[q], q5p_bits_avx512(qh, q));
-                }
-            }
-            const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + qsb)));
-            const __m512 mw = Q32_MIN(type) ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + qsb + 32)))
-                                        : dw;
+            __m512 dw, mw;
+            q32p_block_avx512(p, gb, T, &dw, &mw, type);
             q32b_rows_avx512(T, dw, mw, xq, xs, b, acc, accm, R, type);
+        }
+        q32b_store_avx512(acc, accm, y, c0, nc, R, type);
+    }
+}
+
+/* q32p_cols_avx512 with the integer dots from `dots` (AMX tiles or their emulation), 16
+ * activation rows per TDPBSUD whatever R (<= 16: the driver pads the quantized rows to a
+ * multiple of 16); the same integers and float steps, so the same bits */
+AI void q32p_amx(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs, int64_t nb,
+                 int R, float *y, dots_fn dots, const int type) {
+    const int64_t gb = 16 * (int64_t)Q32_BYTES(type);
+    __m512 acc[16], accm[16];
+    int32_t c[256] __attribute__((aligned(64)));
+    for (int c0 = 0; c0 < C; c0 += 16) {
+        const int nc = C - c0 < 16 ? C - c0 : 16;
+        const uint8_t *g = w + c0 * ws;
+        for (int r = 0; r < R; ++r) acc[r] = accm[r] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t *p = g + b * gb;
+            __m512i T[8] __attribute__((aligned(64)));
+            __m512 dw, mw;
+            q32p_block_avx512(p, gb, T, &dw, &mw, type);
+            const int k = (int)(b % 4);
+            /* Q8_0's packed values are already the B tile (int8 + 128, as unsigned) */
+            dots(c, ((const xq32_t *)xq + b / 4)->q[k], xs, type == 1 ? p : (const uint8_t *)T, 1, 8);
+            for (int r = 0; r < R; ++r) {
+                const xq32_t *gx = (const xq32_t *)(xq + r * xs) + b / 4;
+                const __m512i dot = _mm512_add_epi32(q32b_offset(gx, k, type), _mm512_load_si512(c + 16 * r));
+                q32b_step(dot, dw, mw, gx, k, &acc[r], &accm[r], type);
+            }
         }
         q32b_store_avx512(acc, accm, y, c0, nc, R, type);
     }
@@ -1379,7 +1566,20 @@ AI void kt16_fma(float *acc, __m512 dw, float dx, __m512i isum) {
  * the products nd transposed dwords wt[s * nd + k] against row r's activation values
  * nd * 4 * s + 4 k .. + 3 broadcast */
 AI void kt16_isums(const __m512i *wt, const __m512i *scs, const int ns, const int nd,
-                   const uint8_t *xq, int64_t xs, int64_t b, int R, __m512i *is) {
+                   const uint8_t *xq, int64_t xs, int64_t b, int R, __m512i *is, dots_fn dots) {
+    if (dots) { /* 16 rows' sub-block dots per call, scaled and summed here */
+        int32_t c[16 * 256] __attribute__((aligned(64)));
+        for (int r0 = 0; r0 < R; r0 += 16) {
+            dots(c, ((const xqk_t *)(xq + r0 * xs) + b)->q, xs, (const uint8_t *)wt, ns, nd);
+            for (int m = 0; m < 16 && r0 + m < R; ++m) {
+                __m512i acc = _mm512_setzero_si512();
+                for (int s = 0; s < ns; ++s)
+                    acc = _mm512_add_epi32(acc, _mm512_mullo_epi32(_mm512_load_si512(c + 256 * s + 16 * m), scs[s]));
+                is[r0 + m] = acc;
+            }
+        }
+        return;
+    }
     for (int r = 0; r < R; ++r) is[r] = _mm512_setzero_si512();
     for (int s = 0; s < ns; ++s) {
         __m512i wv[8];
@@ -1416,7 +1616,8 @@ AI void kt16_isums(const __m512i *wt, const __m512i *scs, const int ns, const in
 /* Q4_K (hbit = 0) and Q5_K (hbit = 1), C weight rows x R activation rows, 16 outputs at a
  * time; `packed` (Q4_K): W in rs_quant_pack16's layout, the transposes done at load */
 AI void qk45_t16_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
-                        int64_t nb, int R, float *y, const int hbit, const int packed) {
+                        int64_t nb, int R, float *y, const int hbit, const int packed,
+                        dots_fn dots) {
     const int bb = hbit ? 176 : 144, qo = hbit ? 48 : 16;
     const __m512i m4 = _mm512_set1_epi8(0x0F), m6 = _mm512_set1_epi8(0x3F), b4 = _mm512_set1_epi8(0x10);
     const __m512i m2 = _mm512_set1_epi8(0x03), mb = _mm512_set1_epi32(0xFF);
@@ -1493,7 +1694,7 @@ AI void qk45_t16_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, 
                         wt[sb][k] = _mm512_or_si512(wt[sb][k], _mm512_and_si512(hb, b4));
                     }
             }
-            kt16_isums(&wt[0][0], scs, 8, 8, xq, xs, b, R, is);
+            kt16_isums(&wt[0][0], scs, 8, 8, xq, xs, b, R, is, dots);
             for (int r = 0; r < R; ++r) {
                 const xqk_t *x = (const xqk_t *)(xq + r * xs) + b;
                 kt16_fma(acc[r], dw, x->d, is[r]);
@@ -1519,8 +1720,8 @@ AI void qk45_t16_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, 
  * -32 offset taken off as 32 * sum(sc * bs16), exact integers as q6_k_ref's. The column tile
  * reads a row's block at a time and spends most of a one-row call rearranging it (Q6_K [8960,
  * 1536], one row: 19.1 GB/s of weight bytes against the packed Q4_K tile's 30.7, Zen 5) */
-static void q6_k_p16_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
-                            int64_t nb, int R, float *y) {
+AI void q6_k_p16_t16(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
+                     int64_t nb, int R, float *y, dots_fn dots) {
     const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
     const __m512i lo16 = _mm512_set1_epi32(0xFFFF);
     __m512i wt[16][4] __attribute__((aligned(64)));
@@ -1559,7 +1760,7 @@ static void q6_k_p16_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *
                     g[24] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(c, 4), m4),
                                             _mm512_and_si512(_mm512_srli_epi16(q, 2), m30));
                 }
-            kt16_isums(&wt[0][0], scs, 16, 4, xq, xs, b, R, is);
+            kt16_isums(&wt[0][0], scs, 16, 4, xq, xs, b, R, is, dots);
             for (int r = 0; r < R; ++r) {
                 const xqk_t *x = (const xqk_t *)(xq + r * xs) + b;
                 const __m512i off = kt16_pair_dots(scp, 8, (const i32u *)x->bs16);
@@ -1579,7 +1780,7 @@ static void q6_k_p16_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *
     static void name(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,     \
                      int64_t nb, int R, float *y) {                                          \
         if (R >= KT16_MIN_ROWS)                                                              \
-            qk45_t16_avx512(w, ws, C, xq, xs, nb, R, y, hbit, 0);                            \
+            qk45_t16_avx512(w, ws, C, xq, xs, nb, R, y, hbit, 0, NULL);                      \
         else {                                                                               \
             BY_ROWS_ONCE(call)                                                               \
         }                                                                                    \
@@ -1589,9 +1790,40 @@ T16_TILE(q5_k_avx512, 1, Q5_K_T5)
 /* Q4_K packed at load: the transposed tile from one row on (no transposes left to share) */
 static void q4_k_p16_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
                             int64_t nb, int R, float *y) {
-    qk45_t16_avx512(w, ws, C, xq, xs, nb, R, y, 0, 1);
+    qk45_t16_avx512(w, ws, C, xq, xs, nb, R, y, 0, 1, NULL);
+}
+static void q6_k_p16_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
+                            int64_t nb, int R, float *y) {
+    q6_k_p16_t16(w, ws, C, xq, xs, nb, R, y, NULL);
 }
 COL_TILE(q6_k_avx512, Q6_K_T5)
+
+/* the tiles with their integer dots from AMX tiles (or their emulation): the packed tiles
+ * of Q4_0 .. Q8_0, Q4_K and Q6_K, and Q5_K's transposed tile over its rows */
+typedef void (*amx_tile_fn)(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
+                            int64_t nb, int R, float *y, dots_fn dots);
+#define Q32_AMX(name, type)                                                                  \
+    static void name(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,     \
+                     int64_t nb, int R, float *y, dots_fn dots) {                            \
+        q32p_amx(w, ws, C, xq, xs, nb, R, y, dots, type);                                    \
+    }
+Q32_AMX(q4_0_amx, 0)
+Q32_AMX(q8_0_amx, 1)
+Q32_AMX(q4_1_amx, 2)
+Q32_AMX(q5_0_amx, 3)
+Q32_AMX(q5_1_amx, 4)
+static void q4_k_amx(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
+                     int64_t nb, int R, float *y, dots_fn dots) {
+    qk45_t16_avx512(w, ws, C, xq, xs, nb, R, y, 0, 1, dots);
+}
+static void q5_k_amx(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
+                     int64_t nb, int R, float *y, dots_fn dots) {
+    qk45_t16_avx512(w, ws, C, xq, xs, nb, R, y, 1, 0, dots);
+}
+static void q6_k_amx(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
+                     int64_t nb, int R, float *y, dots_fn dots) {
+    q6_k_p16_t16(w, ws, C, xq, xs, nb, R, y, dots);
+}
 #endif
 #endif
 
@@ -1602,6 +1834,11 @@ typedef struct {
     tile_fn ref, fast;
     int t16; /* the fast tile takes KT16_ROWS rows at a time from KT16_MIN_ROWS rows on */
     tile_fn p16; /* the tile over rs_quant_pack16's layout, where this build has one */
+#if RS_Q_AVX512
+    /* the AVX-512 tile this type runs by default (over the packed layout where p16 is set,
+     * else over the rows) with its integer dots from AMX tiles */
+    amx_tile_fn amx;
+#endif
 } qtype_t;
 
 static int qtype_info(int t, qtype_t *q) {
@@ -1613,8 +1850,8 @@ static int qtype_info(int t, qtype_t *q) {
 #endif
 #if RS_Q_AVX512
 #define FAST512(f) f##512
-#define P16(t) t##_p16_avx512
-#define P16K(t) t##_p16_avx512
+#define P16(t) t##_p16_avx512, t##_amx
+#define P16K(t) t##_p16_avx512, t##_amx
 #else
 #define FAST512(f) FAST(f##2)
 #define P16(t) FAST(t##_p16_avx2)
@@ -1626,7 +1863,11 @@ static int qtype_info(int t, qtype_t *q) {
     case T_Q5_1: *q = (qtype_t){32, 24, 0, q5_1_ref, FAST512(q5_1_avx), 0, P16(q5_1)}; return 0;
     case T_Q8_0: *q = (qtype_t){32, 34, 0, q8_0_ref, FAST512(q8_0_avx), 0, P16(q8_0)}; return 0;
     case T_Q4_K: *q = (qtype_t){256, 144, 1, q4_k_ref, FAST512(q4_k_avx), RS_Q_AVX512, P16K(q4_k)}; return 0;
-    case T_Q5_K: *q = (qtype_t){256, 176, 1, q5_k_ref, FAST512(q5_k_avx), RS_Q_AVX512}; return 0;
+#if RS_Q_AVX512
+    case T_Q5_K: *q = (qtype_t){256, 176, 1, q5_k_ref, FAST512(q5_k_avx), 1, NULL, q5_k_amx}; return 0;
+#else
+    case T_Q5_K: *q = (qtype_t){256, 176, 1, q5_k_ref, FAST512(q5_k_avx), 0}; return 0;
+#endif
     case T_Q6_K: *q = (qtype_t){256, 210, 1, q6_k_ref, FAST512(q6_k_avx), 0, P16K(q6_k)}; return 0;
 #undef FAST
 #undef FAST512
@@ -1639,6 +1880,21 @@ static int qtype_info(int t, qtype_t *q) {
 /* which tile code this build runs by default: 2 AVX-512 VNNI, 1 AVX2 (+FMA, F16C), 0
  * portable C */
 int rs_quant_isa(void) { return RS_Q_AVX512 ? 2 : RS_Q_AVX2; }
+
+#if RS_Q_AMX
+static int amxq_state = -1; /* -1 not probed, 0 no, 1 yes */
+#endif
+
+/* 1 where rs_quant_linear takes its integer dot products from AMX tiles (amxq_probe), else
+ * 0 */
+int rs_quant_amx(void) {
+#if RS_Q_AMX
+    if (amxq_state < 0) amxq_state = amxq_probe();
+    return amxq_state;
+#else
+    return 0;
+#endif
+}
 
 /* ---- the 16-row packed layout (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 on AVX2 and AVX-512 builds;
  * Q4_K and Q6_K on AVX-512) ------------------------------------------------------------------
@@ -1745,7 +2001,11 @@ int rs_quant_pack16(int wtype, const uint8_t *w, int64_t N, int64_t nb, uint8_t 
 
 /* y[M, N] (row stride ldo, elements) = x[M, K] @ W^T, W = N rows of K / block blocks, or
  * (wtype | RS_PACK16) rs_quant_pack16's layout of them. xdt/odt: 0 float32, 1 bfloat16.
- * flags bit 0: use the portable tiles (tests; not for packed W). */
+ * flags bit 0: use the portable tiles (tests; not for packed W); bit 1: no AMX tiles; bit 2:
+ * the AMX tiles' loops on their scalar emulation, at every row count (tests, any AVX-512
+ * build; 1 where the chosen tile has no AMX variant: the portable tiles, or a packable type
+ * given as rows). Where rs_quant_amx, tiles of AMXQ_MIN_ROWS rows and more take their
+ * integer dots from AMX tiles: the same integers, so the same bits. */
 int rs_quant_linear(int wtype, const uint8_t *w, int64_t N, int64_t K, int xdt, const void *x,
                     int64_t M, int odt, void *out, int64_t ldo, int flags, int num_threads) {
     qtype_t qt;
@@ -1756,6 +2016,21 @@ int rs_quant_linear(int wtype, const uint8_t *w, int64_t N, int64_t K, int xdt, 
         return 1;
     if (M == 0 || N == 0) return 0;
     const tile_fn tile = packed ? qt.p16 : (flags & 1) || !qt.fast ? qt.ref : qt.fast;
+#if RS_Q_AVX512
+    /* the AMX variant of the tile chosen above, if any */
+    const amx_tile_fn amxt = qt.amx && tile != qt.ref && packed == (qt.p16 != NULL) ? qt.amx : NULL;
+    const int emulate = (flags & 4) != 0;
+    if (emulate && !amxt) return 1; /* no AMX variant of this tile to emulate */
+    dots_fn dots = NULL;
+    if (amxt && emulate)
+        dots = amxq_dots_emu;
+#if RS_Q_AMX
+    else if (amxt && !(flags & 2) && M >= AMXQ_MIN_ROWS && rs_quant_amx())
+        dots = amxq_dots_hw;
+#endif
+#else
+    if (flags & 4) return 1;
+#endif
     /* rows per tile (any count gives the same bits): the column tiles keep one row's sums
      * in registers at a time */
     int tm = TILE_MK;
@@ -1763,8 +2038,11 @@ int rs_quant_linear(int wtype, const uint8_t *w, int64_t N, int64_t K, int xdt, 
         tm = M >= KT16_MIN_ROWS ? KT16_ROWS : TILE_MK;
     const int64_t nb = K / qt.block, row_bytes = nb * qt.bytes;
     const int64_t xs = qt.kquant ? nb * (int64_t)sizeof(xqk_t) : (nb + 3) / 4 * (int64_t)sizeof(xq32_t);
-    uint8_t *xq = aligned_alloc(64, (size_t)((M * xs + 63) / 64 * 64));
+    /* rows padded to a multiple of 16 with zeros: an AMX A tile reads 16 rows */
+    const int64_t Mp = (M + 15) / 16 * 16;
+    uint8_t *xq = aligned_alloc(64, (size_t)((Mp * xs + 63) / 64 * 64));
     if (!xq) return 3;
+    memset(xq + M * xs, 0, (size_t)((Mp - M) * xs));
     const int nt = num_threads > 0 ? num_threads : 1;
 #pragma omp parallel for num_threads(nt) if (M * K >= 65536) schedule(static)
     for (int64_t i = 0; i < M; ++i) {
@@ -1797,8 +2075,13 @@ int rs_quant_linear(int wtype, const uint8_t *w, int64_t N, int64_t K, int xdt, 
     if (mc < tm) mc = tm;
     for (int64_t m0 = 0; m0 < M; m0 += mc) {
         const int64_t m1 = m0 + mc < M ? m0 + mc : M;
-#pragma omp parallel for num_threads(nt) if (N * row_bytes * (M < 4 ? M : 4) >= 65536) \
-    schedule(static)
+#pragma omp parallel num_threads(nt) if (N * row_bytes * (M < 4 ? M : 4) >= 65536)
+        {
+#if RS_Q_AMX
+        /* the tile configuration is per thread */
+        if (dots == amxq_dots_hw) amxq_config();
+#endif
+#pragma omp for schedule(static)
         for (int64_t gi = 0; gi < groups; ++gi) {
             const int64_t j0 = gi * jb, j1 = j0 + jb < N ? j0 + jb : N;
             for (int64_t i0 = m0; i0 < m1; i0 += tm) {
@@ -1806,7 +2089,12 @@ int rs_quant_linear(int wtype, const uint8_t *w, int64_t N, int64_t K, int xdt, 
                 /* the whole group in one call: y[c * R + r] */
                 const int C = (int)(j1 - j0);
                 float y[256 * Y_ROWS];
-                tile(w + j0 * row_bytes, row_bytes, C, xq + i0 * xs, xs, nb, R, y);
+#if RS_Q_AVX512
+                if (dots && (emulate || R >= AMXQ_MIN_ROWS))
+                    amxt(w + j0 * row_bytes, row_bytes, C, xq + i0 * xs, xs, nb, R, y, dots);
+                else
+#endif
+                    tile(w + j0 * row_bytes, row_bytes, C, xq + i0 * xs, xs, nb, R, y);
                 for (int r = 0; r < R; ++r) {
                     const int64_t o = (i0 + r) * ldo + j0;
                     if (odt == 0)
@@ -1816,6 +2104,10 @@ int rs_quant_linear(int wtype, const uint8_t *w, int64_t N, int64_t K, int xdt, 
                             ((uint16_t *)out)[o + c] = f32_bf16(y[c * R + r]);
                 }
             }
+        }
+#if RS_Q_AMX
+        if (dots == amxq_dots_hw) amxq_release();
+#endif
         }
     }
     free(xq);
