@@ -1219,38 +1219,29 @@ __attribute__((target("amx-tile"))) static void amxq_release(void) { _tile_relea
 
 /* amxq_dots_emu's contract on the tile unit (amxq_config loaded in this thread); two C
  * tiles in turn, so a sub-block's store overlaps the next one's product */
+/* sub-block s's dots into C tile tc, through A tile ta and B tile tb (tile numbers are
+ * immediates: the 32- and 16-value shapes have tiles of their own) */
+#define AMXQ_DOT(tc, ta, tb, s)                                                              \
+    do {                                                                                     \
+        _tile_zero(tc);                                                                      \
+        _tile_loadd(ta, a + 4 * nd * (s), as);                                               \
+        _tile_loadd(tb, b + 64 * nd * (s), 64);                                              \
+        _tile_dpbsud(tc, ta, tb);                                                            \
+    } while (0)
+
 __attribute__((target("amx-tile,amx-int8"))) static void amxq_dots_hw(
         int32_t *c, const int8_t *a, int64_t as, const uint8_t *b, int ns, int nd) {
-    if (nd == 8) {
-        for (int s = 0; s < ns; s += 2) {
-            _tile_zero(0);
-            _tile_loadd(1, a + 32 * s, as);
-            _tile_loadd(2, b + 512 * s, 64);
-            _tile_dpbsud(0, 1, 2);
-            if (s + 1 < ns) {
-                _tile_zero(5);
-                _tile_loadd(1, a + 32 * (s + 1), as);
-                _tile_loadd(2, b + 512 * (s + 1), 64);
-                _tile_dpbsud(5, 1, 2);
-            }
-            _tile_stored(0, c + 256 * s, 64);
-            if (s + 1 < ns) _tile_stored(5, c + 256 * (s + 1), 64);
+    for (int s = 0; s < ns; s += 2) {
+        const int two = s + 1 < ns;
+        if (nd == 8) {
+            AMXQ_DOT(0, 1, 2, s);
+            if (two) AMXQ_DOT(5, 1, 2, s + 1);
+        } else {
+            AMXQ_DOT(0, 3, 4, s);
+            if (two) AMXQ_DOT(5, 3, 4, s + 1);
         }
-    } else {
-        for (int s = 0; s < ns; s += 2) {
-            _tile_zero(0);
-            _tile_loadd(3, a + 16 * s, as);
-            _tile_loadd(4, b + 256 * s, 64);
-            _tile_dpbsud(0, 3, 4);
-            if (s + 1 < ns) {
-                _tile_zero(5);
-                _tile_loadd(3, a + 16 * (s + 1), as);
-                _tile_loadd(4, b + 256 * (s + 1), 64);
-                _tile_dpbsud(5, 3, 4);
-            }
-            _tile_stored(0, c + 256 * s, 64);
-            if (s + 1 < ns) _tile_stored(5, c + 256 * (s + 1), 64);
-        }
+        _tile_stored(0, c + 256 * s, 64);
+        if (two) _tile_stored(5, c + 256 * (s + 1), 64);
     }
 }
 
