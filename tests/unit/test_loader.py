@@ -265,6 +265,34 @@ def test_quantized_gguf_rows_read_in_blocks(tmp_path, monkeypatch, qtype_name):
     assert torch.equal(dst, whole["model.layers.0.self_attn.q_proj.weight"].bfloat16())
 
 
+def test_block_rows_read_into_a_staging_buffer(tmp_path):
+    """``block_rows`` with a ``StagingBuffer`` gives the bytes of a fresh read (q/k
+    un-permuted too) for every tensor in turn, the buffer grown to the largest and reused,
+    never shrunk; a result is a view of it, valid until the next read."""
+    import gguf
+
+    f32 = tmp_path / "f32.gguf"
+    cfg, _ = write_tiny_gguf("llama", f32, tie=False)
+    quant = tmp_path / "q8.gguf"
+    _gguf_rewritten(f32, quant, gguf.GGMLQuantizationType.Q8_0)
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    stage = lazy_tensor.StagingBuffer()
+    sizes, n = [], 0
+    for name, t in iter_gguf_weights(quant, heads, kv):
+        if len(t.shape) != 2:
+            continue
+        fresh = t.block_rows(0, t.shape[0])
+        staged = t.block_rows(0, t.shape[0], stage)
+        assert torch.equal(staged, fresh), name
+        part = t.block_rows(3, 7, stage)
+        assert torch.equal(part, fresh[3:7]), name
+        sizes.append(stage.capacity)
+        n += 1
+    assert n >= 7 and sizes == sorted(sizes) and sizes[-1] > 0
+    buf = stage.get(10)
+    assert buf.numel() == 10 and buf.data_ptr() == stage.get(sizes[-1]).data_ptr()
+
+
 def test_bad_gguf_tensors_fail_naming_the_tensor(tmp_path):
     f32 = tmp_path / "f32.gguf"
     cfg, _ = write_tiny_gguf("qwen2", f32, tie=True)

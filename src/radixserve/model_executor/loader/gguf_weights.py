@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from .gguf_header import read_gguf_header
-from .lazy_tensor import LazyTensor
+from .lazy_tensor import LazyTensor, StagingBuffer
 
 #: ggml type ids stored as plain values (not quantized blocks) and their torch dtypes
 _PLAIN = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}
@@ -156,10 +156,12 @@ class GgufTensor(LazyTensor):
     def rows(self, lo: int, hi: int) -> torch.Tensor:
         return self._unpermuted(lo, hi, self._raw_rows)
 
-    def block_rows(self, lo: int, hi: int) -> torch.Tensor:
+    def block_rows(self, lo: int, hi: int, stage: StagingBuffer | None = None) -> torch.Tensor:
         """Rows ``lo:hi`` as stored: uint8 ``[hi - lo, row_bytes]`` of ggml blocks (a 2-D
         tensor only), llama's q/k permutation undone (it moves whole rows, and a quantized
-        block never spans two rows).
+        block never spans two rows). With ``stage``, the bytes are read into its buffer and
+        the result may be a view of it, valid until its next use (for a caller that packs
+        the rows at once).
 
         Raises:
             ValueError: a 1-D tensor, or the bytes cannot be read (naming the tensor).
@@ -167,17 +169,20 @@ class GgufTensor(LazyTensor):
         if len(self.info.shape) != 2:
             raise ValueError(f"{self.describe()} is not a matrix")
         row_bytes = self.info.nbytes // self.info.shape[0]
-        return self._unpermuted(lo, hi, lambda a, b: self._read_rows(a, b, row_bytes))
+        return self._unpermuted(lo, hi, lambda a, b: self._read_rows(a, b, row_bytes, stage))
 
-    def _read_rows(self, lo: int, hi: int, row_bytes: int) -> torch.Tensor:
+    def _read_rows(self, lo: int, hi: int, row_bytes: int,
+                   stage: StagingBuffer | None = None) -> torch.Tensor:
         """The stored bytes of rows ``lo:hi`` read straight into a uint8 ``[hi - lo,
         row_bytes]`` tensor (one copy: ``_bytes`` and a writable buffer made from it were
-        two, for every weight of a GGUF served in its blocks).
+        two, for every weight of a GGUF served in its blocks), a view of ``stage``'s buffer
+        where one is given.
 
         Raises:
             ValueError: the bytes cannot be read, or the file ends first (naming the tensor).
         """
-        out = torch.empty(hi - lo, row_bytes, dtype=torch.uint8)
+        out = (torch.empty(hi - lo, row_bytes, dtype=torch.uint8) if stage is None
+               else stage.get((hi - lo) * row_bytes).view(hi - lo, row_bytes))
         view = memoryview(out.numpy()).cast("B")
         at, n = 0, view.nbytes
         try:

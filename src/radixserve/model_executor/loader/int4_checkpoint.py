@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .lazy_tensor import LazyTensor, SafetensorsTensor
+from .lazy_tensor import LazyTensor, SafetensorsTensor, StagingBuffer
 
 #: ggml type ids of the blocks made here (``gguf.GGMLQuantizationType``)
 Q4_0, Q4_1 = 2, 3
@@ -210,9 +210,10 @@ class Int4Tensor(LazyTensor):
         q = self._q(lo, hi).reshape(hi - lo, -1, self.group)
         return ((q - z[:, :, None]).float() * s[:, :, None]).reshape(hi - lo, -1)
 
-    def block_rows(self, lo: int, hi: int) -> torch.Tensor:
+    def block_rows(self, lo: int, hi: int, stage: StagingBuffer | None = None) -> torch.Tensor:
         """Outputs ``lo:hi`` as ggml blocks, uint8 ``[hi - lo, K / 32 * (18 or 20)]``
-        (``ggml_type``: Q4_0 18 bytes, Q4_1 20 bytes per 32 values)."""
+        (``ggml_type``: Q4_0 18 bytes, Q4_1 20 bytes per 32 values). ``stage`` is not used:
+        the blocks are computed, not read."""
         self._check_g_idx()
         n, k = hi - lo, self.shape[1]
         z, s = self._zeros_scales(lo, hi)

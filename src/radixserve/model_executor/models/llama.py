@@ -49,7 +49,12 @@ from radixserve.model_executor.layers.quantized import (
     Segment,
 )
 from radixserve.model_executor.loader.int4_checkpoint import Int4Scheme, folder_scheme
-from radixserve.model_executor.loader.lazy_tensor import LazyTensor, as_lazy, copy_rows
+from radixserve.model_executor.loader.lazy_tensor import (
+    LazyTensor,
+    StagingBuffer,
+    as_lazy,
+    copy_rows,
+)
 from radixserve.model_executor.parallel.group import TensorParallelGroup
 from radixserve.model_executor.parallel.sharding import ShardLayout, single
 
@@ -715,6 +720,7 @@ class CausalLM(nn.Module):
         seen: dict[str, int] = {}
         #: parameter -> its rows held in blocks (``quantization``), bound after the loop
         blocks: dict[str, list[Segment]] = {}
+        stage = StagingBuffer()  # the block rows of each tensor packed as it is read
         with torch.no_grad():
             for name, w in weights:
                 src = as_lazy(name, w)
@@ -757,7 +763,7 @@ class CausalLM(nn.Module):
                                                               if shape != src.shape else "")
                                      + f", expected {tuple(dst.shape)}")
                 seg = self._block_segment(target, src, 0 if rng is None else rng[0], rows,
-                                          cols, pad)
+                                          cols, pad, stage)
                 if seg is not None:
                     blocks.setdefault(target, []).append(seg)
                 else:
@@ -772,12 +778,14 @@ class CausalLM(nn.Module):
             self._bind_blocks(blocks)
 
     def _block_segment(self, target: str, src: LazyTensor, lo: int, rows: tuple[int, int],
-                       cols: tuple[int, int] | None, pad: int) -> Segment | None:
+                       cols: tuple[int, int] | None, pad: int,
+                       stage: StagingBuffer | None = None) -> Segment | None:
         """This rank's part of ``src`` (its ``rows`` and ``cols``, then ``pad`` zero rows:
         ``_shard_plan``; going to rows ``lo:`` of parameter ``target``) in blocks, or None
         where it is copied dense: no quantization, not a linear weight, a type the kernels lack
         (a GGUF's Q3_K rows are dequantized into the serving dtype), or a tensor-parallel
-        column range that cuts through the type's blocks (Q4_K's 256 values)."""
+        column range that cuts through the type's blocks (Q4_K's 256 values). Rows that are
+        packed at once are read into ``stage``."""
         base = target.rsplit(".", 1)[-1]
         if (self.quantization is None or len(src.shape) != 2
                 or base not in (*_LINEAR_PARAMS, "embed", "lm_head")):
@@ -789,15 +797,15 @@ class CausalLM(nn.Module):
                     or src.shape[1] % block_info(t)[0]):
                 return None
             block, nbytes = block_info(t)
-            data = src.block_rows(rows[0], rows[1])
+            packs = base != "embed" and self.quant is not None and self.quant.has_pack16(t)
+            data = src.block_rows(rows[0], rows[1], stage if packs else None)
             if cols is not None:
                 if cols[0] % block or cols[1] % block:
                     return None
                 data = data[:, cols[0] // block * nbytes:cols[1] // block * nbytes].contiguous()
             if pad:  # zero bytes are zero scales: rows of zeros in every block type
                 data = torch.cat([data, data.new_zeros(pad, data.shape[1])])
-            if (base != "embed" and self.quant is not None
-                    and self.quant.has_pack16(t)):
+            if packs:
                 # packed here, one tensor at a time, so the file's rows are freed as each is
                 # packed (``QuantizedLinear`` would pack them all while holding them all); the
                 # embedding keeps its rows (a tied one is packed with its head, ``_bind_blocks``)
