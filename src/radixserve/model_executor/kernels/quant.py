@@ -13,8 +13,9 @@ gguf-py's ``gguf.quants`` dequantizes; the C source's header restates them.
 float32 scale per 32 values for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 weights, plus the scaled sum for
 Q4_1/Q5_1; per 256 values with 16-value sums for the K-quants), and sums integer dot products
 per block. Each output is one fixed sequence of float operations whatever the batch (M), the
-other rows of the call, the thread count or the code path (AVX2 or portable C): y[i, j] is
-bitwise the same alone or batched.
+other rows of the call, the thread count or the code path (portable C, AVX2, AVX-512 VNNI, or
+AMX-INT8 tiles for the integer dots where the CPU has them): y[i, j] is bitwise the same alone
+or batched.
 """
 
 from __future__ import annotations

@@ -1390,10 +1390,6 @@ AI void q32b_cols_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq,
     }
 }
 
-/* q32b_cols_avx512 on weights packed at load (rs_quant_pack16): each 16-output group's block
- * is already the tile's operands (P16_QS bytes of lane-ordered values, then 16 fp16 scales,
- * then Q4_1's 16 fp16 mins), so the per-block gathers, 128-bit inserts and transposes are
- * gone; the integers and float steps, so the bits, are the unpacked tile's */
 /* a 16-output group's packed block p (gb bytes) as the tile's operands: T[q] lane c holds
  * output c's values 4q..4q+3 (Q5's fifth bits or-ed in), dw / mw the 16 scales / mins;
  * asks the cache for the block QPF bytes on */
@@ -1419,6 +1415,10 @@ AI void q32p_block_avx512(const uint8_t *p, int64_t gb, __m512i *T, __m512 *dw, 
     *mw = Q32_MIN(type) ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + qsb + 32))) : *dw;
 }
 
+/* q32b_cols_avx512 on weights packed at load (rs_quant_pack16): each 16-output group's block
+ * is already the tile's operands (P16_QS bytes of lane-ordered values, then 16 fp16 scales,
+ * then Q4_1's 16 fp16 mins), so the per-block gathers, 128-bit inserts and transposes are
+ * gone; the integers and float steps, so the bits, are the unpacked tile's */
 AI void q32p_cols_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
                          int64_t nb, float *y, const int R, const int type) {
     const int64_t gb = 16 * (int64_t)Q32_BYTES(type);
