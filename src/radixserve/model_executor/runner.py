@@ -400,7 +400,7 @@ class ModelRunner:
         head = "dense" if m.lm_head_q is None else m.lm_head_q.kind
         embed = "dense" if m.embed_q is None else m.embed_q.kind
         packed = m.pack_linears(batch_hint=hint)
-        quant = _quant_kernels(self.kernels)
+        quant = m.quant  # the model's own (``_quant_kernels``, given at construction)
         tiles = f"{quant.isa} block kernels" + (
             ", integer dots on AMX-INT8 tiles from 16 rows" if quant.amx_int8 else "")
         paths.pick("linear", "quantized", f"projections {kinds}, LM head {head}, embedding "
