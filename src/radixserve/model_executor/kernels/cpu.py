@@ -42,6 +42,21 @@ CFLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-ffp-contract=fa
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
+def _check_attention_operands(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              out: torch.Tensor) -> None:
+    """The checks both paged attention kernels share: one dtype (float32 or bfloat16) for q,
+    the caches and out; q [*, H, D] over caches [num_pages, page_size, Hkv, D] with H a
+    multiple of Hkv. Raises ValueError naming what does not fit."""
+    if (q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype
+            or out.dtype != q.dtype):
+        raise ValueError(f"dtypes must all be float32 or bfloat16, got q {q.dtype}, "
+                         f"k {k_cache.dtype}, v {v_cache.dtype}, out {out.dtype}")
+    h, d = q.shape[1], q.shape[2]
+    hkv, dk = k_cache.shape[2], k_cache.shape[3]
+    if dk != d or v_cache.shape != k_cache.shape or h % hkv:
+        raise ValueError(f"q {tuple(q.shape)} does not fit KV {tuple(k_cache.shape)}")
+
+
 def cpu_signature() -> str:
     """The CPU's model name and flags from /proc/cpuinfo ("unknown" where unreadable): the
     key of per-machine caches."""
@@ -216,13 +231,8 @@ class CpuKernels:
                 columns * page_size]; 4: a page id outside the pool; 3: out of memory).
         """
         b, h, d = q.shape
-        _, page_size, hkv, dk = k_cache.shape
-        if (q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype
-                or out.dtype != q.dtype):
-            raise ValueError(f"dtypes must all be float32 or bfloat16, got q {q.dtype}, "
-                             f"k {k_cache.dtype}, v {v_cache.dtype}, out {out.dtype}")
-        if dk != d or v_cache.shape != k_cache.shape or h % hkv:
-            raise ValueError(f"q {tuple(q.shape)} does not fit KV {tuple(k_cache.shape)}")
+        _, page_size, hkv, _ = k_cache.shape
+        _check_attention_operands(q, k_cache, v_cache, out)
         if q.stride(2) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()
                                     and out.is_contiguous() and page_table.stride(1) == 1
                                     and seq_lens.is_contiguous()):
@@ -263,13 +273,8 @@ class CpuKernels:
                 4: a page id outside the pool; 3: out of memory).
         """
         n, h, d = q.shape
-        _, page_size, hkv, dk = k_cache.shape
-        if (q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype
-                or out.dtype != q.dtype):
-            raise ValueError(f"dtypes must all be float32 or bfloat16, got q {q.dtype}, "
-                             f"k {k_cache.dtype}, v {v_cache.dtype}, out {out.dtype}")
-        if dk != d or v_cache.shape != k_cache.shape or h % hkv:
-            raise ValueError(f"q {tuple(q.shape)} does not fit KV {tuple(k_cache.shape)}")
+        _, page_size, hkv, _ = k_cache.shape
+        _check_attention_operands(q, k_cache, v_cache, out)
         if q.stride(2) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()
                                     and out.is_contiguous() and pages.is_contiguous()):
             raise ValueError("k/v cache, out and pages must be contiguous")
