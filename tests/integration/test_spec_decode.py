@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from spec_utils import check_abort_while_speculating
 from tiny_models import tiny_model
 
 from radixserve import LLM, SamplingParams
@@ -202,35 +203,9 @@ def test_abort_while_speculating(pair: tuple[LLM, LLM]) -> None:
     rng = np.random.default_rng(5)
     prompts = [p for p in _prompts(rng, 8) if len(p) > 5][:4]
 
-    def drive(llm: LLM, abort_after: int | None) -> dict[str, list[int]]:
-        eng = llm.engine
-        toks: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-        for i, p in enumerate(prompts):
-            eng.add_request(EngineRequest(
-                request_id=str(i), prompt_token_ids=np.asarray(p, dtype=np.int32),
-                sampling_params=SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)))
-        steps = 0
-        while eng.has_unfinished_requests():
-            out = eng.step()
-            steps += 1
-            if out is None:
-                continue
-            for o in out.outputs:
-                toks[o.request_id] += list(o.new_token_ids)
-            for rid, t in zip(out.decode_request_ids, out.decode_token_ids.tolist(),
-                              strict=True):
-                toks[rid].append(t)
-            if abort_after is not None and steps == abort_after:
-                eng.abort_requests(["0"], notify=False)
-        return toks
-
-    full = drive(base, None)
-    got = drive(spec, 6)
-    assert {k: v for k, v in got.items() if k != "0"} == {k: v for k, v in full.items()
-                                                          if k != "0"}
-    assert 0 < len(got["0"]) < 40 and got["0"] == full["0"][:len(got["0"])]
-    spec.engine.scheduler.check_integrity()
-    assert not spec.engine.scheduler.running
+    check_abort_while_speculating(
+        base, spec, prompts, lambda i: SamplingParams(temperature=0, max_tokens=40,
+                                                      ignore_eos=True))
 
 
 def test_small_pool_preempts_and_stays_exact(tmp_path: Path) -> None:
