@@ -144,6 +144,15 @@ class RequestDelta(msgspec.Struct, gc=False):
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def extend(self, later: RequestDelta) -> None:
+        """Append ``later``, the same request's next delta, to this one: its text, token ids
+        and logprob rows, and its finish and stop reasons (set when it finished)."""
+        self.text += later.text
+        self.token_ids = self.token_ids + later.token_ids
+        if later.logprob_rows:
+            self.logprob_rows = (self.logprob_rows or []) + later.logprob_rows
+        self.finish_reason, self.stop_reason = later.finish_reason, later.stop_reason
+
 
 class ProcessedOutputs(NamedTuple):
     """``OutputProcessor.process``'s result.

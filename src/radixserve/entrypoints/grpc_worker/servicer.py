@@ -114,11 +114,7 @@ def merge_deltas(batch: list[RequestDelta]) -> list[RequestDelta]:
         if d.finish_reason == FINISH_ABORT:
             merged[d.request_id] = d
             continue
-        prev.text += d.text
-        prev.token_ids = prev.token_ids + d.token_ids
-        if d.logprob_rows:
-            prev.logprob_rows = (prev.logprob_rows or []) + d.logprob_rows
-        prev.finish_reason, prev.stop_reason = d.finish_reason, d.stop_reason
+        prev.extend(d)
     return list(merged.values())
 
 

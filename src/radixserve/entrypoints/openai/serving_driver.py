@@ -133,11 +133,7 @@ async def iterate_deltas(stream: RequestStream, prompt_field: str
                 if prev is None:
                     merged[d.request_id] = d
                     continue
-                prev.text += d.text
-                prev.token_ids = prev.token_ids + d.token_ids
-                if d.logprob_rows:
-                    prev.logprob_rows = (prev.logprob_rows or []) + d.logprob_rows
-                prev.finish_reason, prev.stop_reason = d.finish_reason, d.stop_reason
+                prev.extend(d)
             yield list(merged.values())
     finally:
         stream.close()
