@@ -43,6 +43,7 @@ def reference_copy(model: CausalLM) -> CausalLM:
     ref.kernels = ref.ops = ref.quant = None
     ref.quantization = None
     ref._lm_head_proj = None
+    ref._logits_buf = None  # its own, never the fast model's
     dtype = model.norm.dtype
     with torch.no_grad():
         if model.embed_q is not None:
