@@ -7,7 +7,7 @@ from collections.abc import Callable
 import numpy as np
 
 from radixserve import LLM, SamplingParams
-from radixserve.engine_types import EngineRequest
+from radixserve.engine_types import EngineRequest, StepOutputs
 
 
 def drive_tokens(llm: LLM, prompts: list[list[int]], params: Callable[[int], SamplingParams],
@@ -25,15 +25,21 @@ def drive_tokens(llm: LLM, prompts: list[list[int]], params: Callable[[int], Sam
     while eng.has_unfinished_requests():
         out = eng.step()
         steps += 1
-        if out is None:
-            continue
-        for o in out.outputs:
-            toks[o.request_id] += list(o.new_token_ids)
-        for rid, t in zip(out.decode_request_ids, out.decode_token_ids.tolist(), strict=True):
-            toks[rid].append(t)
+        collect_tokens(out, toks)
         if abort_after is not None and steps == abort_after:
             eng.abort_requests(["0"], notify=False)
     return toks
+
+
+def collect_tokens(out: StepOutputs | None, toks: dict[str, list[int]]) -> None:
+    """Append the token ids an engine step gave each request (``EngineCore.step``'s result,
+    None for a step that gave none) to ``toks[request_id]``."""
+    if out is None:
+        return
+    for o in out.outputs:
+        toks[o.request_id] += list(o.new_token_ids)
+    for rid, t in zip(out.decode_request_ids, out.decode_token_ids.tolist(), strict=True):
+        toks[rid].append(t)
 
 
 def check_abort_while_speculating(base: LLM, spec: LLM, prompts: list[list[int]],

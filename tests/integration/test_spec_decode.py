@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from spec_utils import check_abort_while_speculating
+from spec_utils import check_abort_while_speculating, collect_tokens
 from tiny_models import tiny_model
 
 from radixserve import LLM, SamplingParams
@@ -288,12 +288,7 @@ def test_default_cap_drafts_only_when_one_request_runs(tmp_path: Path) -> None:
         out = eng.step()
         drafts_by_batch[running] = (drafts_by_batch.get(running, 0)
                                     + _spec_counts(spec).num_drafts - before)
-        if out is None:
-            continue
-        for o in out.outputs:
-            toks[o.request_id] += list(o.new_token_ids)
-        for rid, t in zip(out.decode_request_ids, out.decode_token_ids.tolist(), strict=True):
-            toks[rid].append(t)
+        collect_tokens(out, toks)
     assert max(drafts_by_batch) > 1  # batched steps ran
     assert all(n == 0 for b, n in drafts_by_batch.items() if b > 1), drafts_by_batch
     assert drafts_by_batch.get(1, 0) > 0, drafts_by_batch

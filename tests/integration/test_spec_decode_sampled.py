@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from spec_utils import check_abort_while_speculating
+from spec_utils import check_abort_while_speculating, collect_tokens
 from tiny_models import TINY_VOCAB, tiny_model
 
 from radixserve import LLM, SamplingParams
@@ -67,13 +67,7 @@ def _run_to_completion(eng, toks: dict[str, list[int]]) -> None:  # noqa: ANN001
     """Step ``eng`` (an ``EngineCore``) until every request finished, appending each request's
     tokens to ``toks[request_id]``; then the KV pool is whole (every page free or cached)."""
     while eng.has_unfinished_requests():
-        out = eng.step()
-        if out is None:
-            continue
-        for o in out.outputs:
-            toks[o.request_id] += list(o.new_token_ids)
-        for rid, t in zip(out.decode_request_ids, out.decode_token_ids.tolist(), strict=True):
-            toks[rid].append(t)
+        collect_tokens(eng.step(), toks)
     eng.scheduler.check_integrity()
     kv = eng.kv
     assert kv.num_free_pages + kv.num_cached_pages == kv.num_usable_pages
