@@ -699,8 +699,9 @@ class CausalLM(nn.Module):
         """``logits.float()`` (bf16/fp16 [S, V] on CPU) into ``_logits_buf``, grown to the
         largest S seen. A fresh float32 tensor each step is fresh pages once it passes
         glibc's largest mmap threshold (32 MiB: 64 rows of a 152k vocabulary are 39 MB), each
-        faulted in and zeroed by the kernel: 7-8% of a 64-row decode step at Qwen2.5-0.5B's
-        shapes (Zen 5, perf), where the rows themselves take under 2%."""
+        faulted in and zeroed by the kernel: ~10% of a generation's samples in the kernel
+        (perf) at Qwen2.5-0.5B's shapes, 64 x 16 -> 128 tokens, and 18% more output tok/s
+        with the buffer (Zen 5, docs/benchmarks.md)."""
         n = logits.numel()
         buf = self._logits_buf
         if buf is None or buf.numel() < n:
