@@ -145,6 +145,29 @@ def test_compare_reports_missing_peers(tmp_path: Path) -> None:
     assert "vllm" in table and "unavailable" in table and "llama.cpp" in table
 
 
+def test_cpu_kind_names_the_kinds_of_the_figures() -> None:
+    """Every figure's JSON says which CPU kind it came from: the kind follows the flags that
+    pick the dtype and kernels, and the record agrees with this machine's /proc/cpuinfo."""
+    from radixserve.bench.overhead import KIND_FLAGS, cpu_kind, machine_info
+
+    base = {"sse4_2", "avx", "avx2", "fma", "f16c"}
+    assert cpu_kind(base) == "avx2"
+    assert cpu_kind(base - {"fma"}) == "other"
+    ice_lake = base | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_vbmi2"}
+    assert cpu_kind(ice_lake) == "avx512"
+    assert cpu_kind(ice_lake | {"avx512_bf16"}) == "avx512-bf16"
+    assert cpu_kind(ice_lake | {"avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"}) == "amx"
+    info = machine_info()
+    flags = next(set(ln.split(":", 1)[1].split())
+                 for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                 if ln.startswith("flags"))
+    assert info["cpu_kind"] == cpu_kind(flags)
+    assert info["cpu_flags"] == [f for f in KIND_FLAGS if f in flags]
+    table = compare.format_table({"machine": info, "offline": {}, "serve": {}})
+    assert table.splitlines()[0].startswith(f"machine: {info['cpu']} (CPU kind "
+                                            f"{info['cpu_kind']})")
+
+
 def test_avx2_emulation_holds_every_layer_to_avx2() -> None:
     """``benchmarks/avx2_emulation/run.sh`` (figures labelled "held to AVX2" rest on it): the
     C kernels are the haswell build, torch, oneDNN and Inductor see no AVX-512, and

@@ -530,8 +530,11 @@ def ratios(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 def format_table(doc: dict[str, Any]) -> str:
-    lines = ["offline (all prompts at once): output tokens/s, total tokens/s, "
-             "ratio radixserve / peer"]
+    m = doc.get("machine", {})
+    lines = [f"machine: {m.get('cpu', '?')} (CPU kind {m.get('cpu_kind', '?')}), "
+             f"{m.get('cores', '?')} cores"] if m else []
+    lines.append("offline (all prompts at once): output tokens/s, total tokens/s, "
+                 "ratio radixserve / peer")
     rat = doc.get("ratios", {})
     for eng, v in doc.get("offline", {}).items():
         if "output_tokens_per_s" in v:

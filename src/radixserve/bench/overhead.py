@@ -235,22 +235,50 @@ def run(batch_sizes: list[int], modes: list[str], cfg: OverheadConfig,
             "machine": machine, "results": results}
 
 
+#: the /proc/cpuinfo flags that decide which kernels and dtype a CPU gets, recorded with every
+#: figure (``machine_info``)
+KIND_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
+              "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu_kind(flags: set[str] | frozenset[str]) -> str:
+    """The CPU kind a figure was taken on, from its /proc/cpuinfo ``flags``: "amx" (AMX-BF16),
+    "avx512-bf16" (AVX-512 with BF16 dot products, no AMX), "avx512" (AVX-512 without bf16
+    arithmetic, e.g. Ice Lake-SP: ``--dtype auto`` = float32), "avx2" (AVX2 + FMA, no AVX-512)
+    or "other". The kinds of docs/benchmarks.md."""
+    if "amx_bf16" in flags:
+        return "amx"
+    if "avx512_bf16" in flags:
+        return "avx512-bf16"
+    if "avx512f" in flags:
+        return "avx512"
+    if "avx2" in flags and "fma" in flags:
+        return "avx2"
+    return "other"
+
+
 def machine_info() -> dict[str, Any]:
-    """CPU model, core count, load and versions, for the record."""
+    """CPU model, kind and deciding flags (``cpu_kind``, ``KIND_FLAGS``), core count, load and
+    versions, for the record."""
     import sys
 
     from radixserve import __version__ as rs_version
 
     cpu = platform.processor() or ""
+    flags: set[str] = set()
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
+            for line in f:  # the first processor's model name, then its flags
                 if line.startswith("model name"):
                     cpu = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
                     break
     except OSError:
         pass
-    info: dict[str, Any] = {"cpu": cpu, "cores": os.cpu_count(),
+    info: dict[str, Any] = {"cpu": cpu, "cpu_kind": cpu_kind(flags),
+                            "cpu_flags": [f for f in KIND_FLAGS if f in flags],
+                            "cores": os.cpu_count(),
                             "python": sys.version.split()[0], "radixserve": rs_version,
                             "numpy": np.__version__, "msgspec": msgspec.__version__,
                             "pyzmq": zmq.__version__,
