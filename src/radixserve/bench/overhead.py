@@ -263,19 +263,15 @@ def machine_info() -> dict[str, Any]:
     import sys
 
     from radixserve import __version__ as rs_version
+    from radixserve.model_executor.kernels.cpu import cpu_signature
 
     cpu = platform.processor() or ""
     flags: set[str] = set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:  # the first processor's model name, then its flags
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                elif line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-    except OSError:
-        pass
+    for line in cpu_signature().splitlines():  # the first processor's model name and flags
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+        elif line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
     info: dict[str, Any] = {"cpu": cpu, "cpu_kind": cpu_kind(flags),
                             "cpu_flags": [f for f in KIND_FLAGS if f in flags],
                             "cores": os.cpu_count(),
