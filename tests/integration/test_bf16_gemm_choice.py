@@ -13,6 +13,7 @@ import torch
 from tiny_models import tiny_model
 
 from radixserve import LLM, SamplingParams
+from radixserve.model_executor.device_policy import cpu_has_native_bf16
 from radixserve.model_executor.kernels.cpu import CpuKernels
 from radixserve.model_executor.layers.amx_linear import AmxLinear
 from radixserve.model_executor.layers.bf16_weight_linear import Bf16WeightLinear
@@ -95,7 +96,8 @@ def test_bf16_model_on_the_float32_gemm(tmp_path, arch: str) -> None:
 
 
 def test_auto_records_its_measured_choice(tmp_path) -> None:
-    """``auto`` measures and records which arithmetic a bf16 model took, and why."""
+    """``auto`` records which arithmetic a bf16 model took, and why: measured where the CPU
+    has bf16 dot products, the float32 FMAs without a measurement where it has none."""
     folder = tiny_model(tmp_path, "llama", save_dtype=torch.bfloat16)
     llm = LLM(model=folder, dtype="bfloat16", seed=0, num_pages=32, page_size=16,
               max_model_len=128)
@@ -106,8 +108,12 @@ def test_auto_records_its_measured_choice(tmp_path) -> None:
     if paths.get("linear") == "amx":  # the AMX kind: its own bf16 GEMM, nothing to choose
         assert "bf16_gemm" not in paths
         return
-    assert paths["bf16_gemm"] in ("bf16", "float32")
     reason = runner.paths.reasons["bf16_gemm"]
+    if not cpu_has_native_bf16():  # emulated bf16 is not measured: float32, said so
+        assert paths["bf16_gemm"] == "float32" and "no bf16 dot products" in reason, reason
+        assert paths["linear"] == "bf16-weights"
+        return
+    assert paths["bf16_gemm"] in ("bf16", "float32")
     assert "float32 FMAs ms per forward M=1:" in reason
     # a tiny model's linears fit in any last-level cache: timed there, as it is served
     assert ("in cache" if last_level_cache_bytes() else "read from memory") in reason
