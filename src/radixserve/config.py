@@ -331,9 +331,10 @@ class EngineConfig:
             included: radixserve's float32 GEMM over the bf16 weights, the rows
             widened and the sums rounded back to bf16, ``layers/bf16_weight_linear.py``: one
             reduction order for every row count, the float32 oneDNN path's arithmetic), or
-            "auto" (default): the AMX GEMM on the AMX kind, elsewhere whichever measured faster
-            on one layer and the LM head at start-up (``path_choice.choose_bf16_gemm``,
-            cached). Some CPUs run float32 FMAs
+            "auto" (default): the AMX GEMM on the AMX kind, "float32" unmeasured on a CPU
+            without bf16 dot products (no ``avx512_bf16``: bf16 would be emulated there),
+            elsewhere whichever measured faster on one layer and the LM head at start-up
+            (``path_choice.choose_bf16_gemm``, cached). Some CPUs run float32 FMAs
             at twice the rate of their bf16 dot products. Needs ``cpu_linear_kernel``.
         fused_decode: run a decode step's layers in one call into radixserve's C kernels
             (the same kernels in the same order as the per-op path, so the same bits) where
