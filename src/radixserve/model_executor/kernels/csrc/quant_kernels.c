@@ -1588,6 +1588,36 @@ AI void kt16_isums(const __m512i *wt, const __m512i *scs, const int ns, const in
     }
 }
 
+/* kt16_isums for the packed tiles without `dots`: the values of ns sub-blocks of nd
+ * transposed dwords each (wt[s * nd + k]) against every row's activation values from byte
+ * xo[s] of block b, the products of sub-block s scaled by scs[s] and added into is[r] (set
+ * instead when `first`). Integer sums, so the bits are kt16_isums' whatever the order; called
+ * on a few sub-blocks at a time so that their values stay in registers. Through kt16_isums
+ * instead (a whole block's values stored into a 4 KiB array and loaded back, and the row sums
+ * zeroed by a memset call per block), packed [8960, 1536], 2 threads, Ice Lake kind, best us
+ * at M = 1 / 4 / 8 / 16 / 64, kt16_isums -> this (`benchmarks/quant_kernel_variants_ab.py
+ * --packed`): Q4_K 447 / 603 / 850 / 1366 / 4494 -> 355 / 474 / 667 / 1180 / 4256 (one row
+ * 17.3 -> 21.8 GB/s of weights, Q4_0's rate); Q6_K 702 / 935 / 1157 / 1722 / 5290 -> 623 /
+ * 880 / 1036 / 1567 / 4659 */
+AI void kt16_isums_regs(const __m512i *wt, const __m512i *scs, const int *xo, const int ns,
+                        const int nd, const uint8_t *xq, int64_t xs, int64_t b, int R,
+                        __m512i *is, const int first) {
+    for (int r = 0; r < R; ++r) {
+        const int8_t *xr = ((const xqk_t *)(xq + r * xs) + b)->q;
+        __m512i t = first ? _mm512_setzero_si512() : is[r];
+        for (int s = 0; s < ns; ++s) {
+            const i32u *x = (const i32u *)(xr + xo[s]);
+            __m512i p0 = _mm512_setzero_si512(), p1 = _mm512_setzero_si512();
+            for (int k = 0; k < nd; k += 2) {
+                p0 = _mm512_dpbusd_epi32(p0, wt[nd * s + k], _mm512_set1_epi32(x[k]));
+                p1 = _mm512_dpbusd_epi32(p1, wt[nd * s + k + 1], _mm512_set1_epi32(x[k + 1]));
+            }
+            t = _mm512_add_epi32(t, _mm512_mullo_epi32(_mm512_add_epi32(p0, p1), scs[s]));
+        }
+        is[r] = t;
+    }
+}
+
 /* bytes of a packed Q4_K group's super-block (16 rows' 144), and of its parts: the qs as 32
  * vectors of transposed dwords, the 12 scale bytes as 3, then the fp16 d and dmin of the 16
  * rows (rs_quant_pack16) */
@@ -1657,35 +1687,50 @@ AI void qk45_t16_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, 
                 mnp[k] = _mm512_or_si512(_mm512_and_si512(v, mb),
                                          _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(v, 8), mb), 16));
             }
-            /* the 128 bytes of qs: dword D of every output (sub-block pair D / 8, values
-             * 4 (D % 8) ..), low nibbles sub-block 2 (D / 8), high ones 2 (D / 8) + 1 */
-            for (int hh = 0; hh < 2; ++hh) {
-                __m512i q[16];
-                if (packed) {
-                    for (int d = 0; d < 16; ++d) q[d] = _mm512_loadu_si512((const void *)(pk + 64 * (16 * hh + d)));
-                } else {
-                    for (int c = 0; c < 16; ++c) q[c] = _mm512_loadu_si512((const void *)(p[c] + qo + 64 * hh));
-                    tr16x16_512(q);
-                }
-                for (int d = 0; d < 16; ++d) {
-                    const int D = 16 * hh + d, j = D / 8, k = D % 8;
-                    wt[2 * j][k] = _mm512_and_si512(q[d], m4);
-                    wt[2 * j + 1][k] = _mm512_and_si512(_mm512_srli_epi16(q[d], 4), m4);
-                }
-            }
-            if (hbit && !packed) { /* Q5_K: bit s of qh byte i is bit 4 of sub-block s's value i; qh dword k
-                         * of every output holds values 4 k .. 4 k + 3's */
-                __m512i qh[16];
-                for (int c = 0; c < 16; ++c)
-                    qh[c] = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(p[c] + 16)));
-                tr16x16_512(qh);
-                for (int sb = 0; sb < 8; ++sb)
+            if (packed && !dots) {
+                /* a sub-block pair at a time: its 8 qs dwords unpacked in registers into the
+                 * low nibbles' sub-block 2 j and the high ones' 2 j + 1 */
+                for (int j = 0; j < 4; ++j) {
+                    __m512i v[16];
                     for (int k = 0; k < 8; ++k) {
-                        const __m512i hb = sb <= 4 ? _mm512_slli_epi16(qh[k], 4 - sb) : _mm512_srli_epi16(qh[k], sb - 4);
-                        wt[sb][k] = _mm512_or_si512(wt[sb][k], _mm512_and_si512(hb, b4));
+                        const __m512i q = _mm512_loadu_si512((const void *)(pk + 64 * (8 * j + k)));
+                        v[k] = _mm512_and_si512(q, m4);
+                        v[8 + k] = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
                     }
+                    const int xo[2] = {64 * j, 64 * j + 32};
+                    kt16_isums_regs(v, scs + 2 * j, xo, 2, 8, xq, xs, b, R, is, j == 0);
+                }
+            } else {
+                /* the 128 bytes of qs: dword D of every output (sub-block pair D / 8, values
+                 * 4 (D % 8) ..), low nibbles sub-block 2 (D / 8), high ones 2 (D / 8) + 1 */
+                for (int hh = 0; hh < 2; ++hh) {
+                    __m512i q[16];
+                    if (packed) {
+                        for (int d = 0; d < 16; ++d) q[d] = _mm512_loadu_si512((const void *)(pk + 64 * (16 * hh + d)));
+                    } else {
+                        for (int c = 0; c < 16; ++c) q[c] = _mm512_loadu_si512((const void *)(p[c] + qo + 64 * hh));
+                        tr16x16_512(q);
+                    }
+                    for (int d = 0; d < 16; ++d) {
+                        const int D = 16 * hh + d, j = D / 8, k = D % 8;
+                        wt[2 * j][k] = _mm512_and_si512(q[d], m4);
+                        wt[2 * j + 1][k] = _mm512_and_si512(_mm512_srli_epi16(q[d], 4), m4);
+                    }
+                }
+                if (hbit && !packed) { /* Q5_K: bit s of qh byte i is bit 4 of sub-block s's value i; qh dword k
+                             * of every output holds values 4 k .. 4 k + 3's */
+                    __m512i qh[16];
+                    for (int c = 0; c < 16; ++c)
+                        qh[c] = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(p[c] + 16)));
+                    tr16x16_512(qh);
+                    for (int sb = 0; sb < 8; ++sb)
+                        for (int k = 0; k < 8; ++k) {
+                            const __m512i hb = sb <= 4 ? _mm512_slli_epi16(qh[k], 4 - sb) : _mm512_srli_epi16(qh[k], sb - 4);
+                            wt[sb][k] = _mm512_or_si512(wt[sb][k], _mm512_and_si512(hb, b4));
+                        }
+                }
+                kt16_isums(&wt[0][0], scs, 8, 8, xq, xs, b, R, is, dots);
             }
-            kt16_isums(&wt[0][0], scs, 8, 8, xq, xs, b, R, is, dots);
             for (int r = 0; r < R; ++r) {
                 const xqk_t *x = (const xqk_t *)(xq + r * xs) + b;
                 kt16_fma(acc[r], dw, x->d, is[r]);
@@ -1707,7 +1752,8 @@ AI void qk45_t16_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, 
 
 /* Q6_K packed at load, C weight rows x R activation rows, 16 outputs at a time: the 6-bit
  * values of 16 outputs decoded once per super-block from the transposed ql / qh dwords (no
- * transposes), each 16-value sub-block's 4 dwords of products scaled in kt16_isums, and the
+ * transposes), each 16-value sub-block's 4 dwords of products scaled in kt16_isums_regs (kt16_isums
+ * with AMX dots), and the
  * -32 offset taken off as 32 * sum(sc * bs16), exact integers as q6_k_ref's. The column tile
  * reads a row's block at a time and spends most of a one-row call rearranging it (Q6_K [8960,
  * 1536], one row: 19.1 GB/s of weight bytes against the packed Q4_K tile's 30.7, Zen 5) */
@@ -1739,19 +1785,43 @@ AI void q6_k_p16_t16(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int
             /* half hh, dword k of its 32 values per group: ql dwords 16 hh + k (groups 4 hh,
              * 4 hh + 2: low, high nibbles) and 16 hh + 8 + k (4 hh + 1, 4 hh + 3), two bits each
              * of qh dword 8 hh + k; group g's dword k is sub-block 2 g + k / 4's dword k % 4 */
-            for (int hh = 0; hh < 2; ++hh)
-                for (int k = 0; k < 8; ++k) {
-                    const __m512i a = _mm512_loadu_si512((const void *)(pk + 64 * (16 * hh + k)));
-                    const __m512i c = _mm512_loadu_si512((const void *)(pk + 64 * (16 * hh + 8 + k)));
-                    const __m512i q = _mm512_loadu_si512((const void *)(pk + PK6_QH + 64 * (8 * hh + k)));
-                    __m512i *g = &wt[8 * hh + k / 4][k % 4];
-                    g[0] = _mm512_or_si512(_mm512_and_si512(a, m4), _mm512_and_si512(_mm512_slli_epi16(q, 4), m30));
-                    g[8] = _mm512_or_si512(_mm512_and_si512(c, m4), _mm512_and_si512(_mm512_slli_epi16(q, 2), m30));
-                    g[16] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(a, 4), m4), _mm512_and_si512(q, m30));
-                    g[24] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(c, 4), m4),
-                                            _mm512_and_si512(_mm512_srli_epi16(q, 2), m30));
-                }
-            kt16_isums(&wt[0][0], scs, 16, 4, xq, xs, b, R, is, dots);
+            if (!dots) {
+                /* a quarter of the block at a time: ql / qh dwords k = 4 kk .. 4 kk + 3 of half
+                 * hh give sub-blocks 8 hh + kk + {0, 2, 4, 6} whole, decoded in registers */
+                for (int hh = 0; hh < 2; ++hh)
+                    for (int kk = 0; kk < 2; ++kk) {
+                        __m512i v[16];
+                        for (int i = 0; i < 4; ++i) {
+                            const int k = 4 * kk + i;
+                            const __m512i a = _mm512_loadu_si512((const void *)(pk + 64 * (16 * hh + k)));
+                            const __m512i c = _mm512_loadu_si512((const void *)(pk + 64 * (16 * hh + 8 + k)));
+                            const __m512i q = _mm512_loadu_si512((const void *)(pk + PK6_QH + 64 * (8 * hh + k)));
+                            v[i] = _mm512_or_si512(_mm512_and_si512(a, m4), _mm512_and_si512(_mm512_slli_epi16(q, 4), m30));
+                            v[4 + i] = _mm512_or_si512(_mm512_and_si512(c, m4), _mm512_and_si512(_mm512_slli_epi16(q, 2), m30));
+                            v[8 + i] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(a, 4), m4), _mm512_and_si512(q, m30));
+                            v[12 + i] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(c, 4), m4),
+                                                        _mm512_and_si512(_mm512_srli_epi16(q, 2), m30));
+                        }
+                        const int s0 = 8 * hh + kk;
+                        const __m512i s4[4] = {scs[s0], scs[s0 + 2], scs[s0 + 4], scs[s0 + 6]};
+                        const int xo[4] = {16 * s0, 16 * (s0 + 2), 16 * (s0 + 4), 16 * (s0 + 6)};
+                        kt16_isums_regs(v, s4, xo, 4, 4, xq, xs, b, R, is, hh == 0 && kk == 0);
+                    }
+            } else {
+                for (int hh = 0; hh < 2; ++hh)
+                    for (int k = 0; k < 8; ++k) {
+                        const __m512i a = _mm512_loadu_si512((const void *)(pk + 64 * (16 * hh + k)));
+                        const __m512i c = _mm512_loadu_si512((const void *)(pk + 64 * (16 * hh + 8 + k)));
+                        const __m512i q = _mm512_loadu_si512((const void *)(pk + PK6_QH + 64 * (8 * hh + k)));
+                        __m512i *g = &wt[8 * hh + k / 4][k % 4];
+                        g[0] = _mm512_or_si512(_mm512_and_si512(a, m4), _mm512_and_si512(_mm512_slli_epi16(q, 4), m30));
+                        g[8] = _mm512_or_si512(_mm512_and_si512(c, m4), _mm512_and_si512(_mm512_slli_epi16(q, 2), m30));
+                        g[16] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(a, 4), m4), _mm512_and_si512(q, m30));
+                        g[24] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(c, 4), m4),
+                                                _mm512_and_si512(_mm512_srli_epi16(q, 2), m30));
+                    }
+                kt16_isums(&wt[0][0], scs, 16, 4, xq, xs, b, R, is, dots);
+            }
             for (int r = 0; r < R; ++r) {
                 const xqk_t *x = (const xqk_t *)(xq + r * xs) + b;
                 const __m512i off = kt16_pair_dots(scp, 8, (const i32u *)x->bs16);
