@@ -216,6 +216,9 @@ class EngineInfo(msgspec.Struct, kw_only=True, frozen=True):
         page_size: tokens per KV page.
         pid: the engine-core process id (0 in-process).
         speculative: speculative decoding's settings in force, None when it is off.
+        tokenizer_class: ``"module:qualname"`` of the tokenizer class AutoTokenizer picks for
+            ``folder`` (``loader.auto_tokenizer_class``), so a frontend can load it without
+            importing torch; "" where the engine did not resolve one (then AutoTokenizer).
     """
 
     model_name: str
@@ -229,6 +232,7 @@ class EngineInfo(msgspec.Struct, kw_only=True, frozen=True):
     page_size: int
     pid: int = 0
     speculative: SpecDecodeInfo | None = None
+    tokenizer_class: str = ""
 
 
 class ShadowStats(msgspec.Struct, kw_only=True):

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +17,9 @@ import torch
 
 from radixserve.model_executor.loader import (
     ModelFiles,
+    auto_tokenizer_class,
     checkpoint_weights,
+    declared_tokenizer_class,
     default_model_path,
     eos_token_ids,
     export_hf_weights,
@@ -24,6 +29,7 @@ from radixserve.model_executor.loader import (
     load_hf_config,
     load_tokenizer,
     resolve_model,
+    tokenizer_class_path,
 )
 
 pytestmark = pytest.mark.slow
@@ -135,6 +141,68 @@ def test_tokenizer_matches_gguf_tokenizer(converted, gguf_tokenizer):
         assert ids == gguf_tokenizer.encode(text), text
         assert tok.decode(ids) == text
     assert tok("<|im_end|>")["input_ids"] == [2]  # special tokens are single ids, no BOS added
+
+
+def _qwen2_folder(converted: Path, dest: Path) -> Path:
+    """The default model's tokenizer files under a Qwen2 config, as ``bench make-model`` writes
+    them: AutoTokenizer builds transformers' Qwen2 class there, not the declared one."""
+    dest.mkdir()
+    for f in converted.iterdir():
+        if f.name != "config.json" and f.is_file():
+            shutil.copy(f, dest / f.name)
+    cfg = json.loads((converted / "config.json").read_text())
+    (dest / "config.json").write_text(json.dumps(
+        {**cfg, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}))
+    return dest
+
+
+def test_tokenizer_by_class_is_autotokenizers_without_torch(converted, tmp_path):
+    """The API process loads the class the engine names (``EngineInfo.tokenizer_class``): the
+    same tokenizer as AutoTokenizer's, whichever class that is, and torch left unimported."""
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi 🙂"}]
+    classes = set()
+    for folder in (converted, _qwen2_folder(converted, tmp_path / "qwen2")):
+        cls = auto_tokenizer_class(folder)
+        classes.add(cls)
+        auto, direct = AutoTokenizer.from_pretrained(str(folder)), load_tokenizer(folder, cls)
+        assert tokenizer_class_path(type(direct)) == tokenizer_class_path(type(auto)) == cls
+        for text in TEXTS:
+            assert direct.encode(text) == auto.encode(text), (folder, text)
+        assert (direct.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                == auto.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+        assert direct.all_special_ids == auto.all_special_ids
+        probe = (f"import sys; from pathlib import Path\n"
+                 f"from radixserve.model_executor.loader import load_tokenizer\n"
+                 f"tok = load_tokenizer(Path({str(folder)!r}), {cls!r})\n"
+                 f"print(tok.encode({TEXTS[0]!r}), 'torch' in sys.modules)")
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                             check=True).stdout.split("] ")
+        assert out[0] + "]" == str(auto.encode(TEXTS[0])) and out[1].strip() == "False", out
+    # the Qwen2 folder declares the generic class, and AutoTokenizer overrides it: the engine's
+    # answer, not the declared guess, has to decide
+    assert len(classes) == 2
+    assert declared_tokenizer_class(tmp_path / "qwen2") == declared_tokenizer_class(converted)
+    assert declared_tokenizer_class(converted) in classes
+
+
+def test_declared_tokenizer_class_guesses(converted, tmp_path):
+    folder = tmp_path / "t"
+    shutil.copytree(converted, folder)
+    tc_path = folder / "tokenizer_config.json"
+    tc = json.loads(tc_path.read_text())
+    for name, want in [("GPT2TokenizerFast", "transformers.models.gpt2.tokenization_gpt2:"
+                        "GPT2Tokenizer"), ("NoSuchTokenizer", "")]:
+        tc_path.write_text(json.dumps({**tc, "tokenizer_class": name}))
+        assert declared_tokenizer_class(folder) == want
+    # remote code is never guessed at, nor loaded from a class path outside transformers
+    tc_path.write_text(json.dumps({**tc, "auto_map": {"AutoTokenizer": [None, "x.Tok"]}}))
+    assert declared_tokenizer_class(folder) == ""
+    tc_path.write_text(json.dumps(tc))
+    assert type(load_tokenizer(folder, "json:JSONDecoder")).__module__.startswith("transformers.")
+    tc_path.unlink()
+    assert declared_tokenizer_class(folder) == ""
 
 
 def test_chat_template(converted, gguf_tokenizer):

@@ -79,6 +79,20 @@ def srv(tmp_path_factory: pytest.TempPathFactory):
         s.stop()
 
 
+def _maps_torch(pid: int) -> bool:
+    return "libtorch_cpu" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_api_process_leaves_torch_to_the_engine(srv) -> None:
+    """The API process tokenizes with the class the engine names, so it never imports torch
+    (~250 MiB resident); the engine process does."""
+    reply = _client(srv).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
+    assert reply.usage.prompt_tokens > 3 and reply.choices[0].message.content
+    assert srv.engine_pid is not None and _maps_torch(srv.engine_pid)
+    assert not _maps_torch(srv.proc.pid)
+
+
 # -- request ids ---------------------------------------------------------------------------------
 
 

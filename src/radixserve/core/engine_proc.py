@@ -41,6 +41,8 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Protocol
 
 import msgspec
@@ -250,16 +252,51 @@ class EngineLoop:
             self.request_stop(f"parent process {self.parent_pid} is gone")
 
 
+class TokenizerClassProbe:
+    """Finds the tokenizer class AutoTokenizer picks for the model's folder
+    (``loader.auto_tokenizer_class``, 0.3-1 s), on a thread beside the model load where the
+    folder is known before it (``loader.folder_if_ready``), so the frontend loads that class
+    without importing torch.
+
+    Args:
+        model: ``EngineConfig.model`` (None: the default model).
+    """
+
+    def __init__(self, model: str | None) -> None:
+        from radixserve.model_executor.loader import auto_tokenizer_class, folder_if_ready
+
+        self._folder = folder_if_ready(model)
+        self._pool: ThreadPoolExecutor | None = None
+        self._early: Future[str] | None = None
+        if self._folder is not None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="radixserve-tokenizer")
+            self._early = self._pool.submit(auto_tokenizer_class, self._folder)
+            self._pool.shutdown(wait=False)
+
+    def result(self, folder: str) -> str:
+        """The class for the engine's ``folder`` ("" for none): the early answer where the
+        folders agree, else resolved now."""
+        from radixserve.model_executor.loader import auto_tokenizer_class
+
+        if not folder:
+            return ""
+        if self._early is not None and self._folder == Path(folder):
+            return self._early.result()
+        return auto_tokenizer_class(Path(folder))
+
+
 def run_engine_process(input_addr: str, output_addr: str, config: EngineConfig,
                        parent_pid: int | None = None, null_model: bool = False,
                        null_step_s: float = 0.0) -> int:
     """Behind radixserve's frontend: bind, load, handshake, loop. Returns the process exit
     status (0 clean, 1 error)."""
     sockets = CoreSockets(input_addr, output_addr, bind=True, send_timeout_ms=SEND_TIMEOUT_MS)
+    tokenizer_class = TokenizerClassProbe(config.model)
 
     def handshake(engine: Any, _stop: Callable[[], bool]) -> None:
-        sockets.handshake(timeout_s=HANDSHAKE_TIMEOUT_S,
-                          info=msgspec.structs.replace(engine.info, pid=os.getpid()))
+        info = engine.info
+        sockets.handshake(timeout_s=HANDSHAKE_TIMEOUT_S, info=msgspec.structs.replace(
+            info, pid=os.getpid(), tokenizer_class=tokenizer_class.result(info.folder)))
 
     try:
         return _serve(sockets, handshake, config, parent_pid, null_model, null_step_s)

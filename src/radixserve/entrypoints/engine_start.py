@@ -16,8 +16,11 @@ async def start_engine_with_tokenizer(client: AsyncEngineClient) -> tuple[Engine
     each on two cores).
 
     The early load (``loader.tokenizer_if_ready``) only runs where the model's folder is
-    known without converting anything; the engine's folder decides, so a different folder or
-    a failed early load means the tokenizer loads again from the engine's folder.
+    known without converting anything, as the class its ``tokenizer_config.json`` names; the
+    engine's folder and tokenizer class (``EngineInfo.tokenizer_class``, the class AutoTokenizer
+    picks) decide, so a different folder or class, or a failed early load, means the tokenizer
+    loads again as the engine says. Neither load imports torch where the class is transformers'
+    own.
 
     Returns:
         the engine's ``EngineInfo`` and the Hugging Face tokenizer of ``info.folder``.
@@ -26,11 +29,16 @@ async def start_engine_with_tokenizer(client: AsyncEngineClient) -> tuple[Engine
         whatever ``client.start`` raises (the engine failed to start), and ``ValueError`` from
         ``loader.load_tokenizer`` (no loadable tokenizer in the engine's folder).
     """
-    from radixserve.model_executor.loader import load_tokenizer, tokenizer_if_ready
+    from radixserve.model_executor.loader import (
+        load_tokenizer,
+        tokenizer_class_path,
+        tokenizer_if_ready,
+    )
 
     warm = asyncio.ensure_future(asyncio.to_thread(tokenizer_if_ready, client.config.model))
     info = await client.start()
     early = await warm
-    if early is not None and early[0] == Path(info.folder):
+    if (early is not None and early[0] == Path(info.folder) and info.tokenizer_class
+            and tokenizer_class_path(type(early[1])) == info.tokenizer_class):
         return info, early[1]
-    return info, await asyncio.to_thread(load_tokenizer, info.folder)
+    return info, await asyncio.to_thread(load_tokenizer, info.folder, info.tokenizer_class)

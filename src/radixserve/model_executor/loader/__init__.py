@@ -48,7 +48,10 @@ __all__ = [
     "gguf_to_hf_folder",
     "iter_safetensors",
     "load_hf_config",
+    "auto_tokenizer_class",
+    "declared_tokenizer_class",
     "load_tokenizer",
+    "tokenizer_class_path",
     "read_config",
     "resolve_model",
     "tokenizer_if_ready",
@@ -163,8 +166,26 @@ def folder_if_ready(model: str | os.PathLike | None) -> Path | None:
     return None
 
 
-def load_tokenizer(folder: Path):
-    """The model's tokenizer: ``transformers.AutoTokenizer.from_pretrained(folder)``.
+def tokenizer_class_path(cls: type) -> str:
+    """``"module:qualname"`` of a tokenizer class, as :func:`load_tokenizer` takes it."""
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def load_tokenizer(folder: Path, tokenizer_class: str = ""):
+    """The model's tokenizer: ``transformers.AutoTokenizer.from_pretrained(folder)``, or, given
+    the class AutoTokenizer picks for ``folder`` (:func:`auto_tokenizer_class`), that class's
+    ``from_pretrained(folder)``, which is what AutoTokenizer returns in the end.
+
+    The second way exists for the API process: AutoTokenizer reads the model's config through
+    transformers' ``configuration_utils``, which imports torch (~250 MiB resident in a process
+    that never touches a tensor: 380 MiB against 130 MiB for the default model), while the
+    tokenizer classes themselves import only ``tokenizers``. The engine process, which imports
+    torch anyway, runs AutoTokenizer once and names the class in its ``EngineInfo``.
+
+    Args:
+        folder: a Hugging Face folder with tokenizer files.
+        tokenizer_class: ``"module:qualname"`` (:func:`tokenizer_class_path`) of a class under
+            ``transformers.``; "" or any other module (remote code) means AutoTokenizer.
 
     Returns:
         A transformers tokenizer (a fast, ``tokenizers``-backed one for every converted GGUF and
@@ -173,26 +194,71 @@ def load_tokenizer(folder: Path):
     Raises:
         ValueError: the folder has no loadable tokenizer (message names the folder and the cause).
     """
-    from transformers import AutoTokenizer
-
     try:
+        module, _, qualname = tokenizer_class.partition(":")
+        if module.startswith("transformers.") and qualname:
+            import importlib
+
+            cls = getattr(importlib.import_module(module), qualname)
+            return cls.from_pretrained(str(folder))
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(str(folder))
     except Exception as e:  # transformers raises OSError, ValueError, KeyError, ... here
         raise ValueError(f"cannot load a tokenizer from {folder}: {type(e).__name__}: {e}") from e
 
 
+def auto_tokenizer_class(folder: Path) -> str:
+    """``"module:qualname"`` of the class ``AutoTokenizer.from_pretrained(folder)`` builds (it
+    builds one: 0.3-1 s), or "" where no tokenizer loads from ``folder``. Imports torch."""
+    try:
+        return tokenizer_class_path(type(load_tokenizer(folder)))
+    except ValueError:
+        return ""
+
+
+def declared_tokenizer_class(folder: Path) -> str:
+    """The class ``tokenizer_config.json`` names (``tokenizer_class``), as ``"module:qualname"``
+    where transformers exports it (a ``...Fast`` name falls back to the name without the suffix,
+    transformers 5's single class), else "" (no such file or class, or remote code through
+    ``auto_map``). A guess that needs no torch: AutoTokenizer overrides the declared class for
+    some model types, so the engine's :func:`auto_tokenizer_class` decides."""
+    try:
+        tok_cfg = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return ""
+    name = tok_cfg.get("tokenizer_class") if isinstance(tok_cfg, dict) else None
+    if not isinstance(name, str) or not name or "auto_map" in tok_cfg:
+        return ""
+    import transformers
+
+    for candidate in (name, name.removesuffix("Fast")):
+        try:
+            cls = getattr(transformers, candidate)
+        except (AttributeError, ImportError):
+            continue
+        if isinstance(cls, type):
+            return tokenizer_class_path(cls)
+    return ""
+
+
 def tokenizer_if_ready(model: str | os.PathLike | None) -> tuple[Path, Any] | None:
     """``(folder, tokenizer)`` for ``model`` where its folder is already known
-    (:func:`folder_if_ready`), else None with transformers imported. For a server to run
-    while its engine loads the model (seconds each) and to use when the engine's folder is
-    the same; any failure is left for the load from the engine's folder to report."""
-    from transformers import AutoTokenizer  # noqa: F401 - the seconds of import, at least
+    (:func:`folder_if_ready`) and its ``tokenizer_config.json`` names a transformers class
+    (:func:`declared_tokenizer_class`), loaded as that class without importing torch; else None.
+    For a server to run while its engine loads the model (seconds each on two cores) and to use
+    when the engine's folder and tokenizer class are the same; any failure is left for the load
+    from the engine's folder to report."""
+    from transformers import PreTrainedTokenizerFast  # noqa: F401 - the seconds of import, at least
 
     folder = folder_if_ready(model)
     if folder is None:
         return None
+    declared = declared_tokenizer_class(folder)
+    if not declared:
+        return None
     try:
-        return folder, load_tokenizer(folder)
+        return folder, load_tokenizer(folder, declared)
     except ValueError:
         return None
 
