@@ -193,14 +193,16 @@ def test_declared_tokenizer_class_guesses(converted, tmp_path):
     tc_path = folder / "tokenizer_config.json"
     tc = json.loads(tc_path.read_text())
     for name, want in [("GPT2TokenizerFast", "transformers.models.gpt2.tokenization_gpt2:"
-                        "GPT2Tokenizer"), ("NoSuchTokenizer", "")]:
+                        "GPT2Tokenizer"), ("NoSuchTokenizer", ""), ("AutoConfig", "")]:
         tc_path.write_text(json.dumps({**tc, "tokenizer_class": name}))
         assert declared_tokenizer_class(folder) == want
-    # remote code is never guessed at, nor loaded from a class path outside transformers
+    # remote code is never guessed at, nor anything loaded but a tokenizer class of transformers
     tc_path.write_text(json.dumps({**tc, "auto_map": {"AutoTokenizer": [None, "x.Tok"]}}))
     assert declared_tokenizer_class(folder) == ""
     tc_path.write_text(json.dumps(tc))
-    assert type(load_tokenizer(folder, "json:JSONDecoder")).__module__.startswith("transformers.")
+    auto_type = type(load_tokenizer(folder))
+    for path in ("json:JSONDecoder", "transformers.models.auto.configuration_auto:AutoConfig"):
+        assert type(load_tokenizer(folder, path)) is auto_type  # AutoTokenizer, not the path
     tc_path.unlink()
     assert declared_tokenizer_class(folder) == ""
 

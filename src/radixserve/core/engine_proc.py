@@ -266,12 +266,16 @@ class TokenizerClassProbe:
         from radixserve.model_executor.loader import auto_tokenizer_class, folder_if_ready
 
         self._folder = folder_if_ready(model)
-        self._pool: ThreadPoolExecutor | None = None
         self._early: Future[str] | None = None
         if self._folder is not None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="radixserve-tokenizer")
-            self._early = self._pool.submit(auto_tokenizer_class, self._folder)
-            self._pool.shutdown(wait=False)
+            # imported here, before the thread starts: two threads importing the same package
+            # can meet in a cycle of module locks (CPython's _DeadlockError), which would fail
+            # the model load; the model load imports transformers and torch anyway
+            from transformers import AutoTokenizer  # noqa: F401
+
+            pool = ThreadPoolExecutor(1, thread_name_prefix="radixserve-tokenizer")
+            self._early = pool.submit(auto_tokenizer_class, self._folder)
+            pool.shutdown(wait=False)
 
     def result(self, folder: str) -> str:
         """The class for the engine's ``folder`` ("" for none): the early answer where the

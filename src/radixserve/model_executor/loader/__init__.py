@@ -40,7 +40,9 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_MODEL_NAME",
     "ModelFiles",
+    "auto_tokenizer_class",
     "checkpoint_weights",
+    "declared_tokenizer_class",
     "default_model_path",
     "eos_token_ids",
     "export_hf_weights",
@@ -48,12 +50,10 @@ __all__ = [
     "gguf_to_hf_folder",
     "iter_safetensors",
     "load_hf_config",
-    "auto_tokenizer_class",
-    "declared_tokenizer_class",
     "load_tokenizer",
-    "tokenizer_class_path",
     "read_config",
     "resolve_model",
+    "tokenizer_class_path",
     "tokenizer_if_ready",
     "safetensors_files",
 ]
@@ -195,17 +195,28 @@ def load_tokenizer(folder: Path, tokenizer_class: str = ""):
         ValueError: the folder has no loadable tokenizer (message names the folder and the cause).
     """
     try:
-        module, _, qualname = tokenizer_class.partition(":")
-        if module.startswith("transformers.") and qualname:
-            import importlib
-
-            cls = getattr(importlib.import_module(module), qualname)
+        cls = _tokenizer_class(tokenizer_class)
+        if cls is not None:
             return cls.from_pretrained(str(folder))
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(str(folder))
     except Exception as e:  # transformers raises OSError, ValueError, KeyError, ... here
         raise ValueError(f"cannot load a tokenizer from {folder}: {type(e).__name__}: {e}") from e
+
+
+def _tokenizer_class(path: str) -> type | None:
+    """The tokenizer class ``"module:qualname"`` names, if it is one of transformers' own
+    (a subclass of ``PreTrainedTokenizerBase`` in a ``transformers.`` module), else None."""
+    module, _, qualname = path.partition(":")
+    if not module.startswith("transformers.") or not qualname:
+        return None
+    import importlib
+
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+    cls = getattr(importlib.import_module(module), qualname, None)
+    return cls if isinstance(cls, type) and issubclass(cls, PreTrainedTokenizerBase) else None
 
 
 def auto_tokenizer_class(folder: Path) -> str:
@@ -237,7 +248,7 @@ def declared_tokenizer_class(folder: Path) -> str:
             cls = getattr(transformers, candidate)
         except (AttributeError, ImportError):
             continue
-        if isinstance(cls, type):
+        if isinstance(cls, type) and _tokenizer_class(tokenizer_class_path(cls)) is cls:
             return tokenizer_class_path(cls)
     return ""
 
