@@ -69,16 +69,28 @@ def test_tensor_parallel_bfloat16_near_one_rank(tmp_path: Path) -> None:
     """bfloat16 through Gloo's all-reduce: each rank's partial sum is rounded to bfloat16
     before the reduction, so logprobs differ by rounding and a near-tie may flip (this model's
     first prompt has two tokens 0.03 apart). Checked like vLLM's ``check_logprobs_close``:
-    each side's first token is in the other's top 5, and shared logprobs are close."""
+    each side's first token is in the other's top 5. The logprobs are held to bfloat16's own
+    error: against the float32 model, two ranks in bfloat16 stand no further off than 0.05
+    nats or 1.5 times what one rank in bfloat16 does (plus 0.01). A fixed bound on the two
+    bfloat16 runs alone did not hold: with these wide random weights, on the Zen 5 kind, one
+    rank in bfloat16 stood up to 0.097 nats off float32 and two ranks 0.065, 0.062 apart; a
+    wrong shard or a lost partial sum is off by nats."""
     path = tiny_model(tmp_path, "qwen2", INIT_STD)
     prompts = [[5, 17, 99, 230, 7], [300, 2, 44], [9, 8, 7, 6, 5, 4, 3]]
     sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=5)
     one = _run(path, 1, prompts, sp, "bfloat16")
     many = _run(path, 2, prompts, sp, "bfloat16")
-    for a, b in zip(one, many, strict=True):
+    ref_sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=20)
+    ref = _run(path, 1, prompts, ref_sp, "float32")
+    for a, b, r in zip(one, many, ref, strict=True):
         la, lb = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
+        lr = r.outputs[0].logprobs[0]
         assert a.outputs[0].token_ids[0] in lb and b.outputs[0].token_ids[0] in la
-        assert all(abs(la[t] - lb[t]) < 0.05 for t in la.keys() & lb.keys())
+        shared = la.keys() & lb.keys() & lr.keys()
+        assert len(shared) >= 3
+        err_one = max(abs(la[t] - lr[t]) for t in shared)
+        err_tp = max(abs(lb[t] - lr[t]) for t in shared)
+        assert err_tp <= max(1.5 * err_one, 0.05) + 0.01, (err_tp, err_one)
 
 
 def test_default_model_three_ranks(default_llm: LLM) -> None:
