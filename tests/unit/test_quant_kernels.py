@@ -26,9 +26,8 @@ TYPES = [int(QT.Q4_0), int(QT.Q4_1), int(QT.Q5_0), int(QT.Q5_1), int(QT.Q8_0), i
 TYPES_32 = [int(QT.Q4_0), int(QT.Q4_1), int(QT.Q5_0), int(QT.Q5_1), int(QT.Q8_0)]
 NAMES = {t: SUPPORTED_TYPES[t] for t in TYPES}
 #: the types with the 16-row packed layout (``QuantKernels.pack16``)
-PACKABLE = [int(QT.Q4_0), int(QT.Q4_1), int(QT.Q5_0), int(QT.Q5_1), int(QT.Q8_0), int(QT.Q4_K),
-            int(QT.Q6_K)]
-PACKABLE_AVX2 = PACKABLE[:5]  # Q4_K's and Q6_K's packed tiles are AVX-512 transposed ones
+PACKABLE = TYPES
+PACKABLE_AVX2 = TYPES_32  # the K-quants' packed tiles are AVX-512 transposed ones
 
 
 @pytest.fixture(scope="module")
@@ -287,7 +286,7 @@ def test_avx2_and_avx512_tiles_give_the_same_bits(qk, tmp_path):
         for m in (1, 8, 19):
             assert torch.equal(run(avx2, t, w, x[:m]), run(qk, t, w, x[:m])), (NAMES[t], m)
     # the AVX2 tiles read the 16-row packed layout as two 8-output halves
-    assert not avx2.has_pack16(int(QT.Q4_K)) and not avx2.has_pack16(int(QT.Q6_K))
+    assert not any(avx2.has_pack16(int(t)) for t in (QT.Q4_K, QT.Q5_K, QT.Q6_K))
     for t in PACKABLE_AVX2:
         assert avx2.has_pack16(t)
         w = make_weight(t, 27, 768, seed=t + 2)
@@ -388,8 +387,10 @@ def test_pack16_round_trip(qk, t):
         assert p.shape == (-(-n // 16) * 16, w.shape[1])
         assert not torch.equal(p[:n], w) or n == 0  # rearranged, not copied
         assert torch.equal(qk.unpack16(t, p, n), w)
-    with pytest.raises(ValueError):
-        qk.pack16(int(QT.Q5_K), torch.zeros(16, 176, dtype=torch.uint8))
+    with pytest.raises(ValueError):  # a type these kernels do not take
+        qk.pack16(int(QT.Q2_K), torch.zeros(16, 84, dtype=torch.uint8))
+    with pytest.raises(ValueError):  # not whole blocks
+        qk.pack16(t, torch.zeros(16, block_info(t)[1] + 1, dtype=torch.uint8))
     with pytest.raises(ValueError):
         qk.unpack16(t, p, 16)  # 40 rows' packing is not 16 rows'
 
@@ -450,9 +451,10 @@ def test_quantized_linear_holds_packable_segments_packed(qk):
         assert torch.equal(wt[at:at + w.shape[0]], ref)
 
 
-@pytest.mark.parametrize("t", [int(QT.Q4_K), int(QT.Q6_K)], ids=["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("t", [int(QT.Q4_K), int(QT.Q5_K), int(QT.Q6_K)],
+                         ids=["Q4_K", "Q5_K", "Q6_K"])
 def test_k_quants_are_held_packed_at_long_rows(qk, t):
-    """Q4_K and Q6_K are held packed where the build has their packed tile (AVX-512), long
+    """Q4_K, Q5_K and Q6_K are held packed where the build has their packed tile (AVX-512), long
     rows included (a 7B model's down projection has 18,944 inputs), with the rows' bits."""
     from radixserve.model_executor.layers.quantized import QuantizedLinear, Segment
 
@@ -468,7 +470,7 @@ def test_k_quants_are_held_packed_at_long_rows(qk, t):
 
 def amx_operand(qk, t: int, w: np.ndarray) -> tuple[int, torch.Tensor]:
     """(type id, weight) in the form the AVX-512 build's AMX tiles read: packed where the
-    build packs the type (``has_pack16``), else its rows (Q5_K)."""
+    build packs the type (``has_pack16``), else its rows."""
     if qk.has_pack16(t):
         return t | PACK16, qk.pack16(t, torch.from_numpy(w))
     return t, torch.from_numpy(w)

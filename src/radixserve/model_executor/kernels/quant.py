@@ -42,7 +42,7 @@ _DT = {torch.float32: 0, torch.bfloat16: 1}
 PACK16 = 0x100
 #: the types ``QuantKernels.pack16`` lays out (which of them a build runs packed:
 #: ``QuantKernels.has_pack16``)
-PACK16_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K")
+PACK16_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 #: ``amx`` argument -> rs_quant_linear's flag bits (2: no AMX tiles, 4: their emulation)
 _AMX_FLAGS = {"auto": 0, "off": 2, "emulate": 4}
 _ERRORS = {1: "bad type or sizes", 2: "a row id out of range (nothing written)",
@@ -123,25 +123,25 @@ class QuantKernels:
     def has_pack16(self, ggml_type: int) -> bool:
         """Whether this build's tiles run ``ggml_type`` in the 16-row packed layout
         (``pack16``): Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 on AVX2 and AVX-512 VNNI builds (the AVX2 tiles
-        read a 16-row group as two 8-output halves), Q4_K and Q6_K on AVX-512 VNNI builds;
+        read a 16-row group as two 8-output halves), Q4_K, Q5_K and Q6_K on AVX-512 VNNI builds;
         none on the portable one. Where it does, weights are held packed: the packed tiles
         give the rows' bits and measured faster at every shape tried."""
         return bool(self._has_pack16(ggml_type))
 
     def pack16(self, ggml_type: int, w: torch.Tensor) -> torch.Tensor:
         """W's rows in the 16-row packed layout that the AVX2 and AVX-512 tiles of Q4_0, Q4_1,
-        Q5_0, Q5_1 and Q8_0, and the AVX-512 tiles of Q4_K and Q6_K, read without transposing
+        Q5_0, Q5_1 and Q8_0, and the AVX-512 tiles of Q4_K, Q5_K and Q6_K, read without transposing
         (``csrc/quant_kernels.c``, ``rs_quant_pack16``): rows in groups of 16, each group's
         blocks back to back, each block's 16 rows' values lane by lane, then (Q5_0, Q5_1)
-        their fifth bits or (Q4_K) their scale bytes the same way, then their fp16 scales (and
-        Q4_1's and Q5_1's mins, Q4_K's dmins); Q6_K's ql, qh and int8 scales are all value
+        their fifth bits or (Q4_K, Q5_K) their scale bytes the same way and (Q5_K) its 32 qh
+        bytes, then their fp16 scales (and Q4_1's and Q5_1's mins, the K-quants' dmins); Q6_K's ql, qh and int8 scales are all value
         vectors, then its fp16 d. A
         decode-sized call spent most of its time rearranging each block into that order
         (Q4_1 [3072, 576] at one row on the avx512_bf16 VM: 34.8 us from the rows, 17.7 us
         packed).
 
         Args:
-            ggml_type: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K or Q6_K's type id.
+            ggml_type: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K's type id.
             w: contiguous uint8 [N, row_bytes] rows of ggml blocks.
 
         Returns:

@@ -80,8 +80,8 @@
  * VM and script, best us, column tiles -> transposed: M = 8 811 -> 790, 16 1344 -> 1190, 32
  * 2552 -> 1965, 64 4901 -> 3608, 256 20473 -> 14984 (1.30x at 32 rows, 1.36-1.37x from 64);
  * Q5_K (its fifth bits or-ed in) 8 808 -> 821, 16 1393 -> 1280, 64 5185 -> 3681, 256 20822 ->
- * 14413. Q4_K and Q6_K weights are packed at load on these builds (rs_quant_pack16), and
- * their transposed tiles then run from one row on with no transposes. Transposing Q6_K per
+ * 14413. Q4_K, Q5_K and Q6_K weights are packed at load on these builds (rs_quant_pack16),
+ * and their transposed tiles then run from one row on with no transposes. Transposing Q6_K per
  * call had been slower than its column tile (M = 8 1024 -> 1633, 64 7256 -> 7842: three
  * 16 x 16 transposes and 16 scale products per block); packed, Zen 5 kind, [1536, 8960] at
  * M = 1 / 4 / 16 / 64, us: 512 / 562 / 1604 / 6464 -> 323-370 / 403-486 / 1110-1165 /
@@ -1620,11 +1620,13 @@ AI void kt16_isums_regs(const __m512i *wt, const __m512i *scs, const int *xo, co
 
 /* bytes of a packed Q4_K group's super-block (16 rows' 144), and of its parts: the qs as 32
  * vectors of transposed dwords, the 12 scale bytes as 3, then the fp16 d and dmin of the 16
- * rows (rs_quant_pack16) */
+ * rows (rs_quant_pack16). Q5_K's (16 rows' 176) has its qh as 8 more vectors after the
+ * scales, then the d and dmin. */
 #define PK4_BLOCK (16 * 144)
 #define PK4_SCALES (32 * 64)
 #define PK4_D (PK4_SCALES + 3 * 64)
-#define PK4_DMIN (PK4_D + 32)
+#define PK5_QH PK4_D
+#define PK5_D (PK5_QH + 8 * 64)
 /* bytes ahead of a packed Q4_K super-block that the tile asks the cache for, into L2 (T0's
  * requests into L1 read [3584, 18944] at one row in 1716 us, T1's in 1619 us) */
 #ifndef PK4_PF
@@ -1634,13 +1636,22 @@ AI void kt16_isums_regs(const __m512i *wt, const __m512i *scs, const int *xo, co
 #define PK4_HINT _MM_HINT_T1
 #endif
 
+/* Q5_K's fifth bits of sub-block s (bit s of each qh byte) moved to bit 4 of every byte:
+ * 16-bit shifts of at most 4 places keep bit 4 and bit 12 within their own bytes */
+AI __m512i q5k_hbits(__m512i qh, const int s) {
+    const __m512i hb = s <= 4 ? _mm512_slli_epi16(qh, 4 - s) : _mm512_srli_epi16(qh, s - 4);
+    return _mm512_and_si512(hb, _mm512_set1_epi8(0x10));
+}
+
 /* Q4_K (hbit = 0) and Q5_K (hbit = 1), C weight rows x R activation rows, 16 outputs at a
- * time; `packed` (Q4_K): W in rs_quant_pack16's layout, the transposes done at load */
+ * time; `packed`: W in rs_quant_pack16's layout, the transposes done at load */
 AI void qk45_t16_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
                         int64_t nb, int R, float *y, const int hbit, const int packed,
                         dots_fn dots) {
     const int bb = hbit ? 176 : 144, qo = hbit ? 48 : 16;
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m6 = _mm512_set1_epi8(0x3F), b4 = _mm512_set1_epi8(0x10);
+    /* a packed group's super-block bytes, where its d sits, and how far ahead to prefetch */
+    const int64_t pkb = 16 * bb, pkd = hbit ? PK5_D : PK4_D, pkpf = (int64_t)PK4_PF * bb / 144;
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m6 = _mm512_set1_epi8(0x3F);
     const __m512i m2 = _mm512_set1_epi8(0x03), mb = _mm512_set1_epi32(0xFF);
     __m512i wt[8][8] __attribute__((aligned(64)));
     __m512i is[KT16_ROWS] __attribute__((aligned(64)));
@@ -1652,16 +1663,16 @@ AI void qk45_t16_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, 
         memset(acc, 0, (size_t)R * sizeof acc[0]);
         memset(accm, 0, (size_t)R * sizeof accm[0]);
         for (int64_t b = 0; b < nb; ++b) {
-            const uint8_t *p[16], *pk = w + c0 * ws + b * PK4_BLOCK;
+            const uint8_t *p[16], *pk = w + c0 * ws + b * pkb;
             /* headers: h[0] = d | dmin << 16, h[1..3] the 12 scale bytes, lane c: output c */
             __m512i h[4];
             __m512 dw, mw;
             if (packed) {
-                for (int l = 0; l < PK4_BLOCK; l += 64)
-                    _mm_prefetch((const char *)(pk + PK4_PF + l), PK4_HINT);
+                for (int l = 0; l < pkb; l += 64)
+                    _mm_prefetch((const char *)(pk + pkpf + l), PK4_HINT);
                 for (int m = 1; m < 4; ++m) h[m] = _mm512_loadu_si512((const void *)(pk + PK4_SCALES + 64 * (m - 1)));
-                dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pk + PK4_D)));
-                mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pk + PK4_DMIN)));
+                dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pk + pkd)));
+                mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pk + pkd + 32)));
             } else {
                 kt16_blocks(p, w, ws, c0, nc, b, bb);
                 __m512i a[4];
@@ -1689,13 +1700,19 @@ AI void qk45_t16_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, 
             }
             if (packed && !dots) {
                 /* a sub-block pair at a time: its 8 qs dwords unpacked in registers into the
-                 * low nibbles' sub-block 2 j and the high ones' 2 j + 1 */
+                 * low nibbles' sub-block 2 j and the high ones' 2 j + 1 (Q5_K: qh dword k, the
+                 * fifth bits of values 4 k .. 4 k + 3 of every sub-block, or-ed in) */
                 for (int j = 0; j < 4; ++j) {
                     __m512i v[16];
                     for (int k = 0; k < 8; ++k) {
                         const __m512i q = _mm512_loadu_si512((const void *)(pk + 64 * (8 * j + k)));
                         v[k] = _mm512_and_si512(q, m4);
                         v[8 + k] = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+                        if (hbit) {
+                            const __m512i qh = _mm512_loadu_si512((const void *)(pk + PK5_QH + 64 * k));
+                            v[k] = _mm512_or_si512(v[k], q5k_hbits(qh, 2 * j));
+                            v[8 + k] = _mm512_or_si512(v[8 + k], q5k_hbits(qh, 2 * j + 1));
+                        }
                     }
                     const int xo[2] = {64 * j, 64 * j + 32};
                     kt16_isums_regs(v, scs + 2 * j, xo, 2, 8, xq, xs, b, R, is, j == 0);
@@ -1717,17 +1734,18 @@ AI void qk45_t16_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, 
                         wt[2 * j + 1][k] = _mm512_and_si512(_mm512_srli_epi16(q[d], 4), m4);
                     }
                 }
-                if (hbit && !packed) { /* Q5_K: bit s of qh byte i is bit 4 of sub-block s's value i; qh dword k
+                if (hbit) { /* Q5_K: bit s of qh byte i is bit 4 of sub-block s's value i; qh dword k
                              * of every output holds values 4 k .. 4 k + 3's */
                     __m512i qh[16];
-                    for (int c = 0; c < 16; ++c)
-                        qh[c] = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(p[c] + 16)));
-                    tr16x16_512(qh);
+                    if (packed) {
+                        for (int k = 0; k < 8; ++k) qh[k] = _mm512_loadu_si512((const void *)(pk + PK5_QH + 64 * k));
+                    } else {
+                        for (int c = 0; c < 16; ++c)
+                            qh[c] = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(p[c] + 16)));
+                        tr16x16_512(qh);
+                    }
                     for (int sb = 0; sb < 8; ++sb)
-                        for (int k = 0; k < 8; ++k) {
-                            const __m512i hb = sb <= 4 ? _mm512_slli_epi16(qh[k], 4 - sb) : _mm512_srli_epi16(qh[k], sb - 4);
-                            wt[sb][k] = _mm512_or_si512(wt[sb][k], _mm512_and_si512(hb, b4));
-                        }
+                        for (int k = 0; k < 8; ++k) wt[sb][k] = _mm512_or_si512(wt[sb][k], q5k_hbits(qh[k], sb));
                 }
                 kt16_isums(&wt[0][0], scs, 8, 8, xq, xs, b, R, is, dots);
             }
@@ -1848,10 +1866,15 @@ AI void q6_k_p16_t16(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int
     }
 T16_TILE(q4_k_avx512, 0, Q4_K_T5)
 T16_TILE(q5_k_avx512, 1, Q5_K_T5)
-/* Q4_K packed at load: the transposed tile from one row on (no transposes left to share) */
+/* Q4_K and Q5_K packed at load: the transposed tile from one row on (no transposes left to
+ * share) */
 static void q4_k_p16_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
                             int64_t nb, int R, float *y) {
     qk45_t16_avx512(w, ws, C, xq, xs, nb, R, y, 0, 1, NULL);
+}
+static void q5_k_p16_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
+                            int64_t nb, int R, float *y) {
+    qk45_t16_avx512(w, ws, C, xq, xs, nb, R, y, 1, 1, NULL);
 }
 static void q6_k_p16_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
                             int64_t nb, int R, float *y) {
@@ -1860,7 +1883,7 @@ static void q6_k_p16_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *
 COL_TILE(q6_k_avx512, Q6_K_T5)
 
 /* the tiles with their integer dots from AMX tiles (or their emulation): the packed tiles
- * of Q4_0 .. Q8_0, Q4_K and Q6_K, and Q5_K's transposed tile over its rows */
+ * of Q4_0 .. Q8_0 and of the K-quants */
 typedef void (*amx_tile_fn)(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
                             int64_t nb, int R, float *y, dots_fn dots);
 #define Q32_AMX(name, type)                                                                  \
@@ -1879,7 +1902,7 @@ static void q4_k_amx(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int
 }
 static void q5_k_amx(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
                      int64_t nb, int R, float *y, dots_fn dots) {
-    qk45_t16_avx512(w, ws, C, xq, xs, nb, R, y, 1, 0, dots);
+    qk45_t16_avx512(w, ws, C, xq, xs, nb, R, y, 1, 1, dots);
 }
 static void q6_k_amx(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
                      int64_t nb, int R, float *y, dots_fn dots) {
@@ -1924,11 +1947,7 @@ static int qtype_info(int t, qtype_t *q) {
     case T_Q5_1: *q = (qtype_t){32, 24, 0, q5_1_ref, FAST512(q5_1_avx), 0, P16(q5_1)}; return 0;
     case T_Q8_0: *q = (qtype_t){32, 34, 0, q8_0_ref, FAST512(q8_0_avx), 0, P16(q8_0)}; return 0;
     case T_Q4_K: *q = (qtype_t){256, 144, 1, q4_k_ref, FAST512(q4_k_avx), RS_Q_AVX512, P16K(q4_k)}; return 0;
-#if RS_Q_AVX512
-    case T_Q5_K: *q = (qtype_t){256, 176, 1, q5_k_ref, FAST512(q5_k_avx), 1, NULL, q5_k_amx}; return 0;
-#else
-    case T_Q5_K: *q = (qtype_t){256, 176, 1, q5_k_ref, FAST512(q5_k_avx), 0}; return 0;
-#endif
+    case T_Q5_K: *q = (qtype_t){256, 176, 1, q5_k_ref, FAST512(q5_k_avx), RS_Q_AVX512, P16K(q5_k)}; return 0;
     case T_Q6_K: *q = (qtype_t){256, 210, 1, q6_k_ref, FAST512(q6_k_avx), 0, P16K(q6_k)}; return 0;
 #undef FAST
 #undef FAST512
@@ -1958,22 +1977,23 @@ int rs_quant_amx(void) {
 }
 
 /* ---- the 16-row packed layout (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 on AVX2 and AVX-512 builds;
- * Q4_K and Q6_K on AVX-512) ------------------------------------------------------------------
+ * Q4_K, Q5_K and Q6_K on AVX-512) ------------------------------------------------------------------
  * Rows in groups of 16 (the last padded with zero rows), each group's blocks back to back;
  * a group's block b is 16 * bytes-per-block bytes: first the values, QS / 4 vectors of 64
  * bytes where vector q holds at bytes 4c..4c+3 row c's quant bytes 4q..4q+3 (QS = 16 for the
  * 4- and 5-bit types, 32 for Q8_0, whose int8 values are stored + 128, as the tile uses them;
- * 128 for Q4_K's qs, 208 for Q6_K's ql, qh and int8 scales), then (Q5) the 16 rows' qh
- * words as one such vector, their bits reordered (q5_qh_order), or (Q4_K) the 12 scale bytes
- * as 3 such vectors, then the 16 rows' fp16 scales, then Q4_1/Q5_1's 16 fp16 mins (Q4_K's
- * dmin). Same bytes per group as the rows. */
+ * 128 for Q4_K's and Q5_K's qs, 208 for Q6_K's ql, qh and int8 scales), then (Q5) the 16
+ * rows' qh words as one such vector, their bits reordered (q5_qh_order), or (Q4_K, Q5_K) the
+ * 12 scale bytes as 3 such vectors and (Q5_K) its 32 qh bytes as 8 more, then the 16 rows'
+ * fp16 scales, then Q4_1/Q5_1's 16 fp16 mins (Q4_K's and Q5_K's dmin). Same bytes per group
+ * as the rows. */
 #define RS_PACK16 0x100 /* a weight type's flag: W is in this layout */
 /* rs_quant_linear hands each tile whole 16-row groups: its groups of rows start at multiples
  * of JB_ROUND */
 _Static_assert(JB_ROUND % 16 == 0, "the packed layout needs weight groups of 16-row multiples");
 
-/* where a type's row bytes go in its packed block: qs bytes (from row byte qo; Q4_K's 12
- * scale bytes from byte 4; Q5's qh word from qo - 4) become qs / 4 dword vectors, then the
+/* where a type's row bytes go in its packed block: qs bytes (from row byte qo; Q4_K's and
+ * Q5_K's 12 scale bytes from byte 4, Q5_K's qh from byte 16; Q5's qh word from qo - 4) become qs / 4 dword vectors, then the
  * fp16 fields (the scale, with ms the min) from row byte fo */
 typedef struct {
     int qs, bb, qo, fo, ms, kq, q5;
@@ -1981,7 +2001,7 @@ typedef struct {
 } pack16_t;
 
 static int pack16_info(int wtype, pack16_t *f) {
-    const int kq = wtype == T_Q4_K, q5 = wtype == T_Q5_0 || wtype == T_Q5_1;
+    const int kq = wtype == T_Q4_K || wtype == T_Q5_K, q5 = wtype == T_Q5_0 || wtype == T_Q5_1;
     *f = (pack16_t){0, 0, 0, 0, wtype == T_Q4_1 || wtype == T_Q5_1 || kq, kq, q5,
                     wtype == T_Q8_0 ? 0x80808080u : 0};
     switch (wtype) {
@@ -1990,6 +2010,9 @@ static int pack16_info(int wtype, pack16_t *f) {
         return 0;
     case T_Q4_K: /* its 12 scale bytes ride along as 3 more dword vectors */
         f->qs = 128 + 12, f->bb = 144, f->qo = 16;
+        return 0;
+    case T_Q5_K: /* the 12 scale bytes as Q4_K's, then the 32 qh bytes as 8 more vectors */
+        f->qs = 128 + 12 + 32, f->bb = 176, f->qo = 48;
         return 0;
     case T_Q5_0:
     case T_Q5_1: /* the qh word rides along as one more vector */
@@ -2020,6 +2043,7 @@ static uint32_t q5_qh_order(uint32_t v, int inv) {
 
 /* the row block's byte of packed dword vector q */
 static inline int pack16_row_offset(const pack16_t *f, int q) {
+    if (f->kq && q >= 35) return 16 + 4 * (q - 35); /* Q5_K's qh */
     return f->kq && q >= 32 ? 4 + 4 * (q - 32) : f->q5 && q == 4 ? f->qo - 4 : f->qo + 4 * q;
 }
 
