@@ -1553,46 +1553,11 @@ AI void kt16_fma(float *acc, __m512 dw, float dx, __m512i isum) {
                                          _mm512_load_ps(acc)));
 }
 
-/* is[r] += sum over ns sub-blocks s of scs[s] * (sub-block s's products for row r of block b),
- * the products nd transposed dwords wt[s * nd + k] against row r's activation values
- * nd * 4 * s + 4 k .. + 3 broadcast */
-AI void kt16_isums(const __m512i *wt, const __m512i *scs, const int ns, const int nd,
-                   const uint8_t *xq, int64_t xs, int64_t b, int R, __m512i *is, dots_fn dots) {
-    if (dots) { /* 16 rows' sub-block dots per call, scaled and summed here */
-        int32_t c[16 * 256] __attribute__((aligned(64)));
-        for (int r0 = 0; r0 < R; r0 += 16) {
-            dots(c, ((const xqk_t *)(xq + r0 * xs) + b)->q, xs, (const uint8_t *)wt, ns, nd);
-            for (int m = 0; m < 16 && r0 + m < R; ++m) {
-                __m512i acc = _mm512_setzero_si512();
-                for (int s = 0; s < ns; ++s)
-                    acc = _mm512_add_epi32(acc, _mm512_mullo_epi32(_mm512_load_si512(c + 256 * s + 16 * m), scs[s]));
-                is[r0 + m] = acc;
-            }
-        }
-        return;
-    }
-    for (int r = 0; r < R; ++r) is[r] = _mm512_setzero_si512();
-    for (int s = 0; s < ns; ++s) {
-        __m512i wv[8];
-        for (int k = 0; k < nd; ++k) wv[k] = wt[s * nd + k];
-        for (int r = 0; r < R; ++r) {
-            /* broadcasts from memory: no shuffle uop */
-            const i32u *xr = (const i32u *)(((const xqk_t *)(xq + r * xs) + b)->q + 4 * nd * s);
-            __m512i p0 = _mm512_setzero_si512(), p1 = _mm512_setzero_si512();
-            for (int k = 0; k < nd; k += 2) {
-                p0 = _mm512_dpbusd_epi32(p0, wv[k], _mm512_set1_epi32(xr[k]));
-                p1 = _mm512_dpbusd_epi32(p1, wv[k + 1], _mm512_set1_epi32(xr[k + 1]));
-            }
-            is[r] = _mm512_add_epi32(is[r], _mm512_mullo_epi32(_mm512_add_epi32(p0, p1), scs[s]));
-        }
-    }
-}
-
-/* kt16_isums for the packed tiles without `dots`: the values of ns sub-blocks of nd
- * transposed dwords each (wt[s * nd + k]) against every row's activation values from byte
- * xo[s] of block b, the products of sub-block s scaled by scs[s] and added into is[r] (set
- * instead when `first`). Integer sums, so the bits are kt16_isums' whatever the order; called
- * on a few sub-blocks at a time so that their values stay in registers. Through kt16_isums
+/* kt16_isums without `dots`: the values of ns sub-blocks of nd transposed dwords each
+ * (wt[s * nd + k]) against every row's activation values from byte xo[s] of block b, the
+ * products of sub-block s scaled by scs[s] and added into is[r] (set instead when `first`).
+ * Integer sums, so the bits do not depend on the order; the packed tiles call it on a few
+ * sub-blocks at a time so that their values stay in registers. Through kt16_isums' own loop
  * instead (a whole block's values stored into a 4 KiB array and loaded back, and the row sums
  * zeroed by a memset call per block), packed [8960, 1536], 2 threads, Ice Lake kind, best us
  * at M = 1 / 4 / 8 / 16 / 64, kt16_isums -> this (`benchmarks/quant_kernel_variants_ab.py
@@ -1616,6 +1581,30 @@ AI void kt16_isums_regs(const __m512i *wt, const __m512i *scs, const int *xo, co
         }
         is[r] = t;
     }
+}
+
+/* is[r] += sum over ns sub-blocks s of scs[s] * (sub-block s's products for row r of block b),
+ * the products nd transposed dwords wt[s * nd + k] against row r's activation values
+ * nd * 4 * s + 4 k .. + 3 broadcast (rows of up to 16 at a time from the AMX `dots`, else
+ * kt16_isums_regs over the whole block) */
+AI void kt16_isums(const __m512i *wt, const __m512i *scs, const int ns, const int nd,
+                   const uint8_t *xq, int64_t xs, int64_t b, int R, __m512i *is, dots_fn dots) {
+    if (dots) { /* 16 rows' sub-block dots per call, scaled and summed here */
+        int32_t c[16 * 256] __attribute__((aligned(64)));
+        for (int r0 = 0; r0 < R; r0 += 16) {
+            dots(c, ((const xqk_t *)(xq + r0 * xs) + b)->q, xs, (const uint8_t *)wt, ns, nd);
+            for (int m = 0; m < 16 && r0 + m < R; ++m) {
+                __m512i acc = _mm512_setzero_si512();
+                for (int s = 0; s < ns; ++s)
+                    acc = _mm512_add_epi32(acc, _mm512_mullo_epi32(_mm512_load_si512(c + 256 * s + 16 * m), scs[s]));
+                is[r0 + m] = acc;
+            }
+        }
+        return;
+    }
+    int xo[16];
+    for (int s = 0; s < ns; ++s) xo[s] = 4 * nd * s;
+    kt16_isums_regs(wt, scs, xo, ns, nd, xq, xs, b, R, is, 1);
 }
 
 /* bytes of a packed Q4_K group's super-block (16 rows' 144), and of its parts: the qs as 32
