@@ -134,9 +134,9 @@ class QuantKernels:
         (``csrc/quant_kernels.c``, ``rs_quant_pack16``): rows in groups of 16, each group's
         blocks back to back, each block's 16 rows' values lane by lane, then (Q5_0, Q5_1)
         their fifth bits or (Q4_K, Q5_K) their scale bytes the same way and (Q5_K) its 32 qh
-        bytes, then their fp16 scales (and Q4_1's and Q5_1's mins, the K-quants' dmins); Q6_K's ql, qh and int8 scales are all value
-        vectors, then its fp16 d. A
-        decode-sized call spent most of its time rearranging each block into that order
+        bytes, then their fp16 scales (and Q4_1's and Q5_1's mins, the K-quants' dmins);
+        Q6_K's ql, qh and int8 scales are all value vectors, then its fp16 d. A decode-sized
+        call spent most of its time rearranging each block into that order
         (Q4_1 [3072, 576] at one row on the avx512_bf16 VM: 34.8 us from the rows, 17.7 us
         packed).
 
