@@ -151,6 +151,22 @@ def test_add_rms_norm_matches_torch(kernel, m, n, add) -> None:
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("add", [False, True])
+def test_add_rms_norm_out_over_x_gives_the_same_bits(kernel, dtype, add) -> None:
+    """A prefill layer writes the normed rows over x (``out=x``): each row of x is read before
+    that row of out is written, so the bits are those of a fresh output."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(130, 576, generator=g).to(dtype)
+    residual = (torch.randn(130, 576, generator=g) * 3).to(dtype)
+    weight = (torch.rand(576, generator=g) + 0.5).to(dtype)
+    r1, r2, x2 = residual.clone(), residual.clone(), x.clone()
+    want = kernel.add_rms_norm(x if add else None, r1, weight, 1e-5)
+    got = kernel.add_rms_norm(x2 if add else None, r2, weight, 1e-5, out=x2)
+    assert got.data_ptr() == x2.data_ptr()
+    assert torch.equal(got, want) and torch.equal(r2, r1)
+
+
 def test_add_rms_norm_rejects_bad_input(kernel) -> None:
     r = torch.randn(4, 8)
     with pytest.raises(ValueError, match="float32"):
@@ -161,6 +177,10 @@ def test_add_rms_norm_rejects_bad_input(kernel) -> None:
         kernel.add_rms_norm(torch.randn(4, 7), r, torch.ones(8), 1e-6)
     with pytest.raises(ValueError, match="float32"):
         kernel.add_rms_norm(None, r.t(), torch.ones(4), 1e-6)
+    with pytest.raises(ValueError, match="float32"):
+        kernel.add_rms_norm(None, r, torch.ones(8), 1e-6, out=torch.empty(4, 8).bfloat16())
+    with pytest.raises(ValueError, match="overlap"):
+        kernel.add_rms_norm(None, r, torch.ones(8), 1e-6, out=r)
 
 
 @pytest.mark.parametrize(("m", "n"), [(1, 576), (3, 17), (130, 576)])

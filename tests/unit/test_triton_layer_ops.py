@@ -39,6 +39,10 @@ def test_add_rms_norm_matches_torch(triton_layer_ops, dtype: torch.dtype, n: int
     assert torch.equal(r2, res), "no x: the residual is left alone"
     torch.testing.assert_close(out2, rms_norm(res, w, 1e-6), rtol=0,
                                atol=2e-6 if dtype == torch.float32 else 2e-3)
+    r3, x3 = res.clone(), x.clone()
+    out3 = ops.add_rms_norm(x3, r3, w, 1e-6, out=x3)
+    assert out3.data_ptr() == x3.data_ptr(), "out= is written, x itself included"
+    assert torch.equal(out3, out) and torch.equal(r3, want_r)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -57,6 +57,12 @@ def _check_attention_operands(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         raise ValueError(f"q {tuple(q.shape)} does not fit KV {tuple(k_cache.shape)}")
 
 
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors' bytes overlap."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
 def cpu_signature() -> str:
     """The CPU's model name and flags from /proc/cpuinfo ("unknown" where unreadable): the
     key of per-machine caches."""
@@ -288,7 +294,7 @@ class CpuKernels:
             raise RuntimeError(f"paged prefill attention kernel failed with code {rc}")
 
     def add_rms_norm(self, x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> torch.Tensor:
+                     eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
         """``residual += x`` in place (skipped when x is None), then RMSNorm of the new residual.
 
         transformers' ``LlamaRMSNorm`` arithmetic: ``r * rsqrt(mean(r ** 2) + eps) * weight``
@@ -302,10 +308,14 @@ class CpuKernels:
             residual: contiguous float32 or bfloat16 [M, N], updated in place.
             weight: contiguous [N], residual's dtype.
             eps: added to the mean square.
-        Returns: a new [M, N] tensor in residual's dtype.
+            out: where to write the result (contiguous [M, N], residual's dtype), x itself
+                included: a row of x is read whole before that row of out is written. None:
+                a new tensor. A prefill chunk's layer writes its normed rows over the
+                activations they came from, so one fewer [T, hidden] tensor is alive.
+        Returns: ``out``, or a new [M, N] tensor in residual's dtype.
 
         Raises:
-            ValueError: wrong dtype, shape or layout.
+            ValueError: wrong dtype, shape or layout, or ``out`` overlapping ``residual``.
             RuntimeError: the kernel reported an error (its non-zero return code).
         """
         m, n = residual.shape
@@ -314,10 +324,15 @@ class CpuKernels:
                 or (x is not None and (x.dtype != dt or x.shape != residual.shape
                                        or not x.is_contiguous()))
                 or weight.shape != (n,) or not residual.is_contiguous()
-                or not weight.is_contiguous()):
-            raise ValueError("add_rms_norm needs contiguous float32 or bfloat16 x/residual "
+                or not weight.is_contiguous()
+                or (out is not None and (out.dtype != dt or out.shape != residual.shape
+                                         or not out.is_contiguous()))):
+            raise ValueError("add_rms_norm needs contiguous float32 or bfloat16 x/residual/out "
                              "[M, N] and weight [N], all of one dtype")
-        out = torch.empty_like(residual)
+        if out is None:
+            out = torch.empty_like(residual)
+        elif out.numel() and residual.numel() and _overlap(out, residual):
+            raise ValueError("add_rms_norm's out must not overlap residual")
         fn = self._norm if dt == torch.float32 else self._norm_bf16
         rc = fn(None if x is None else x.data_ptr(), residual.data_ptr(),
                 weight.data_ptr(), out.data_ptr(), m, n, eps, torch.get_num_threads())

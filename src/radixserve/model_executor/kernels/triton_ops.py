@@ -111,7 +111,7 @@ class TritonLayerOps:
     """The layer steps the model calls per op (``models.llama.LayerOps``) as Triton kernels."""
 
     def add_rms_norm(self, x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> torch.Tensor:
+                     eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
         """``residual += x`` in place (skipped when x is None), then RMSNorm of the new residual
         (``models.llama.rms_norm``'s numerics).
 
@@ -120,7 +120,10 @@ class TritonLayerOps:
             residual: [M, N] float32/bfloat16/float16, last dim contiguous; updated in place.
             weight: [N], contiguous.
             eps: added to the mean square.
-        Returns: a new contiguous [M, N] tensor in residual's dtype.
+            out: where to write the result ([M, N], residual's dtype, last dim contiguous), x
+                itself included (a program loads its row whole before storing it); None: a
+                new tensor.
+        Returns: ``out``, or a new contiguous [M, N] tensor in residual's dtype.
 
         Raises:
             ValueError: wrong dtype or layout.
@@ -134,7 +137,13 @@ class TritonLayerOps:
                                  f"{tuple(residual.shape)} {residual.dtype}")
         if weight.shape != (n,) or not weight.is_contiguous():
             raise ValueError(f"weight must be contiguous [{n}], got {tuple(weight.shape)}")
-        out = torch.empty_like(residual, memory_format=torch.contiguous_format)
+        if out is None:
+            out = torch.empty_like(residual, memory_format=torch.contiguous_format)
+        else:
+            _check(out, "out")
+            if out.shape != residual.shape or out.dtype != residual.dtype:
+                raise ValueError(f"out {tuple(out.shape)} {out.dtype} must match residual "
+                                 f"{tuple(residual.shape)} {residual.dtype}")
         if m == 0:
             return out
         block = triton.next_power_of_2(n)
