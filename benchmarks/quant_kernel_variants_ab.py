@@ -3,7 +3,7 @@ defines, timed alternately in one process (a shared VM's speed drifts: every var
 alike), every variant's outputs checked bit for bit against the first's.
 
 Each ``--variants`` entry is a ``+``-joined list of ``NAME`` or ``NAME=VALUE`` passed as
-``-D`` to the kernel build (``kernels.cpu.CFLAGS``, ``-march=native``); an empty entry is the default build.
+``-D`` to the kernel build (``kernels.cpu.CFLAGS``, ``-march=native`` unless ``--march``); an empty entry is the default build.
 Weights are random valid blocks (``bench.quant_kernels``) rotated over copies past the last-
 level cache, as a decode step streams them. Prints per type and row count the best and median
 microseconds per call per variant.
@@ -46,6 +46,9 @@ def main() -> int:
     ap.add_argument("--packed", action="store_true",
                     help="weights in the 16-row packed layout (pack16), as served")
     ap.add_argument("--x-dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument("--march", default="native",
+                    help="gcc -march for every variant (haswell: the AVX2 kind's build; run "
+                         "under benchmarks/avx2_emulation/run.sh so torch is held to AVX2 too)")
     args = ap.parse_args()
     torch.get_num_threads()  # torch's libgomp first, as CpuKernels.load does
     tmp = Path(tempfile.mkdtemp(prefix="rs-quant-ab-"))
@@ -53,7 +56,7 @@ def main() -> int:
     for i, v in enumerate(args.variants.split(",")):
         lib = tmp / f"variant-{i}.so"
         defines = [f"-D{d}" for d in v.split("+") if d]
-        subprocess.run(["gcc", *cpu.CFLAGS, "-march=native", *defines, "-o", str(lib),
+        subprocess.run(["gcc", *cpu.CFLAGS, f"-march={args.march}", *defines, "-o", str(lib),
                         *map(str, cpu.SOURCES), "-lm"], check=True)
         kernels[v or "default"] = cpu.CpuKernels(ctypes.CDLL(str(lib))).quant
     print("isa per variant:", {v: q.isa for v, q in kernels.items()}, file=sys.stderr)

@@ -27,7 +27,7 @@ TYPES_32 = [int(QT.Q4_0), int(QT.Q4_1), int(QT.Q5_0), int(QT.Q5_1), int(QT.Q8_0)
 NAMES = {t: SUPPORTED_TYPES[t] for t in TYPES}
 #: the types with the 16-row packed layout (``QuantKernels.pack16``)
 PACKABLE = TYPES
-PACKABLE_AVX2 = TYPES_32  # the K-quants' packed tiles are AVX-512 transposed ones
+PACKABLE_AVX2 = (*TYPES_32, int(QT.Q4_K))  # Q5_K and Q6_K stay rows on AVX2 builds
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +81,17 @@ def reference(t: int, w: np.ndarray, x: np.ndarray, k: int):
 def run(qk, t, w, x, out_dtype=torch.float32, **kw):
     out = torch.empty(x.shape[0], w.shape[0], dtype=out_dtype)
     qk.linear(t, torch.from_numpy(w), x, out, **kw)
+    return out
+
+
+def run_packed(qk, t, w, x):
+    """x @ W^T through the tiles over ``pack16``'s layout of W (rows of blocks, uint8 numpy)."""
+    n, k = w.shape[0], x.shape[1]
+    p = qk.pack16(t, torch.from_numpy(w))
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], n)
+    qk.linear_unchecked(t | PACK16, p.data_ptr(), n, k, x.data_ptr(), x.dtype, x.shape[0],
+                        out.data_ptr(), out.dtype, n)
     return out
 
 
@@ -286,16 +297,14 @@ def test_avx2_and_avx512_tiles_give_the_same_bits(qk, tmp_path):
         for m in (1, 8, 19):
             assert torch.equal(run(avx2, t, w, x[:m]), run(qk, t, w, x[:m])), (NAMES[t], m)
     # the AVX2 tiles read the 16-row packed layout as two 8-output halves
-    assert not any(avx2.has_pack16(int(t)) for t in (QT.Q4_K, QT.Q5_K, QT.Q6_K))
+    assert not any(avx2.has_pack16(int(t)) for t in (QT.Q5_K, QT.Q6_K))
     for t in PACKABLE_AVX2:
         assert avx2.has_pack16(t)
         w = make_weight(t, 27, 768, seed=t + 2)
-        p = avx2.pack16(t, torch.from_numpy(w))
         for m in (1, 5, 19):
-            out = torch.empty(m, 27)
-            avx2.linear_unchecked(t | PACK16, p.data_ptr(), 27, 768, x.data_ptr(), x.dtype, m,
-                                  out.data_ptr(), out.dtype, 27)
-            assert torch.equal(out, run(qk, t, w, x[:m])), (NAMES[t], m)
+            assert torch.equal(run_packed(avx2, t, w, x[:m]), run(qk, t, w, x[:m])), (NAMES[t], m)
+        ext, xe = extreme_case(t)
+        assert torch.equal(run_packed(avx2, t, ext, xe), run(qk, t, ext, xe)), NAMES[t]
 
 
 @pytest.mark.parametrize("t", TYPES_32, ids=[NAMES[t] for t in TYPES_32])
@@ -319,6 +328,22 @@ def test_extreme_products_do_not_saturate(qk, t):
     """Every weight at its largest magnitude and every activation at +-amax: the int16 stages
     of the dot products (maddubs pairs, the 4- and 5-bit types' sums of four pairs) and the
     int32 sub-block sums times their scales stay exact, alone and in a tile of many rows."""
+    w, x = extreme_case(t)
+    k = x.shape[1]
+    y = run(qk, t, w, x).double().numpy()
+    ref, scale = reference(t, w, x.numpy(), k)
+    assert np.all(np.abs(y - ref) <= 5e-7 * scale + 1e-30), np.abs(y - ref).max()
+    assert torch.equal(run(qk, t, w, x, portable=True), torch.from_numpy(y).float())
+    for i in (0, 4, 8):
+        assert torch.equal(run(qk, t, w, x[i:i + 1]), torch.from_numpy(y[i:i + 1]).float())
+    if qk.has_pack16(t):  # the packed tiles' int16 stages, alone and in tiles of 9 rows
+        assert torch.equal(run_packed(qk, t, w, x), torch.from_numpy(y).float())
+        assert torch.equal(run_packed(qk, t, w, x[4:5]), torch.from_numpy(y[4:5]).float())
+
+
+def extreme_case(t: int) -> tuple[np.ndarray, torch.Tensor]:
+    """Every weight at its largest magnitude (uint8 [4, row bytes]) and 9 rows of activations
+    at +-amax (float32 [9, 1024])."""
     block, nbytes = block_info(t)
     n, k = 4, 1024
     raw = np.full((n, k // block, nbytes), 0xFF, dtype=np.uint8)
@@ -338,12 +363,7 @@ def test_extreme_products_do_not_saturate(qk, t):
     x[1] = -1.0
     x[2, ::2] = -1.0
     x[3:] = torch.where(torch.rand(6, k, generator=torch.Generator().manual_seed(t)) < 0.5, -1.0, 1.0)
-    y = run(qk, t, w, x).double().numpy()
-    ref, scale = reference(t, w, x.numpy(), k)
-    assert np.all(np.abs(y - ref) <= 5e-7 * scale + 1e-30), np.abs(y - ref).max()
-    assert torch.equal(run(qk, t, w, x, portable=True), torch.from_numpy(y).float())
-    for i in (0, 4, 8):
-        assert torch.equal(run(qk, t, w, x[i:i + 1]), torch.from_numpy(y[i:i + 1]).float())
+    return w, x
 
 
 @pytest.mark.parametrize("t", [int(QT.Q5_0), int(QT.Q5_1)], ids=["Q5_0", "Q5_1"])

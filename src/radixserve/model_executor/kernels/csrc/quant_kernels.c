@@ -532,6 +532,25 @@ static void q6_k_ref(const uint8_t *w0, int64_t ws, int C, const uint8_t *xq, in
     }
 }
 
+/* bytes of a packed Q4_K group's super-block (16 rows' 144), and of its parts: the qs as 32
+ * vectors of transposed dwords, the 12 scale bytes as 3, then the fp16 d and dmin of the 16
+ * rows (rs_quant_pack16). Q5_K's (16 rows' 176) has its qh as 8 more vectors after the
+ * scales, then the d and dmin. */
+#define PK4_BLOCK (16 * 144)
+#define PK4_SCALES (32 * 64)
+#define PK4_D (PK4_SCALES + 3 * 64)
+#define PK5_QH PK4_D
+#define PK5_D (PK5_QH + 8 * 64)
+/* bytes of a packed Q6_K group's super-block (16 rows' 210) and of its parts: ql as 32
+ * vectors of transposed dwords, qh as 16, the 16 int8 scales as 4, then the 16 rows' fp16 d
+ * (rs_quant_pack16) */
+#define PK6_BLOCK (16 * 210)
+#define PK6_QH (32 * 64)
+#define PK6_SCALES (48 * 64)
+#define PK6_D (52 * 64)
+/* an int32 read from any byte address (activation bytes as one broadcast operand) */
+typedef int32_t i32u __attribute__((may_alias, aligned(1)));
+
 /* ---- AVX2 tiles: R activation rows share each weight block's decode ------------------- */
 #if RS_Q_AVX2
 /* bytes ahead of the weight block in use that each row's stream asks the cache for: a decode
@@ -752,6 +771,102 @@ AI void q6k_cols_avx2(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, in
             kcols_fma(&t, xq, xs, b, R, 0, 0);
         }
         kcols_end(&t, y + c0 * R, R, nc);
+    }
+}
+
+/* ---- Q4_K held packed (rs_quant_pack16), AVX2: a 16-row group read as two 8-output halves,
+ * half h at bytes 32h..32h+31 of each 64-byte vector, as q32p_cols_avx2 reads Q4_0. Lane c of
+ * a half's vector holds 4 consecutive values of output c, so a sub-block's 8 vectors decode
+ * once per super-block with no transposes and each row's products go to 8 outputs' lanes at
+ * once. The integers (a sub-block's dot times its integer scale, summed over the super-block)
+ * and the float steps are the other Q4_K tiles', so the bits are too. vpmaddubsw's int16 pair
+ * sums of 4-bit values times int8 stay within int16 over a whole sub-block (8 x 3840), and one
+ * vpmaddwd with the sub-block's scale in both int16 halves of each lane gives the scaled int32
+ * lane sums. Held to AVX2 on the Zen 5 kind (`benchmarks/quant_kernel_variants_ab.py --march
+ * haswell`, [8960, 1536], best us at 1 / 4 / 16 / 64 rows): rows 346 / 478 / 1593 / 6451,
+ * packed 342 / 504 / 1270 / 4342. Q5_K and Q6_K tiles of this form measured slower than
+ * their column tiles at 1-4 rows (536 against 406 us, 657 against 545 at one row), so those
+ * two stay rows on AVX2 builds. */
+
+/* the int32 lanes' low 16 bits in both halves: the scale as vpmaddwd's int16 pair */
+AI __m256i pair16_avx2(__m256i v) {
+    const __m256i lo = _mm256_and_si256(v, _mm256_set1_epi32(0xFFFF));
+    return _mm256_or_si256(lo, _mm256_slli_epi32(lo, 16));
+}
+
+/* acc (8 outputs) = fma(d_w * d_x, (float)isum, acc): a super-block's one float step */
+AI void kp16_fma_avx2(float *acc, __m256 dw, float dx, __m256i isum) {
+    _mm256_storeu_ps(acc, _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(dx)), _mm256_cvtepi32_ps(isum),
+                                          _mm256_loadu_ps(acc)));
+}
+
+/* Q4_K packed, C weight rows x R activation rows (R up to KT16_ROWS), 8 outputs at a time */
+AI void q4k_p16_avx2(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
+                     int64_t nb, int R, float *y) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m6 = _mm256_set1_epi8(0x3F);
+    const __m256i m2 = _mm256_set1_epi8(0x03), mb = _mm256_set1_epi32(0xFF);
+    __m256i is[KT16_ROWS];
+    float acc[KT16_ROWS][8], accm[KT16_ROWS][8];
+    for (int c0 = 0; c0 < C; c0 += 8) {
+        const int nc = C - c0 < 8 ? C - c0 : 8, h = (c0 / 8) % 2;
+        const uint8_t *g = w + (c0 - 8 * h) * ws; /* the 16-row group's packed blocks */
+        memset(acc, 0, (size_t)R * sizeof acc[0]);
+        memset(accm, 0, (size_t)R * sizeof accm[0]);
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t *pk = g + b * PK4_BLOCK;
+            if (h == 0) /* the group's first half asks for the lines both halves read */
+                for (int64_t l = 0; l < PK4_BLOCK; l += 64) _mm_prefetch((const char *)(pk + QPF + l), _MM_HINT_T0);
+            __m256i hd[4];
+            for (int m = 1; m < 4; ++m) hd[m] = _mm256_loadu_si256((const __m256i *)(pk + PK4_SCALES + 64 * (m - 1) + 32 * h));
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pk + PK4_D + 16 * h)));
+            const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pk + PK4_D + 32 + 16 * h)));
+            /* ggml's get_scale_min_k4 on 8 outputs at once: bytes s of sc[s / 4], mn[s / 4] */
+            const __m256i sc[2] = {
+                _mm256_and_si256(hd[1], m6),
+                _mm256_or_si256(_mm256_and_si256(hd[3], m4),
+                                _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hd[1], 6), m2), 4))};
+            const __m256i mn[2] = {
+                _mm256_and_si256(hd[2], m6),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(hd[3], 4), m4),
+                                _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hd[2], 6), m2), 4))};
+            __m256i mnp[4], sc2[8];
+            for (int k = 0; k < 4; ++k) { /* int16 pairs [mn 2k, mn 2k + 1] */
+                const __m256i v = _mm256_srli_epi32(mn[k / 2], 16 * (k % 2));
+                mnp[k] = _mm256_or_si256(_mm256_and_si256(v, mb),
+                                         _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(v, 8), mb), 16));
+            }
+            for (int s = 0; s < 8; ++s) /* sub-block s's scale as an int16 pair */
+                sc2[s] = pair16_avx2(_mm256_and_si256(_mm256_srli_epi32(sc[s / 4], 8 * (s % 4)), mb));
+            for (int r = 0; r < R; ++r) is[r] = _mm256_setzero_si256();
+            /* sub-block s = 2 j + e: the low (e = 0) or high nibbles of qs dwords 8 j .. 8 j + 7,
+             * against activation bytes 32 s .. 32 s + 31 (a loop over s measured faster than
+             * one over the pairs, and than the block unrolled) */
+            for (int s = 0; s < 8; ++s) {
+                const int j = s / 2;
+                __m256i v[8];
+                for (int k = 0; k < 8; ++k) {
+                    const __m256i q = _mm256_loadu_si256((const __m256i *)(pk + 64 * (8 * j + k) + 32 * h));
+                    v[k] = _mm256_and_si256(s % 2 ? _mm256_srli_epi16(q, 4) : q, m4);
+                }
+                for (int r = 0; r < R; ++r) {
+                    const i32u *x = (const i32u *)(((const xqk_t *)(xq + r * xs) + b)->q + 32 * s);
+                    __m256i s16 = _mm256_maddubs_epi16(v[0], _mm256_set1_epi32(x[0]));
+                    for (int k = 1; k < 8; ++k)
+                        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(v[k], _mm256_set1_epi32(x[k])));
+                    is[r] = _mm256_add_epi32(is[r], _mm256_madd_epi16(s16, sc2[s]));
+                }
+            }
+            for (int r = 0; r < R; ++r) {
+                const xqk_t *x = (const xqk_t *)(xq + r * xs) + b;
+                const i32u *bp = (const i32u *)x->bs32;
+                __m256i ms = _mm256_madd_epi16(mnp[0], _mm256_set1_epi32(bp[0]));
+                for (int k = 1; k < 4; ++k) ms = _mm256_add_epi32(ms, _mm256_madd_epi16(mnp[k], _mm256_set1_epi32(bp[k])));
+                kp16_fma_avx2(acc[r], dw, x->d, is[r]);
+                kp16_fma_avx2(accm[r], mw, x->d, ms);
+            }
+        }
+        for (int r = 0; r < R; ++r)
+            for (int c = 0; c < nc; ++c) y[(c0 + c) * R + r] = acc[r][c] - accm[r][c];
     }
 }
 
@@ -1018,6 +1133,10 @@ COL_TILE(q5_1_avx2, Q5_1_B)
 COL_TILE(q4_k_avx2, Q4_K_T)
 COL_TILE(q5_k_avx2, Q5_K_T)
 COL_TILE(q6_k_avx2, Q6_K_T)
+static void q4_k_p16_avx2(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
+                          int64_t nb, int R, float *y) {
+    q4k_p16_avx2(w, ws, C, xq, xs, nb, R, y);
+}
 #endif
 
 #if RS_Q_AVX512
@@ -1156,8 +1275,6 @@ AI __m512i load4x128(const uint8_t *const *p, int m, int off) {
     return _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i *)(p[m + 12] + off)), 3);
 }
 
-/* an int32 read from any byte address (activation bytes as one broadcast operand) */
-typedef int32_t i32u __attribute__((may_alias, aligned(1)));
 
 /* ---- AMX-INT8 dot products --------------------------------------------------------------
  * The transposed tiles hold 16 outputs' weights as vectors of dwords, vector k lane n =
@@ -1607,15 +1724,6 @@ AI void kt16_isums(const __m512i *wt, const __m512i *scs, const int ns, const in
     kt16_isums_regs(wt, scs, xo, ns, nd, xq, xs, b, R, is, 1);
 }
 
-/* bytes of a packed Q4_K group's super-block (16 rows' 144), and of its parts: the qs as 32
- * vectors of transposed dwords, the 12 scale bytes as 3, then the fp16 d and dmin of the 16
- * rows (rs_quant_pack16). Q5_K's (16 rows' 176) has its qh as 8 more vectors after the
- * scales, then the d and dmin. */
-#define PK4_BLOCK (16 * 144)
-#define PK4_SCALES (32 * 64)
-#define PK4_D (PK4_SCALES + 3 * 64)
-#define PK5_QH PK4_D
-#define PK5_D (PK5_QH + 8 * 64)
 /* bytes ahead of a packed Q4_K super-block that the tile asks the cache for, into L2 (T0's
  * requests into L1 read [3584, 18944] at one row in 1716 us, T1's in 1619 us) */
 #ifndef PK4_PF
@@ -1749,13 +1857,6 @@ AI void qk45_t16_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, 
     }
 }
 
-/* bytes of a packed Q6_K group's super-block (16 rows' 210) and of its parts: ql as 32
- * vectors of transposed dwords, qh as 16, the 16 int8 scales as 4, then the 16 rows' fp16 d
- * (rs_quant_pack16) */
-#define PK6_BLOCK (16 * 210)
-#define PK6_QH (32 * 64)
-#define PK6_SCALES (48 * 64)
-#define PK6_D (52 * 64)
 
 /* Q6_K packed at load, C weight rows x R activation rows, 16 outputs at a time: the 6-bit
  * values of 16 outputs decoded once per super-block from the transposed ql / qh dwords (no
@@ -1925,10 +2026,12 @@ static int qtype_info(int t, qtype_t *q) {
 #define FAST512(f) f##512
 #define P16(t) t##_p16_avx512, t##_amx
 #define P16K(t) t##_p16_avx512, t##_amx
+#define P16K5(t) t##_p16_avx512, t##_amx
 #else
 #define FAST512(f) FAST(f##2)
 #define P16(t) FAST(t##_p16_avx2)
-#define P16K(t) NULL /* the transposed K-quant tiles are AVX-512's */
+#define P16K(t) FAST(t##_p16_avx2) /* Q4_K's; Q5_K and Q6_K stay rows on AVX2 */
+#define P16K5(t) NULL
 #endif
     case T_Q4_0: *q = (qtype_t){32, 18, 0, q4_0_ref, FAST512(q4_0_avx), 0, P16(q4_0)}; return 0;
     case T_Q4_1: *q = (qtype_t){32, 20, 0, q4_1_ref, FAST512(q4_1_avx), 0, P16(q4_1)}; return 0;
@@ -1936,12 +2039,13 @@ static int qtype_info(int t, qtype_t *q) {
     case T_Q5_1: *q = (qtype_t){32, 24, 0, q5_1_ref, FAST512(q5_1_avx), 0, P16(q5_1)}; return 0;
     case T_Q8_0: *q = (qtype_t){32, 34, 0, q8_0_ref, FAST512(q8_0_avx), 0, P16(q8_0)}; return 0;
     case T_Q4_K: *q = (qtype_t){256, 144, 1, q4_k_ref, FAST512(q4_k_avx), RS_Q_AVX512, P16K(q4_k)}; return 0;
-    case T_Q5_K: *q = (qtype_t){256, 176, 1, q5_k_ref, FAST512(q5_k_avx), RS_Q_AVX512, P16K(q5_k)}; return 0;
-    case T_Q6_K: *q = (qtype_t){256, 210, 1, q6_k_ref, FAST512(q6_k_avx), 0, P16K(q6_k)}; return 0;
+    case T_Q5_K: *q = (qtype_t){256, 176, 1, q5_k_ref, FAST512(q5_k_avx), RS_Q_AVX512, P16K5(q5_k)}; return 0;
+    case T_Q6_K: *q = (qtype_t){256, 210, 1, q6_k_ref, FAST512(q6_k_avx), 0, P16K5(q6_k)}; return 0;
 #undef FAST
 #undef FAST512
 #undef P16
 #undef P16K
+#undef P16K5
     default: return 1;
     }
 }
@@ -1965,8 +2069,8 @@ int rs_quant_amx(void) {
 #endif
 }
 
-/* ---- the 16-row packed layout (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 on AVX2 and AVX-512 builds;
- * Q4_K, Q5_K and Q6_K on AVX-512) ------------------------------------------------------------------
+/* ---- the 16-row packed layout (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q4_K on AVX2 and AVX-512
+ * builds; Q5_K and Q6_K on AVX-512) ---------------------------------------------------------------
  * Rows in groups of 16 (the last padded with zero rows), each group's blocks back to back;
  * a group's block b is 16 * bytes-per-block bytes: first the values, QS / 4 vectors of 64
  * bytes where vector q holds at bytes 4c..4c+3 row c's quant bytes 4q..4q+3 (QS = 16 for the
