@@ -559,6 +559,12 @@ typedef int32_t i32u __attribute__((may_alias, aligned(1)));
 #ifndef QPF
 #define QPF 4096
 #endif
+/* the AVX2 Q6_K column tile's requests go into L2 (held to AVX2 on the Zen 5 kind, [8960, 1536]
+ * rows, best us at 1 / 4 / 16 rows: into L1 542 / 620 / 1795, into L2 399 / 653 / 1931; the
+ * one-row calls are the decode steps, where Q6_K holds a Q4_K_M file's LM head) */
+#ifndef Q6COL_HINT
+#define Q6COL_HINT _MM_HINT_T1
+#endif
 
 /* pshufb selectors: 16-bit scale s of a [sc0 .. sc7] vector into every 16-bit lane */
 static const uint8_t k4_sel[8][32] __attribute__((aligned(32))) = {
@@ -733,7 +739,7 @@ AI void q6k_cols_avx2(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, in
         for (int64_t b = 0; b < nb; ++b) {
             for (int c = 0; c < nc; ++c) {
                 const uint8_t *blk = w + (c0 + c) * ws + b * 210;
-                for (int o = 0; o < 210; o += 64) _mm_prefetch((const char *)(blk + kpf + o), _MM_HINT_T0);
+                for (int o = 0; o < 210; o += 64) _mm_prefetch((const char *)(blk + kpf + o), Q6COL_HINT);
                 memcpy(&t.dh[c], blk + 208, 2);
                 const __m128i sc8 = _mm_loadu_si128((const __m128i *)(blk + 192));
                 __m256i isum[TILE_M];
@@ -800,6 +806,16 @@ AI void kp16_fma_avx2(float *acc, __m256 dw, float dx, __m256i isum) {
                                           _mm256_loadu_ps(acc)));
 }
 
+/* how far ahead of a packed Q4_K super-block the AVX2 tile asks for its lines, and into which
+ * cache: two super-blocks ahead into L2, as the AVX-512 tile does. Held to AVX2 on the Zen 5
+ * kind ([8960, 1536] packed, best us at 1 / 4 / 16 / 64 rows): QPF (4096 bytes) into L1 423 /
+ * 621 / 1221 / 4089, this 293 / 390 / 1039 / 3881; farther into L1 (9216, 18432) no faster */
+#ifndef K4P_PF
+#define K4P_PF (2 * PK4_BLOCK)
+#endif
+#ifndef K4P_HINT
+#define K4P_HINT _MM_HINT_T1
+#endif
 /* Q4_K packed, C weight rows x R activation rows (R up to KT16_ROWS), 8 outputs at a time */
 AI void q4k_p16_avx2(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
                      int64_t nb, int R, float *y) {
@@ -815,7 +831,7 @@ AI void q4k_p16_avx2(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int
         for (int64_t b = 0; b < nb; ++b) {
             const uint8_t *pk = g + b * PK4_BLOCK;
             if (h == 0) /* the group's first half asks for the lines both halves read */
-                for (int64_t l = 0; l < PK4_BLOCK; l += 64) _mm_prefetch((const char *)(pk + QPF + l), _MM_HINT_T0);
+                for (int64_t l = 0; l < PK4_BLOCK; l += 64) _mm_prefetch((const char *)(pk + K4P_PF + l), K4P_HINT);
             __m256i hd[4];
             for (int m = 1; m < 4; ++m) hd[m] = _mm256_loadu_si256((const __m256i *)(pk + PK4_SCALES + 64 * (m - 1) + 32 * h));
             const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pk + PK4_D + 16 * h)));
