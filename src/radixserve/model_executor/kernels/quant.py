@@ -122,16 +122,16 @@ class QuantKernels:
 
     def has_pack16(self, ggml_type: int) -> bool:
         """Whether this build's tiles run ``ggml_type`` in the 16-row packed layout
-        (``pack16``): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q4_K on AVX2 and AVX-512 VNNI builds (the
-        AVX2 tiles read a 16-row group as two 8-output halves), Q5_K and Q6_K on AVX-512 VNNI
-        builds only (on AVX2 their packed tiles measured slower than the rows' at 1-4 rows);
-        none on the portable one. Where it does, weights are held packed: the packed tiles
+        (``pack16``): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K on AVX2 and AVX-512 VNNI builds
+        (the AVX2 tiles read a 16-row group as two 8-output halves), Q6_K on AVX-512 VNNI builds
+        only (on AVX2 its packed tile measured slower than the rows' at one row); none on the
+        portable one. Where it does, weights are held packed: the packed tiles
         give the rows' bits and measured faster at every shape tried."""
         return bool(self._has_pack16(ggml_type))
 
     def pack16(self, ggml_type: int, w: torch.Tensor) -> torch.Tensor:
         """W's rows in the 16-row packed layout that the AVX2 and AVX-512 tiles of Q4_0, Q4_1,
-        Q5_0, Q5_1, Q8_0 and Q4_K, and the AVX-512 tiles of Q5_K and Q6_K, read without transposing
+        Q5_0, Q5_1, Q8_0, Q4_K and Q5_K, and the AVX-512 tiles of Q6_K, read without transposing
         (``csrc/quant_kernels.c``, ``rs_quant_pack16``): rows in groups of 16, each group's
         blocks back to back, each block's 16 rows' values lane by lane, then (Q5_0, Q5_1)
         their fifth bits or (Q4_K, Q5_K) their scale bytes the same way and (Q5_K) its 32 qh

@@ -780,19 +780,21 @@ AI void q6k_cols_avx2(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, in
     }
 }
 
-/* ---- Q4_K held packed (rs_quant_pack16), AVX2: a 16-row group read as two 8-output halves,
- * half h at bytes 32h..32h+31 of each 64-byte vector, as q32p_cols_avx2 reads Q4_0. Lane c of
- * a half's vector holds 4 consecutive values of output c, so a sub-block's 8 vectors decode
- * once per super-block with no transposes and each row's products go to 8 outputs' lanes at
- * once. The integers (a sub-block's dot times its integer scale, summed over the super-block)
- * and the float steps are the other Q4_K tiles', so the bits are too. vpmaddubsw's int16 pair
- * sums of 4-bit values times int8 stay within int16 over a whole sub-block (8 x 3840), and one
- * vpmaddwd with the sub-block's scale in both int16 halves of each lane gives the scaled int32
- * lane sums. Held to AVX2 on the Zen 5 kind (`benchmarks/quant_kernel_variants_ab.py --march
- * haswell`, [8960, 1536], best us at 1 / 4 / 16 / 64 rows): rows 346 / 478 / 1593 / 6451,
- * packed 342 / 504 / 1270 / 4342. Q5_K and Q6_K tiles of this form measured slower than
- * their column tiles at 1-4 rows (536 against 406 us, 657 against 545 at one row), so those
- * two stay rows on AVX2 builds. */
+/* ---- Q4_K and Q5_K held packed (rs_quant_pack16), AVX2: a 16-row group read as two 8-output
+ * halves, half h at bytes 32h..32h+31 of each 64-byte vector, as q32p_cols_avx2 reads Q4_0.
+ * Lane c of a half's vector holds 4 consecutive values of output c, so a sub-block's 8
+ * vectors decode once per super-block with no transposes and each row's products go to 8
+ * outputs' lanes at once. The integers (a sub-block's dot times its integer scale, summed
+ * over the super-block) and the float steps are the other tiles', so the bits are too.
+ * vpmaddubsw's int16 pair sums of 4-bit values times int8 stay within int16 over a whole
+ * sub-block (8 x 3840), of 5-bit values over half of one (4 x 7936), and one vpmaddwd with the
+ * sub-block's scale in both int16 halves of each lane gives the scaled int32 lane sums. Held
+ * to AVX2 on the Zen 5 kind (`benchmarks/quant_kernel_variants_ab.py --march haswell`, [8960,
+ * 1536], best us at 1 / 4 / 16 / 64 rows): Q4_K rows 346 / 478 / 1593 / 6451, packed 342 /
+ * 504 / 1270 / 4342 (before the L2 prefetch below); Q5_K rows 567-731 / 769-775 / 2397-2455 /
+ * 10268-10722, packed 561-578 / 760-761 / 1859-1871 / 6483-6513. A Q6_K tile of this form
+ * measured 1.2-1.4x slower than its column tile at one row (632-706 against 512-530 us), the
+ * decode steps where Q6_K holds a Q4_K_M file's LM head, so Q6_K stays rows on AVX2. */
 
 /* the int32 lanes' low 16 bits in both halves: the scale as vpmaddwd's int16 pair */
 AI __m256i pair16_avx2(__m256i v) {
@@ -806,19 +808,37 @@ AI void kp16_fma_avx2(float *acc, __m256 dw, float dx, __m256i isum) {
                                           _mm256_loadu_ps(acc)));
 }
 
-/* how far ahead of a packed Q4_K super-block the AVX2 tile asks for its lines, and into which
- * cache: two super-blocks ahead into L2, as the AVX-512 tile does. Held to AVX2 on the Zen 5
+/* into which cache the packed Q4_K / Q5_K AVX2 tile asks for the lines two super-blocks ahead
+ * of the one in use: L2, as the AVX-512 tile does. Held to AVX2 on the Zen 5
  * kind ([8960, 1536] packed, best us at 1 / 4 / 16 / 64 rows): QPF (4096 bytes) into L1 423 /
  * 621 / 1221 / 4089, this 293 / 390 / 1039 / 3881; farther into L1 (9216, 18432) no faster */
-#ifndef K4P_PF
-#define K4P_PF (2 * PK4_BLOCK)
-#endif
 #ifndef K4P_HINT
 #define K4P_HINT _MM_HINT_T1
 #endif
-/* Q4_K packed, C weight rows x R activation rows (R up to KT16_ROWS), 8 outputs at a time */
-AI void q4k_p16_avx2(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
-                     int64_t nb, int R, float *y) {
+/* row r's sums of a 32-value sub-block: its 8 transposed dwords v[k] against the row's
+ * activation bytes xo .. xo + 31 broadcast 4 at a time, in int16 for `run` products at a time
+ * (8 for 4-bit values, 4 for 5-bit), scaled by sc2 (the scales as int16 pairs) into is[r] */
+AI void kp16_isums_avx2(const __m256i *v, const int run, __m256i sc2, int xo, const uint8_t *xq,
+                        int64_t xs, int64_t b, int R, __m256i *is) {
+    for (int r = 0; r < R; ++r) {
+        const i32u *x = (const i32u *)(((const xqk_t *)(xq + r * xs) + b)->q + xo);
+        __m256i t = is[r];
+        for (int k0 = 0; k0 < 8; k0 += run) {
+            __m256i s16 = _mm256_maddubs_epi16(v[k0], _mm256_set1_epi32(x[k0]));
+            for (int k = k0 + 1; k < k0 + run; ++k)
+                s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(v[k], _mm256_set1_epi32(x[k])));
+            t = _mm256_add_epi32(t, _mm256_madd_epi16(s16, sc2));
+        }
+        is[r] = t;
+    }
+}
+
+/* Q4_K (hbit = 0) and Q5_K (hbit = 1) packed, C weight rows x R activation rows (R up to
+ * KT16_ROWS), 8 outputs at a time */
+AI void qk45_p16_avx2(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
+                      int64_t nb, int R, float *y, const int hbit) {
+    const int64_t pkb = 16 * (int64_t)(hbit ? 176 : 144), pkd = hbit ? PK5_D : PK4_D;
+    const __m256i b4 = _mm256_set1_epi8(0x10);
     const __m256i m4 = _mm256_set1_epi8(0x0F), m6 = _mm256_set1_epi8(0x3F);
     const __m256i m2 = _mm256_set1_epi8(0x03), mb = _mm256_set1_epi32(0xFF);
     __m256i is[KT16_ROWS];
@@ -829,13 +849,13 @@ AI void q4k_p16_avx2(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int
         memset(acc, 0, (size_t)R * sizeof acc[0]);
         memset(accm, 0, (size_t)R * sizeof accm[0]);
         for (int64_t b = 0; b < nb; ++b) {
-            const uint8_t *pk = g + b * PK4_BLOCK;
+            const uint8_t *pk = g + b * pkb;
             if (h == 0) /* the group's first half asks for the lines both halves read */
-                for (int64_t l = 0; l < PK4_BLOCK; l += 64) _mm_prefetch((const char *)(pk + K4P_PF + l), K4P_HINT);
+                for (int64_t l = 0; l < pkb; l += 64) _mm_prefetch((const char *)(pk + 2 * pkb + l), K4P_HINT);
             __m256i hd[4];
             for (int m = 1; m < 4; ++m) hd[m] = _mm256_loadu_si256((const __m256i *)(pk + PK4_SCALES + 64 * (m - 1) + 32 * h));
-            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pk + PK4_D + 16 * h)));
-            const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pk + PK4_D + 32 + 16 * h)));
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pk + pkd + 16 * h)));
+            const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pk + pkd + 32 + 16 * h)));
             /* ggml's get_scale_min_k4 on 8 outputs at once: bytes s of sc[s / 4], mn[s / 4] */
             const __m256i sc[2] = {
                 _mm256_and_si256(hd[1], m6),
@@ -860,17 +880,16 @@ AI void q4k_p16_avx2(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int
             for (int s = 0; s < 8; ++s) {
                 const int j = s / 2;
                 __m256i v[8];
+                const __m128i hs = _mm_cvtsi32_si128(s);
                 for (int k = 0; k < 8; ++k) {
                     const __m256i q = _mm256_loadu_si256((const __m256i *)(pk + 64 * (8 * j + k) + 32 * h));
                     v[k] = _mm256_and_si256(s % 2 ? _mm256_srli_epi16(q, 4) : q, m4);
+                    if (hbit) { /* bit s of each qh byte to bit 4 (16-bit shifts: bit 8 + s to 12) */
+                        const __m256i qh = _mm256_loadu_si256((const __m256i *)(pk + PK5_QH + 64 * k + 32 * h));
+                        v[k] = _mm256_or_si256(v[k], _mm256_and_si256(_mm256_slli_epi16(_mm256_srl_epi16(qh, hs), 4), b4));
+                    }
                 }
-                for (int r = 0; r < R; ++r) {
-                    const i32u *x = (const i32u *)(((const xqk_t *)(xq + r * xs) + b)->q + 32 * s);
-                    __m256i s16 = _mm256_maddubs_epi16(v[0], _mm256_set1_epi32(x[0]));
-                    for (int k = 1; k < 8; ++k)
-                        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(v[k], _mm256_set1_epi32(x[k])));
-                    is[r] = _mm256_add_epi32(is[r], _mm256_madd_epi16(s16, sc2[s]));
-                }
+                kp16_isums_avx2(v, hbit ? 4 : 8, sc2[s], 32 * s, xq, xs, b, R, is);
             }
             for (int r = 0; r < R; ++r) {
                 const xqk_t *x = (const xqk_t *)(xq + r * xs) + b;
@@ -1151,7 +1170,11 @@ COL_TILE(q5_k_avx2, Q5_K_T)
 COL_TILE(q6_k_avx2, Q6_K_T)
 static void q4_k_p16_avx2(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
                           int64_t nb, int R, float *y) {
-    q4k_p16_avx2(w, ws, C, xq, xs, nb, R, y);
+    qk45_p16_avx2(w, ws, C, xq, xs, nb, R, y, 0);
+}
+static void q5_k_p16_avx2(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
+                          int64_t nb, int R, float *y) {
+    qk45_p16_avx2(w, ws, C, xq, xs, nb, R, y, 1);
 }
 #endif
 
@@ -2042,12 +2065,12 @@ static int qtype_info(int t, qtype_t *q) {
 #define FAST512(f) f##512
 #define P16(t) t##_p16_avx512, t##_amx
 #define P16K(t) t##_p16_avx512, t##_amx
-#define P16K5(t) t##_p16_avx512, t##_amx
+#define P16K6(t) t##_p16_avx512, t##_amx
 #else
 #define FAST512(f) FAST(f##2)
 #define P16(t) FAST(t##_p16_avx2)
-#define P16K(t) FAST(t##_p16_avx2) /* Q4_K's; Q5_K and Q6_K stay rows on AVX2 */
-#define P16K5(t) NULL
+#define P16K(t) FAST(t##_p16_avx2) /* Q4_K's and Q5_K's; Q6_K stays rows on AVX2 */
+#define P16K6(t) NULL
 #endif
     case T_Q4_0: *q = (qtype_t){32, 18, 0, q4_0_ref, FAST512(q4_0_avx), 0, P16(q4_0)}; return 0;
     case T_Q4_1: *q = (qtype_t){32, 20, 0, q4_1_ref, FAST512(q4_1_avx), 0, P16(q4_1)}; return 0;
@@ -2055,13 +2078,13 @@ static int qtype_info(int t, qtype_t *q) {
     case T_Q5_1: *q = (qtype_t){32, 24, 0, q5_1_ref, FAST512(q5_1_avx), 0, P16(q5_1)}; return 0;
     case T_Q8_0: *q = (qtype_t){32, 34, 0, q8_0_ref, FAST512(q8_0_avx), 0, P16(q8_0)}; return 0;
     case T_Q4_K: *q = (qtype_t){256, 144, 1, q4_k_ref, FAST512(q4_k_avx), RS_Q_AVX512, P16K(q4_k)}; return 0;
-    case T_Q5_K: *q = (qtype_t){256, 176, 1, q5_k_ref, FAST512(q5_k_avx), RS_Q_AVX512, P16K5(q5_k)}; return 0;
-    case T_Q6_K: *q = (qtype_t){256, 210, 1, q6_k_ref, FAST512(q6_k_avx), 0, P16K5(q6_k)}; return 0;
+    case T_Q5_K: *q = (qtype_t){256, 176, 1, q5_k_ref, FAST512(q5_k_avx), RS_Q_AVX512, P16K(q5_k)}; return 0;
+    case T_Q6_K: *q = (qtype_t){256, 210, 1, q6_k_ref, FAST512(q6_k_avx), 0, P16K6(q6_k)}; return 0;
 #undef FAST
 #undef FAST512
 #undef P16
 #undef P16K
-#undef P16K5
+#undef P16K6
     default: return 1;
     }
 }
@@ -2085,8 +2108,8 @@ int rs_quant_amx(void) {
 #endif
 }
 
-/* ---- the 16-row packed layout (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q4_K on AVX2 and AVX-512
- * builds; Q5_K and Q6_K on AVX-512) ---------------------------------------------------------------
+/* ---- the 16-row packed layout (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K on AVX2 and AVX-512
+ * builds; Q6_K on AVX-512) -----------------------------------------------------------------------
  * Rows in groups of 16 (the last padded with zero rows), each group's blocks back to back;
  * a group's block b is 16 * bytes-per-block bytes: first the values, QS / 4 vectors of 64
  * bytes where vector q holds at bytes 4c..4c+3 row c's quant bytes 4q..4q+3 (QS = 16 for the
