@@ -551,6 +551,26 @@ static void q6_k_ref(const uint8_t *w0, int64_t ws, int C, const uint8_t *xq, in
 /* an int32 read from any byte address (activation bytes as one broadcast operand) */
 typedef int32_t i32u __attribute__((may_alias, aligned(1)));
 
+/* ggml's get_scale_min_k4 on a vector of outputs at once (P, S: the intrinsics' width, _mm256
+ * and si256 or _mm512 and si512; T the vector type): from a packed or transposed Q4_K / Q5_K
+ * header h (h[1..3] lane c = output c's 12 scale bytes), bytes s of sc[s / 4] and mn[s / 4]
+ * are the six-bit scale and min of sub-block s, and mnp[k] holds mins 2k and 2k + 1 as an
+ * int16 pair; m6, m4, m2, mb are the masks 0x3F, 0x0F, 0x03 per byte and 0xFF per dword */
+#define K4_SCALES_MINS(P, S, T, h, sc, mn, mnp)                                               \
+    do {                                                                                     \
+        sc[0] = P##_and_##S(h[1], m6);                                                       \
+        sc[1] = P##_or_##S(P##_and_##S(h[3], m4),                                            \
+                           P##_slli_epi32(P##_and_##S(P##_srli_epi32(h[1], 6), m2), 4));     \
+        mn[0] = P##_and_##S(h[2], m6);                                                       \
+        mn[1] = P##_or_##S(P##_and_##S(P##_srli_epi32(h[3], 4), m4),                         \
+                           P##_slli_epi32(P##_and_##S(P##_srli_epi32(h[2], 6), m2), 4));     \
+        for (int k_ = 0; k_ < 4; ++k_) {                                                     \
+            const T v_ = P##_srli_epi32(mn[k_ / 2], 16 * (k_ % 2));                          \
+            mnp[k_] = P##_or_##S(P##_and_##S(v_, mb),                                        \
+                                 P##_slli_epi32(P##_and_##S(P##_srli_epi32(v_, 8), mb), 16)); \
+        }                                                                                    \
+    } while (0)
+
 /* ---- AVX2 tiles: R activation rows share each weight block's decode ------------------- */
 #if RS_Q_AVX2
 /* bytes ahead of the weight block in use that each row's stream asks the cache for: a decode
@@ -856,21 +876,8 @@ AI void qk45_p16_avx2(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, in
             for (int m = 1; m < 4; ++m) hd[m] = _mm256_loadu_si256((const __m256i *)(pk + PK4_SCALES + 64 * (m - 1) + 32 * h));
             const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pk + pkd + 16 * h)));
             const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pk + pkd + 32 + 16 * h)));
-            /* ggml's get_scale_min_k4 on 8 outputs at once: bytes s of sc[s / 4], mn[s / 4] */
-            const __m256i sc[2] = {
-                _mm256_and_si256(hd[1], m6),
-                _mm256_or_si256(_mm256_and_si256(hd[3], m4),
-                                _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hd[1], 6), m2), 4))};
-            const __m256i mn[2] = {
-                _mm256_and_si256(hd[2], m6),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(hd[3], 4), m4),
-                                _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hd[2], 6), m2), 4))};
-            __m256i mnp[4], sc2[8];
-            for (int k = 0; k < 4; ++k) { /* int16 pairs [mn 2k, mn 2k + 1] */
-                const __m256i v = _mm256_srli_epi32(mn[k / 2], 16 * (k % 2));
-                mnp[k] = _mm256_or_si256(_mm256_and_si256(v, mb),
-                                         _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(v, 8), mb), 16));
-            }
+            __m256i sc[2], mn[2], mnp[4], sc2[8];
+            K4_SCALES_MINS(_mm256, si256, __m256i, hd, sc, mn, mnp);
             for (int s = 0; s < 8; ++s) /* sub-block s's scale as an int16 pair */
                 sc2[s] = pair16_avx2(_mm256_and_si256(_mm256_srli_epi32(sc[s / 4], 8 * (s % 4)), mb));
             for (int r = 0; r < R; ++r) is[r] = _mm256_setzero_si256();
@@ -1817,23 +1824,10 @@ AI void qk45_t16_avx512(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, 
                 dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h[0]));
                 mw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(h[0], 16)));
             }
-            /* ggml's get_scale_min_k4 on 16 outputs at once: bytes s of sc[s / 4], mn[s / 4] */
-            const __m512i sc[2] = {
-                _mm512_and_si512(h[1], m6),
-                _mm512_or_si512(_mm512_and_si512(h[3], m4),
-                                _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h[1], 6), m2), 4))};
-            const __m512i mn[2] = {
-                _mm512_and_si512(h[2], m6),
-                _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(h[3], 4), m4),
-                                _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h[2], 6), m2), 4))};
-            __m512i scs[8], mnp[4];
+            __m512i sc[2], mn[2], mnp[4], scs[8];
+            K4_SCALES_MINS(_mm512, si512, __m512i, h, sc, mn, mnp);
             for (int s = 0; s < 8; ++s)
                 scs[s] = _mm512_and_si512(_mm512_srli_epi32(sc[s / 4], 8 * (s % 4)), mb);
-            for (int k = 0; k < 4; ++k) { /* int16 pairs [mn 2k, mn 2k + 1] */
-                const __m512i v = _mm512_srli_epi32(mn[k / 2], 16 * (k % 2));
-                mnp[k] = _mm512_or_si512(_mm512_and_si512(v, mb),
-                                         _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(v, 8), mb), 16));
-            }
             if (packed && !dots) {
                 /* a sub-block pair at a time: its 8 qs dwords unpacked in registers into the
                  * low nibbles' sub-block 2 j and the high ones' 2 j + 1 (Q5_K: qh dword k, the
