@@ -970,8 +970,8 @@ AI void q32b_rows_avx2(const __m256i *T, __m256 dw, __m256 mw, const uint8_t *xq
          * vectors outer and the rows inner, each row's sum in a register, keep |w| and w in
          * two registers where holding all eight pairs spilled (held to AVX2 on the Zen 5
          * kind, [8960, 1536] 4 / 16 / 64 rows: 812-822 / 2352-2408 / 9116-9184 us ->
-         * 746-763 / 2089-2165 / 7914-7921; one row stays below, 541-545 -> 630-691 us
-         * this way) */
+         * 746-763 / 2089-2165 / 7914-7921; one row keeps the loop below, 541-545 us
+         * against 630-691 this way) */
         __m256i dot[TILE_MK];
         for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
         for (int q = 0; q < 8; ++q) {
