@@ -65,7 +65,7 @@ class QuantizedLinear:
         quant: the loaded quantized kernels.
         n, k: output and input features.
         segments: covering ``[0, n)`` in order, without overlap. Block segments of a type
-            the build runs packed (``QuantKernels.has_pack16``: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
+            the build runs packed (``QuantKernels.has_pack16``: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
             Q4_K and Q5_K on AVX2 and AVX-512 builds, Q6_K on AVX-512) are replaced by their
             packed copy; the same outputs, bit for bit.
         bias: [n] in the activation dtype, or None.
