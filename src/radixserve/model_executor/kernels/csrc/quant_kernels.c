@@ -745,9 +745,25 @@ AI void qk45_cols_avx2(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, i
     }
 }
 
+/* vpshufb selectors of 32-value group g (mod 4) of a half: int16 scale 2g into every lane of
+ * the low 128 bits, 2g + 1 into the high ones */
+static const uint8_t k6_sel[4][32] __attribute__((aligned(32))) = {
+#define SEL6(a, b) {2*a, 2*a+1, 2*a, 2*a+1, 2*a, 2*a+1, 2*a, 2*a+1, 2*a, 2*a+1, 2*a, 2*a+1, \
+                    2*a, 2*a+1, 2*a, 2*a+1, 2*b, 2*b+1, 2*b, 2*b+1, 2*b, 2*b+1, 2*b, 2*b+1, \
+                    2*b, 2*b+1, 2*b, 2*b+1, 2*b, 2*b+1, 2*b, 2*b+1}
+    SEL6(0, 1), SEL6(2, 3), SEL6(4, 5), SEL6(6, 7)
+#undef SEL6
+};
+
 /* Q6_K, C weight rows x R activation rows: each 32-value group decoded once (low nibble | two
- * high bits << 4), its two 16-value scales widened from one byte shuffle; the -32 offset
- * subtracted from the lanes in integers */
+ * high bits << 4), its two 16-value scales taken with one in-lane byte shuffle from the 16
+ * scales widened once per super-block (a shuffle and a widening per group had cost one
+ * shuffle-port uop more per group and output; held to AVX2 on the Intel avx512_bf16 VM,
+ * `benchmarks/quant_kernel_variants_ab.py --march haswell`, best us, two runs in one process
+ * each, the builds in both orders: [3584, 18944] at 1 / 16 / 64 rows 2004, 1634 / 12793,
+ * 11907 / 49744, 48970 -> 1881, 1435 / 11387, 11175 / 42197, 41159; [8960, 1536] at 16 / 64
+ * rows 2517, 3789 / 10028, 13672 -> 2223, 3412 / 9458, 12093); the -32 offset subtracted
+ * from the lanes in integers */
 AI void q6k_cols_avx2(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
                       int64_t nb, float *y, const int R) {
     const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
@@ -762,6 +778,10 @@ AI void q6k_cols_avx2(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, in
                 for (int o = 0; o < 210; o += 64) _mm_prefetch((const char *)(blk + kpf + o), Q6COL_HINT);
                 memcpy(&t.dh[c], blk + 208, 2);
                 const __m128i sc8 = _mm_loadu_si128((const __m128i *)(blk + 192));
+                const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
+                /* [sc0 .. sc7 | sc0 .. sc7] and [sc8 .. sc15 | sc8 .. sc15] as int16 */
+                const __m256i scl = _mm256_permute2x128_si256(sc16, sc16, 0x00);
+                const __m256i sch = _mm256_permute2x128_si256(sc16, sc16, 0x11);
                 __m256i isum[TILE_M];
                 for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
                 for (int h = 0; h < 2; ++h) {
@@ -776,9 +796,8 @@ AI void q6k_cols_avx2(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, in
                                          : cc == 2 ? hh : _mm256_srli_epi16(hh, 2);
                         const __m256i wv = _mm256_or_si256(lo, _mm256_and_si256(hs, m30));
                         const int g = 4 * h + cc;
-                        const __m256i sv = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(
-                            sc8, _mm_set_epi64x(0x0101010101010101ll * (2 * g + 1),
-                                                0x0101010101010101ll * (2 * g))));
+                        const __m256i sv = _mm256_shuffle_epi8(
+                            g < 4 ? scl : sch, _mm256_load_si256((const __m256i *)k6_sel[g % 4]));
                         for (int r = 0; r < R; ++r) {
                             const int8_t *xr = ((const xqk_t *)(xq + r * xs) + b)->q + 32 * g;
                             isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(
@@ -786,7 +805,6 @@ AI void q6k_cols_avx2(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, in
                         }
                     }
                 }
-                const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
                 for (int r = 0; r < R; ++r) {
                     const xqk_t *x = (const xqk_t *)(xq + r * xs) + b;
                     const __m256i off = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)x->bs16));
