@@ -474,15 +474,16 @@ def test_quantized_linear_holds_packable_segments_packed(qk):
 @pytest.mark.parametrize("t", [int(QT.Q4_K), int(QT.Q5_K), int(QT.Q6_K)],
                          ids=["Q4_K", "Q5_K", "Q6_K"])
 def test_k_quants_are_held_packed_at_long_rows(qk, t):
-    """Q4_K, Q5_K and Q6_K are held packed where the build has their packed tile (AVX-512), long
-    rows included (a 7B model's down projection has 18,944 inputs), with the rows' bits."""
+    """Q4_K, Q5_K and Q6_K are held packed where the build has their packed tile (AVX-512: all
+    three; AVX2: ``PACKABLE_AVX2``), long rows included (a 7B model's down projection has
+    18,944 inputs), with the rows' bits."""
     from radixserve.model_executor.layers.quantized import QuantizedLinear, Segment
 
     k = 4608
     w = make_weight(t, 20, k, seed=k)
     lin = QuantizedLinear(qk, 20, k, [Segment(0, 20, t, torch.from_numpy(w))])
     assert lin.segments[0].layout == (PACK16 if qk.has_pack16(t) else 0)
-    assert qk.has_pack16(t) == (qk.isa == "avx512")
+    assert qk.has_pack16(t) == (qk.isa == "avx512" or (qk.isa == "avx2" and t in PACKABLE_AVX2))
     x = torch.randn(9, k, generator=torch.Generator().manual_seed(5))
     for m in (1, 9):
         assert torch.equal(lin(x[:m]), run(qk, t, w, x[:m]))
