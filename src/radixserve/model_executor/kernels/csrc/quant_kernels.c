@@ -832,7 +832,16 @@ AI void q6k_cols_avx2(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, in
  * 504 / 1270 / 4342 (before the L2 prefetch below); Q5_K rows 567-731 / 769-775 / 2397-2455 /
  * 10268-10722, packed 561-578 / 760-761 / 1859-1871 / 6483-6513. A Q6_K tile of this form
  * measured 1.2-1.4x slower than its column tile at one row (632-706 against 512-530 us), the
- * decode steps where Q6_K holds a Q4_K_M file's LM head, so Q6_K stays rows on AVX2. */
+ * decode steps where Q6_K holds a Q4_K_M file's LM head, so Q6_K stays rows on AVX2. Written
+ * again on the Intel avx512_bf16 VM held to AVX2 (two dwords of a 16-value sub-block summed in
+ * int16, one vpmaddwd with the scale in both halves, both halves of a group per super-block,
+ * its prefetches spread over the super-block, two groups per pass), in one process against
+ * the column tile, best us: [3584, 18944] at 1 / 4 / 16 / 64 rows 2042 / 4047 / 10206 /
+ * 40336 rows, 3341 / 4971 / 7874 / 27930 packed; [1536, 8960] 359 / 638 / 2087 / 8245 rows,
+ * 444 / 641 / 1623 / 5683 packed. So 1.3-1.45x at 16-64 rows and 1.2-1.6x slower at one.
+ * At one row the packed tile waits on the weights (in one run 1 and 4 rows took the same
+ * time; four groups per pass, i.e. four streams per thread, or prefetching farther gained
+ * under 10%), while the column tile, which reads 8 rows' streams at once, read them faster. */
 
 /* the int32 lanes' low 16 bits in both halves: the scale as vpmaddwd's int16 pair */
 AI __m256i pair16_avx2(__m256i v) {
