@@ -13,16 +13,37 @@ What it cannot emulate: the AVX2 machines' cores (Zen 5 runs 256-bit code at ful
 caches and memory bandwidth. Figures taken this way say "AVX-512 VM held to AVX2".
 """
 
+import importlib.abc
+import importlib.machinery
 import os
+import sys
+
+
+class _HoldTorchToAvx2(importlib.abc.MetaPathFinder):
+    """Patches ``torch.cpu`` as torch imports it, rather than importing torch into every
+    process: a process that never imports torch must not get it from here (a test checks that
+    loading a tokenizer does not import torch)."""
+
+    def find_spec(self, name, path, target=None):  # noqa: ANN001, ANN201 - importlib's protocol
+        if name != "torch.cpu":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module):  # noqa: ANN001, ANN202
+            run(module)
+            module._is_avx512_supported = lambda: False
+            module._is_avx512_bf16_supported = lambda: False
+            # Inductor's vector ISA follows ATEN_CPU_CAPABILITY (run.sh: avx2) among the ISAs
+            # these report; importing its config here would import triton before a test could
+            # set TRITON_INTERPRET
+
+        spec.loader.exec_module = exec_module
+        return spec
+
 
 if os.environ.get("EMULATE_AVX2"):
-    try:
-        import torch
-
-        torch.cpu._is_avx512_supported = lambda: False
-        torch.cpu._is_avx512_bf16_supported = lambda: False
-        # Inductor's vector ISA follows ATEN_CPU_CAPABILITY (run.sh: avx2) among the ISAs
-        # these report; importing its config here would import triton before a test could
-        # set TRITON_INTERPRET
-    except ImportError:
-        pass
+    sys.meta_path.insert(0, _HoldTorchToAvx2())
