@@ -889,71 +889,90 @@ static const uint8_t k5_bit4[4][32] __attribute__((aligned(32))) = {
     {B4N(0), B4N(0)}, {B4N(1), B4N(1)}, {B4N(2), B4N(2)}, {B4N(3), B4N(3)}};
 #undef B4N
 
+/* one super-block (packed at pk) of half h of a 16-row group against R activation rows:
+ * Q4_K (hbit = 0) or Q5_K (hbit = 1), into the half's 8 outputs' acc and accm */
+AI void qk45_p16_half_avx2(const uint8_t *pk, const int h, const uint8_t *xq, int64_t xs, int64_t b,
+                           int R, float (*acc)[8], float (*accm)[8], const int hbit) {
+    const int64_t pkd = hbit ? PK5_D : PK4_D;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m6 = _mm256_set1_epi8(0x3F);
+    const __m256i m2 = _mm256_set1_epi8(0x03), mb = _mm256_set1_epi32(0xFF);
+    __m256i is[KT16_ROWS];
+    __m256i hd[4];
+    for (int m = 1; m < 4; ++m) hd[m] = _mm256_loadu_si256((const __m256i *)(pk + PK4_SCALES + 64 * (m - 1) + 32 * h));
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pk + pkd + 16 * h)));
+    const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pk + pkd + 32 + 16 * h)));
+    __m256i sc[2], mn[2], mnp[4], sc2[8];
+    K4_SCALES_MINS(_mm256, si256, __m256i, hd, sc, mn, mnp);
+    for (int s = 0; s < 8; ++s) /* sub-block s's scale as an int16 pair */
+        sc2[s] = pair16_avx2(_mm256_and_si256(_mm256_srli_epi32(sc[s / 4], 8 * (s % 4)), mb));
+    for (int r = 0; r < R; ++r) is[r] = _mm256_setzero_si256();
+    /* Q5_K: each qh vector's nibbles, the indices of the fifth-bit lookups below */
+    uint8_t qidx[2][8][32] __attribute__((aligned(32)));
+    if (hbit)
+        for (int k = 0; k < 8; ++k) {
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(pk + PK5_QH + 64 * k + 32 * h));
+            _mm256_store_si256((__m256i *)qidx[0][k], _mm256_and_si256(qh, m4));
+            _mm256_store_si256((__m256i *)qidx[1][k], _mm256_and_si256(_mm256_srli_epi16(qh, 4), m4));
+        }
+    /* sub-block s = 2 j + e: the low (e = 0) or high nibbles of qs dwords 8 j .. 8 j + 7,
+     * against activation bytes 32 s .. 32 s + 31 (a loop over s measured faster than
+     * one over the pairs, and than the block unrolled) */
+    for (int s = 0; s < 8; ++s) {
+        const int j = s / 2;
+        __m256i v[8];
+        const __m256i lut = _mm256_load_si256((const __m256i *)k5_bit4[s % 4]);
+        for (int k = 0; k < 8; ++k) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(pk + 64 * (8 * j + k) + 32 * h));
+            v[k] = _mm256_and_si256(s % 2 ? _mm256_srli_epi16(q, 4) : q, m4);
+            if (hbit) /* bit s of each qh byte to bit 4: one byte lookup on its nibble */
+                v[k] = _mm256_or_si256(v[k], _mm256_shuffle_epi8(lut, _mm256_load_si256((const __m256i *)qidx[s / 4][k])));
+        }
+        kp16_isums_avx2(v, hbit ? 4 : 8, sc2[s], 32 * s, xq, xs, b, R, is);
+    }
+    for (int r = 0; r < R; ++r) {
+        const xqk_t *x = (const xqk_t *)(xq + r * xs) + b;
+        const i32u *bp = (const i32u *)x->bs32;
+        __m256i ms = _mm256_madd_epi16(mnp[0], _mm256_set1_epi32(bp[0]));
+        for (int k = 1; k < 4; ++k) ms = _mm256_add_epi32(ms, _mm256_madd_epi16(mnp[k], _mm256_set1_epi32(bp[k])));
+        kp16_fma_avx2(acc[r], dw, x->d, is[r]);
+        kp16_fma_avx2(accm[r], mw, x->d, ms);
+    }
+}
+
 /* Q4_K (hbit = 0) and Q5_K (hbit = 1) packed, C weight rows x R activation rows (R up to
- * KT16_ROWS), 8 outputs at a time */
+ * KT16_ROWS). Both halves of a group take each super-block in turn: the second half reads
+ * the lines the first has just brought into L1. Each half had walked the whole group, the
+ * second from L2 after the first waited on the memory, so the halves' work never overlapped
+ * the stream (held to AVX2 on the Zen 5 kind, `quant_kernel_variants_ab.py --march haswell
+ * --packed`, best us at 1 / 4 / 16 rows, the builds alternated in one process: Q4_K [3584,
+ * 18944] 1481 / 1937 / 4916 -> 1152 / 1532 / 4835, [8960, 1536] 271 / 364 / 1031 -> 209 /
+ * 331 / 1009; Q5_K [3584, 18944] 2056 / 2479 / 5734 -> 1746 / 2009 / 5537). The bits are
+ * the same: every output's sums run in the same order. */
 AI void qk45_p16_avx2(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
                       int64_t nb, int R, float *y, const int hbit) {
-    const int64_t pkb = 16 * (int64_t)(hbit ? 176 : 144), pkd = hbit ? PK5_D : PK4_D;
+    const int64_t pkb = 16 * (int64_t)(hbit ? 176 : 144);
     /* Q4_K asks two super-blocks ahead, Q5_K four (held to AVX2, [8960, 1536] at one row,
      * with the qh lookup below: 406-417 -> 372-387 us; Q4_K four ahead: 277-297 -> 269-287,
      * 383 -> 398-407 at four rows) */
     const int64_t ahead = (hbit ? 4 : 2) * pkb;
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m6 = _mm256_set1_epi8(0x3F);
-    const __m256i m2 = _mm256_set1_epi8(0x03), mb = _mm256_set1_epi32(0xFF);
-    __m256i is[KT16_ROWS];
-    float acc[KT16_ROWS][8], accm[KT16_ROWS][8];
-    for (int c0 = 0; c0 < C; c0 += 8) {
-        const int nc = C - c0 < 8 ? C - c0 : 8, h = (c0 / 8) % 2;
-        const uint8_t *g = w + (c0 - 8 * h) * ws; /* the 16-row group's packed blocks */
-        memset(acc, 0, (size_t)R * sizeof acc[0]);
-        memset(accm, 0, (size_t)R * sizeof accm[0]);
+    float acc[2][KT16_ROWS][8], accm[2][KT16_ROWS][8];
+    for (int g0 = 0; g0 < C; g0 += 16) {
+        const int nh = C - g0 > 8 ? 2 : 1;
+        const uint8_t *g = w + g0 * ws; /* the 16-row group's packed blocks */
+        for (int h = 0; h < nh; ++h) {
+            memset(acc[h], 0, (size_t)R * sizeof acc[0][0]);
+            memset(accm[h], 0, (size_t)R * sizeof accm[0][0]);
+        }
         for (int64_t b = 0; b < nb; ++b) {
             const uint8_t *pk = g + b * pkb;
-            if (h == 0) /* the group's first half asks for the lines both halves read */
-                for (int64_t l = 0; l < pkb; l += 64) _mm_prefetch((const char *)(pk + ahead + l), K4P_HINT);
-            __m256i hd[4];
-            for (int m = 1; m < 4; ++m) hd[m] = _mm256_loadu_si256((const __m256i *)(pk + PK4_SCALES + 64 * (m - 1) + 32 * h));
-            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pk + pkd + 16 * h)));
-            const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pk + pkd + 32 + 16 * h)));
-            __m256i sc[2], mn[2], mnp[4], sc2[8];
-            K4_SCALES_MINS(_mm256, si256, __m256i, hd, sc, mn, mnp);
-            for (int s = 0; s < 8; ++s) /* sub-block s's scale as an int16 pair */
-                sc2[s] = pair16_avx2(_mm256_and_si256(_mm256_srli_epi32(sc[s / 4], 8 * (s % 4)), mb));
-            for (int r = 0; r < R; ++r) is[r] = _mm256_setzero_si256();
-            /* Q5_K: each qh vector's nibbles, the indices of the fifth-bit lookups below */
-            uint8_t qidx[2][8][32] __attribute__((aligned(32)));
-            if (hbit)
-                for (int k = 0; k < 8; ++k) {
-                    const __m256i qh = _mm256_loadu_si256((const __m256i *)(pk + PK5_QH + 64 * k + 32 * h));
-                    _mm256_store_si256((__m256i *)qidx[0][k], _mm256_and_si256(qh, m4));
-                    _mm256_store_si256((__m256i *)qidx[1][k], _mm256_and_si256(_mm256_srli_epi16(qh, 4), m4));
-                }
-            /* sub-block s = 2 j + e: the low (e = 0) or high nibbles of qs dwords 8 j .. 8 j + 7,
-             * against activation bytes 32 s .. 32 s + 31 (a loop over s measured faster than
-             * one over the pairs, and than the block unrolled) */
-            for (int s = 0; s < 8; ++s) {
-                const int j = s / 2;
-                __m256i v[8];
-                const __m256i lut = _mm256_load_si256((const __m256i *)k5_bit4[s % 4]);
-                for (int k = 0; k < 8; ++k) {
-                    const __m256i q = _mm256_loadu_si256((const __m256i *)(pk + 64 * (8 * j + k) + 32 * h));
-                    v[k] = _mm256_and_si256(s % 2 ? _mm256_srli_epi16(q, 4) : q, m4);
-                    if (hbit) /* bit s of each qh byte to bit 4: one byte lookup on its nibble */
-                        v[k] = _mm256_or_si256(v[k], _mm256_shuffle_epi8(lut, _mm256_load_si256((const __m256i *)qidx[s / 4][k])));
-                }
-                kp16_isums_avx2(v, hbit ? 4 : 8, sc2[s], 32 * s, xq, xs, b, R, is);
-            }
-            for (int r = 0; r < R; ++r) {
-                const xqk_t *x = (const xqk_t *)(xq + r * xs) + b;
-                const i32u *bp = (const i32u *)x->bs32;
-                __m256i ms = _mm256_madd_epi16(mnp[0], _mm256_set1_epi32(bp[0]));
-                for (int k = 1; k < 4; ++k) ms = _mm256_add_epi32(ms, _mm256_madd_epi16(mnp[k], _mm256_set1_epi32(bp[k])));
-                kp16_fma_avx2(acc[r], dw, x->d, is[r]);
-                kp16_fma_avx2(accm[r], mw, x->d, ms);
-            }
+            for (int64_t l = 0; l < pkb; l += 64) _mm_prefetch((const char *)(pk + ahead + l), K4P_HINT);
+            for (int h = 0; h < nh; ++h) qk45_p16_half_avx2(pk, h, xq, xs, b, R, acc[h], accm[h], hbit);
         }
-        for (int r = 0; r < R; ++r)
-            for (int c = 0; c < nc; ++c) y[(c0 + c) * R + r] = acc[r][c] - accm[r][c];
+        for (int h = 0; h < nh; ++h) {
+            const int c0 = g0 + 8 * h, nc = C - c0 < 8 ? C - c0 : 8;
+            for (int r = 0; r < R; ++r)
+                for (int c = 0; c < nc; ++c) y[(c0 + c) * R + r] = acc[h][r][c] - accm[h][r][c];
+        }
     }
 }
 
@@ -1142,45 +1161,57 @@ AI void q32b_cols_avx2(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, i
     }
 }
 
-/* q32b_cols_avx2 on rs_quant_pack16's layout: a 16-row group is two 8-output halves, half h
- * at bytes 32h..32h+31 of each 64-byte value vector and at scales 8h..8h+7 (Q8_0's values
- * stored + 128 are flipped back to signed) */
+/* q32b_cols_avx2's block on rs_quant_pack16's layout: a 16-row group is two 8-output halves,
+ * half h at bytes 32h..32h+31 of each 64-byte value vector and at scales 8h..8h+7 (Q8_0's
+ * values stored + 128 are flipped back to signed) */
+AI void q32p_block_avx2(const uint8_t *p, const int h, const int qsb, const uint8_t *xq, int64_t xs,
+                       int64_t b, float (*acc)[8], float (*accm)[8], const int R, const int type) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8((char)0x80);
+    __m256i T[8];
+    if (type == 1) {
+        for (int q = 0; q < 8; ++q)
+            T[q] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p + 64 * q + 32 * h)), flip);
+    } else {
+        for (int j = 0; j < 4; ++j) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(p + 64 * j + 32 * h));
+            T[j] = _mm256_and_si256(raw, m4);
+            T[j + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+        }
+        if (type >= 3) {
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 256 + 32 * h));
+            for (int q = 0; q < 8; ++q) T[q] = _mm256_or_si256(T[q], q5p_bits_avx2(qh, q));
+        }
+    }
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + qsb + 16 * h)));
+    const __m256 mw = Q32_MIN(type) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + qsb + 32 + 16 * h)))
+                                    : dw;
+    q32b_rows_avx2(T, dw, mw, xq, xs, b, acc, accm, R, type);
+}
+
+/* a group's two halves per block, as the packed Q4_K tile takes them (held to AVX2 on the
+ * Zen 5 kind, best us at 1 / 4 / 16 rows, each half walking the whole group -> both per
+ * block: [8960, 1536] Q4_0 417 / 531 / 1769 -> 262 / 470 / 1741, Q4_1 350 / 619 / 1939 ->
+ * 298 / 543 / 1967, Q8_0 566 / 924 / 2106 -> 470 / 784 / 1985; [1536, 8960] Q4_1 316 / 589 /
+ * 1903 -> 258 / 533 / 1902) */
 AI void q32p_cols_avx2(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, int64_t xs,
                        int64_t nb, float *y, const int R, const int type) {
     const int64_t gb = 16 * (int64_t)Q32_BYTES(type);
     const int qsb = P16_QSB(type);
-    const __m256i m4 = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8((char)0x80);
-    float acc[TILE_MK][8], accm[TILE_MK][8];
-    for (int c0 = 0; c0 < C; c0 += 8) {
-        const int nc = C - c0 < 8 ? C - c0 : 8, h = (c0 / 8) % 2;
-        const uint8_t *g = w + (c0 - 8 * h) * ws; /* the 16-row group's packed blocks */
+    float acc[2][TILE_MK][8], accm[2][TILE_MK][8];
+    for (int g0 = 0; g0 < C; g0 += 16) {
+        const int nh = C - g0 > 8 ? 2 : 1;
+        const uint8_t *g = w + g0 * ws;
         memset(acc, 0, sizeof acc);
         memset(accm, 0, sizeof accm);
         for (int64_t b = 0; b < nb; ++b) {
             const uint8_t *p = g + b * gb;
-            if (h == 0) /* the group's first half asks for the lines both halves read */
-                for (int64_t l = 0; l < gb; l += 64) _mm_prefetch((const char *)(p + QPF + l), _MM_HINT_T0);
-            __m256i T[8];
-            if (type == 1) {
-                for (int q = 0; q < 8; ++q)
-                    T[q] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p + 64 * q + 32 * h)), flip);
-            } else {
-                for (int j = 0; j < 4; ++j) {
-                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(p + 64 * j + 32 * h));
-                    T[j] = _mm256_and_si256(raw, m4);
-                    T[j + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
-                }
-                if (type >= 3) {
-                    const __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 256 + 32 * h));
-                    for (int q = 0; q < 8; ++q) T[q] = _mm256_or_si256(T[q], q5p_bits_avx2(qh, q));
-                }
-            }
-            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + qsb + 16 * h)));
-            const __m256 mw = Q32_MIN(type) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + qsb + 32 + 16 * h)))
-                                        : dw;
-            q32b_rows_avx2(T, dw, mw, xq, xs, b, acc, accm, R, type);
+            for (int64_t l = 0; l < gb; l += 64) _mm_prefetch((const char *)(p + QPF + l), _MM_HINT_T0);
+            for (int h = 0; h < nh; ++h) q32p_block_avx2(p, h, qsb, xq, xs, b, acc[h], accm[h], R, type);
         }
-        q32b_store_avx2(acc, accm, y, c0, nc, R, type);
+        for (int h = 0; h < nh; ++h) {
+            const int c0 = g0 + 8 * h, nc = C - c0 < 8 ? C - c0 : 8;
+            q32b_store_avx2(acc[h], accm[h], y, c0, nc, R, type);
+        }
     }
 }
 
