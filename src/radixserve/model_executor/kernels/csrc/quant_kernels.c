@@ -1201,8 +1201,10 @@ AI void q32p_cols_avx2(const uint8_t *w, int64_t ws, int C, const uint8_t *xq, i
     for (int g0 = 0; g0 < C; g0 += 16) {
         const int nh = C - g0 > 8 ? 2 : 1;
         const uint8_t *g = w + g0 * ws;
-        memset(acc, 0, sizeof acc);
-        memset(accm, 0, sizeof accm);
+        for (int h = 0; h < nh; ++h) { /* the R rows in use, as the packed Q4_K tile does */
+            memset(acc[h], 0, (size_t)R * sizeof acc[0][0]);
+            memset(accm[h], 0, (size_t)R * sizeof accm[0][0]);
+        }
         for (int64_t b = 0; b < nb; ++b) {
             const uint8_t *p = g + b * gb;
             for (int64_t l = 0; l < gb; l += 64) _mm_prefetch((const char *)(p + QPF + l), _MM_HINT_T0);
